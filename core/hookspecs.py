@@ -1,0 +1,99 @@
+"""Every plugserve hook, grouped by the phase of the request path it serves.
+
+Slot hooks only discover: each receives `register(name, cls)` and calls it once per
+implementation it provides. The core builds the objects that stack.yaml selects and the
+hot path calls them directly. A plugin module implements any subset of these with
+`@plugserve.hookimpl`; it is found through the `plugserve` entry-point group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("plugserve")
+
+Register = Callable[[str, type], None]
+
+
+# --------------------------------------------------------------- API-server process
+
+
+@hookspec
+def register_renderers(register: Register) -> None:
+    """Register Renderer classes (interfaces.Renderer): conversation → prompt token ids.
+
+    Called once per process when the plugin registry is first used. `register(name, cls)`;
+    stack.yaml selects one with `stack.renderer`.
+    """
+
+
+@hookspec
+def register_detokenizers(register: Register) -> None:
+    """Register Detokenizer classes (interfaces.Detokenizer), built once per request to
+    turn new token ids into new text and check stop strings. Selected by
+    `stack.detokenizer`."""
+
+
+# --------------------------------------------------------------- between the processes
+
+
+@hookspec
+def register_transports(register: Register) -> None:
+    """Register Transport classes (interfaces.Transport) that carry encoded frames between
+    the API-server and engine-core processes. Selected by `stack.transport`."""
+
+
+# --------------------------------------------------------------- engine-core process
+
+
+@hookspec
+def register_scheduler_policies(register: Register) -> None:
+    """Register SchedulingPolicy classes (interfaces.SchedulingPolicy): the order of the
+    waiting queue and the choice of preemption victim. Selected by `stack.scheduler`."""
+
+
+@hookspec
+def register_kv_allocators(register: Register) -> None:
+    """Register KVAllocator classes (interfaces.KVAllocator): block pool, block tables and
+    prefix cache. Selected by `stack.kv_allocator`."""
+
+
+@hookspec
+def register_executors(register: Register) -> None:
+    """Register Executor classes (interfaces.Executor) that run the model for the engine:
+    in-process or across worker processes. Selected by `stack.executor`."""
+
+
+# --------------------------------------------------------------- worker
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register AttentionBackend classes (interfaces.AttentionBackend): KV cache layout and
+    paged varlen attention kernels. Selected by `stack.attention`."""
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model classes (interfaces.CausalLM) under the Hugging Face architecture
+    names they implement, e.g. `register("LlamaForCausalLM", LlamaForCausalLM)`. The
+    model's config.json `architectures` picks one."""
+
+
+# --------------------------------------------------------------- observers
+
+
+@hookspec
+def request_finished(request_id: str, finish_reason: str, num_prompt_tokens: int,
+                     num_output_tokens: int) -> None:
+    """Called in the engine-core process when a request finishes for any reason. For
+    metrics and logging plugins; must be cheap, it runs on the engine's loop."""
+
+
+@hookspec
+def engine_step_finished(stats: Any) -> None:
+    """Called in the engine-core process after every step with the step's StepStats
+    (scheduled tokens, running and waiting counts, KV usage, step and forward times)."""

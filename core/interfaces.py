@@ -1,0 +1,298 @@
+"""The contract of every swappable part: one typing.Protocol per slot.
+
+A plugin registers a class for a slot (see hookspecs.py); the core builds it with the
+keyword arguments documented on the Protocol's `__init__` plus, when the class declares
+an `Options` pydantic model, `options=` validated from its block under `plugins:` in
+stack.yaml. The hot path calls these objects directly, never through pluggy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from plugserve.config import StackConfig
+    from plugserve.engine.request import Request
+    from plugserve.engine.scheduler_output import SchedulerOutput
+    from plugserve.sampling_params import SamplingParams
+    from plugserve.worker.model_runner_output import ModelRunnerOutput
+
+
+# --------------------------------------------------------------------------- frontend
+
+
+@runtime_checkable
+class Renderer(Protocol):
+    """Conversation or text → prompt token ids (phase 1). Built once per process."""
+
+    tokenizer: Any  # a transformers tokenizer; detokenizers are given it
+    eos_token_id: int | None
+
+    def __init__(self, *, model_path: str) -> None: ...
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Apply the chat template and tokenize; raise ValueError for a malformed conversation."""
+        ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@runtime_checkable
+class Detokenizer(Protocol):
+    """Per-request, stateful: new token ids → new text (phase 11). Built once per request."""
+
+    output_text: str
+    stop_reason: str | None  # the stop string that matched, once one has
+
+    def __init__(
+        self, *, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None: ...
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Append ids; return the text they add. Checks stop strings on the new window only;
+        after a match `stop_reason` is set and the text is cut as the params ask."""
+        ...
+
+
+# --------------------------------------------------------------------------- transport
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves frames (lists of bytes-like objects) between the API server and the engine."""
+
+    def __init__(self, *, options: Any = None) -> None: ...
+
+    def addresses(self) -> dict[str, str]:
+        """Called by the launcher: fresh, opaque addresses both sides will be given."""
+        ...
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@runtime_checkable
+class SchedulingPolicy(Protocol):
+    """The waiting queue's order, and whom to preempt when KV blocks run out."""
+
+    def __init__(self) -> None: ...
+
+    def add(self, request: Request) -> None:
+        """A newly arrived request joins the waiting queue."""
+        ...
+
+    def prepend(self, request: Request) -> None:
+        """A preempted request rejoins; it should not lose its place to later arrivals."""
+        ...
+
+    def peek(self) -> Request:
+        """The next request to admit (the queue is not empty)."""
+        ...
+
+    def pop(self) -> Request: ...
+
+    def remove(self, requests: Iterable[Request]) -> None:
+        """Drop aborted requests, wherever they are in the queue."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def select_victim(self, running: Sequence[Request]) -> Request:
+        """Which running request to preempt (recompute) so that others can go on."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    num_blocks: int
+    num_free_blocks: int  # free, including cached blocks that no request holds
+    num_cached_blocks: int  # blocks findable by hash
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found in the cache
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@runtime_checkable
+class KVAllocator(Protocol):
+    """Owns which KV-cache blocks hold which request's tokens (phase 6)."""
+
+    block_size: int
+    num_blocks: int
+
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None: ...
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest prefix of the request's tokens already cached, in full blocks:
+        (block ids, number of tokens). Never the whole request: at least one token is left
+        to compute, so the model produces logits. Takes no references; updates hit stats."""
+        ...
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[int] | None:
+        """Room for `num_new_tokens` tokens after the request's computed ones (plus the
+        prefix-cache hit passed in, on its first allocation). Returns the block ids appended
+        to the request's table, or None, changing nothing, if the pool cannot give them.
+        Full blocks among the tokens being computed become findable by their hash."""
+        ...
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table."""
+        ...
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (cached ones stay findable until evicted)."""
+        ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def stats(self) -> KVCacheStats: ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; False if blocks are still held by requests."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """What the executor reports once the model is loaded and the KV cache allocated."""
+
+    num_blocks: int
+    block_size: int
+    dtype: str
+    max_model_len: int
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs the model for the engine core: in-process, or over worker processes."""
+
+    def __init__(self, *, config: StackConfig) -> None: ...
+
+    def initialize(self) -> KVCacheInfo:
+        """Load the model, size and allocate the KV cache."""
+        ...
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[ModelRunnerOutput | None] | ModelRunnerOutput | None:
+        """Phase 7: run the forward pass over the scheduled tokens and park the logits.
+        Returns None (or a Future of None with non_block) when there is something to
+        sample; a ModelRunnerOutput directly when there is not."""
+        ...
+
+    def sample_tokens(self, grammar_output: Any | None) -> ModelRunnerOutput:
+        """Phase 8: apply logits processors to the parked logits and sample."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- worker
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class AttentionBatch:
+    """One step's flat varlen batch, built on the host (numpy) by the model runner.
+
+    Requests are rows; tokens of row i are query_start_loc[i]:query_start_loc[i+1] in the
+    flat token axis. Prefill chunks and decodes of any lengths mix freely.
+    """
+
+    query_start_loc: np.ndarray  # int32 [num_reqs + 1]
+    seq_lens: np.ndarray  # int32 [num_reqs]: context length after this step's tokens
+    block_table: np.ndarray  # int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: np.ndarray  # int64 [num_tokens]: block_id * block_size + offset
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Paged KV cache layout and varlen attention; one instance serves every layer."""
+
+    def __init__(self, *, spec: AttentionSpec) -> None: ...
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers (K and V); sizes the pool."""
+        ...
+
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        """Called once per step before the forward pass: move metadata to the device and
+        plan kernels."""
+        ...
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim]: write k/v into the
+        cache at the step's slots, attend causally over each request's cached context, and
+        return [tokens, heads, head_dim]."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A model architecture registered through `register_models`."""
+
+    def __init__(self, *, hf_config: Any, attention: AttentionBackend) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat token ids and positions → final hidden states [tokens, hidden]."""
+        ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Weights under Hugging Face names."""
+        ...

@@ -1,0 +1,1 @@
+"""The plugins bundled with plugserve, registered through entry points like any other."""
