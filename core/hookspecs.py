@@ -87,8 +87,9 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
-def request_finished(request_id: str, finish_reason: str, num_prompt_tokens: int,
-                     num_output_tokens: int) -> None:
+def request_finished(
+    request_id: str, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int
+) -> None:
     """Called in the engine-core process when a request finishes for any reason. For
     metrics and logging plugins; must be cheap, it runs on the engine's loop."""
 

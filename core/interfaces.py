@@ -113,7 +113,9 @@ class SchedulingPolicy(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
     def select_victim(self, running: Sequence[Request]) -> Request:
-        """Which running request to preempt (recompute) so that others can go on."""
+        """Which running request to preempt (recompute) when KV blocks run out. `running`
+        holds the running requests not yet scheduled this step, in admission order, the
+        one that needs blocks among them; choosing that one makes it give way."""
         ...
 
 
@@ -131,7 +133,9 @@ class KVCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
 
 @runtime_checkable
@@ -141,7 +145,9 @@ class KVAllocator(Protocol):
     block_size: int
     num_blocks: int
 
-    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None: ...
+    def __init__(
+        self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool
+    ) -> None: ...
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest prefix of the request's tokens already cached, in full blocks:

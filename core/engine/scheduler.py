@@ -1,0 +1,257 @@
+"""The scheduler: a state machine stepped once per forward pass.
+
+`schedule()` opens the pass (phases 5 and 6: which requests advance by how many tokens,
+with their KV blocks allocated in the same decision); `update_from_output()` closes it
+(phase 9: fold the sampled tokens back, finish requests, build outputs).
+
+One token budget per step is shared by decodes and chunked prefills. Running requests
+are served first, in admission order; then waiting ones in the policy's order. When the
+allocator runs dry, the policy picks a running request to preempt by recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from plugserve.engine.request import Request, RequestStatus
+from plugserve.engine.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from plugserve.interfaces import KVAllocator, SchedulingPolicy
+from plugserve.messages import EngineCoreOutput, SchedulerStats
+from plugserve.worker.model_runner_output import ModelRunnerOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        policy: SchedulingPolicy,
+        kv_allocator: KVAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        on_finished: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.kv = kv_allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.on_finished = on_finished  # observers (metrics, logging) of finished requests
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        # Rows the model runner must drop at the next step.
+        self._finished_req_ids: set[str] = set()
+        self._preempted_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.policy.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (aborts); returns those that were live."""
+        finished = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        if not finished:
+            return []
+        waiting = [
+            r for r in finished if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        ]
+        if waiting:
+            self.policy.remove(waiting)
+        gone = {id(r) for r in finished}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for request in finished:
+            request.status = status
+            self._release(request)
+        return finished
+
+    def has_requests(self) -> bool:
+        return bool(self.requests) or bool(self._finished_req_ids)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    # ------------------------------------------------------------------ phase 5 + 6
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+
+        # Running requests first: decodes, and prefills still being chunked.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, index)
+            if new_blocks is None:  # the request itself gave way
+                continue
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+        preempted_now = bool(self._preempted_req_ids)
+
+        # Then waiting requests, unless this step already had to preempt.
+        while (
+            not preempted_now
+            and budget > 0
+            and len(self.policy) > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.policy.peek()
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, num_hit)
+            if new_blocks is None:
+                break  # head-of-line waits for blocks; admission order is the policy's
+            self.policy.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv.block_ids(request.request_id),
+                    num_computed_tokens=num_hit,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        finished, preempted = self._finished_req_ids, self._preempted_req_ids
+        self._finished_req_ids, self._preempted_req_ids = set(), set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, index: int) -> list[int] | None:
+        """Blocks for `request`, preempting running requests not yet scheduled this step
+        (the policy chooses) until they fit. None if `request` itself was preempted."""
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.policy.select_victim(self.running[index:])
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_req_ids.add(request.request_id)
+        self.policy.prepend(request)
+
+    # ------------------------------------------------------------------ phase 9
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.num_computed_tokens += num_tokens
+            new_token_ids: list[int] = []
+            error = runner_output.errors.get(req_id)
+            if error is not None:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = error
+            else:
+                sampled = runner_output.sampled_token_ids.get(req_id)
+                if not sampled:
+                    continue  # a prefill chunk that is not the last: nothing sampled yet
+                new_token_ids = self._append_until_stop(request, sampled)
+            any_finished |= request.is_finished
+            outputs.append(self._make_output(request, new_token_ids, runner_output))
+        if any_finished:
+            for request in [r for r in self.running if r.is_finished]:
+                self._release(request)
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        params = request.sampling_params
+        for i, token in enumerate(token_ids):
+            request.append_output_token_ids([token])
+            num_output = request.num_output_tokens
+            if num_output >= params.min_tokens and (
+                (token == request.eos_token_id and not params.ignore_eos)
+                or token in params.stop_token_ids
+            ):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None if token == request.eos_token_id else token
+            elif (params.max_tokens is not None and num_output >= params.max_tokens) or (
+                request.num_tokens >= self.max_model_len
+            ):
+                request.status = RequestStatus.FINISHED_LENGTH
+            if request.is_finished:
+                return token_ids[: i + 1]
+        return token_ids
+
+    @staticmethod
+    def _make_output(
+        request: Request, new_token_ids: list[int], runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput:
+        logprobs = runner_output.logprobs.get(request.request_id)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=request.error,
+        )
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._preempted_req_ids.discard(request.request_id)
+        self._finished_req_ids.add(request.request_id)
+        if self.on_finished is not None:
+            self.on_finished(request)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv.stats()
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.policy),
+            kv_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,205 @@
+"""The plugin manager: discovers plugins and resolves stack.yaml names to classes.
+
+Plugins are found through the `plugserve` entry-point group; the bundled ones in
+`plugserve_plugins` register exactly the same way, the core imports none of them. Each
+slot hook is called once per plugin with a `register(name, cls)` callback bound to that
+plugin's distribution, so that two distributions claiming one name fail naming both.
+
+Loading is lazy, idempotent and happens again in every spawned process.
+`PLUGSERVE_PLUGINS` (comma-separated entry-point names) keeps only those third-party
+plugins; `plugins.disable` in stack.yaml (or `disable=` here) blocks named ones, like
+pytest's `-p no:name`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from plugserve import hookspecs
+
+ENTRY_POINT_GROUP = "plugserve"
+
+# slot name (as in stack.yaml's `stack:` block) -> the hook that fills it
+SLOT_HOOKS: dict[str, str] = {
+    "renderer": "register_renderers",
+    "detokenizer": "register_detokenizers",
+    "transport": "register_transports",
+    "scheduler": "register_scheduler_policies",
+    "kv_allocator": "register_kv_allocators",
+    "executor": "register_executors",
+    "attention": "register_attention_backends",
+    "model": "register_models",
+}
+
+BUILTIN_DISTRIBUTION = "plugserve"
+
+
+class PluginError(ValueError):
+    """A plugin name that cannot be resolved, or two plugins claiming one name."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    slot: str
+    name: str
+    cls: type
+    distribution: str  # the installed distribution that registered it
+    plugin: str  # the entry-point (or module) name
+
+
+class PluginRegistry:
+    """A typed facade over pluggy's PluginManager; the only place that calls hooks."""
+
+    def __init__(self, disable: Iterable[str] = ()) -> None:
+        self._pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self._pm.add_hookspecs(hookspecs)
+        self._disable = set(disable)
+        self._slots: dict[str, dict[str, Implementation]] | None = None
+        self._dist_of_plugin: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- discovery
+
+    def load(self) -> None:
+        with self._lock:
+            if self._slots is not None:
+                return
+            self._register_builtins()
+            self._load_entry_points()
+            self._pm.check_pending()
+            self._slots = self._collect()
+
+    def register(self, plugin: ModuleType | object, name: str, distribution: str) -> None:
+        """Register a plugin object directly (tests, embedding applications). Must happen
+        before the first lookup."""
+        if self._slots is not None:
+            raise RuntimeError("plugins are already loaded; register before the first lookup")
+        self._pm.register(plugin, name=name)
+        self._dist_of_plugin[name] = distribution
+
+    def _register_builtins(self) -> None:
+        # The model architectures that ship inside the core itself.
+        from plugserve.worker import models
+
+        if not self._pm.is_registered(models):
+            self._pm.register(models, name="plugserve.models")
+            self._dist_of_plugin["plugserve.models"] = BUILTIN_DISTRIBUTION
+
+    def _load_entry_points(self) -> None:
+        allow = os.environ.get("PLUGSERVE_PLUGINS")
+        allowed = {n.strip() for n in allow.split(",") if n.strip()} if allow else None
+        entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        # Bundled plugins first, third-party after, so listings read in that order.
+        ordered = sorted(
+            entry_points,
+            key=lambda ep: (_distribution_name(ep) != BUILTIN_DISTRIBUTION, ep.name),
+        )
+        for ep in ordered:
+            dist = _distribution_name(ep)
+            if ep.name in self._disable or self._pm.has_plugin(ep.name):
+                continue
+            if allowed is not None and dist != BUILTIN_DISTRIBUTION and ep.name not in allowed:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken third-party plugin must say who it is
+                raise PluginError(
+                    f"plugin {ep.name!r} from distribution {dist!r} failed to import: {exc}"
+                ) from exc
+            self._pm.register(plugin, name=ep.name)
+            self._dist_of_plugin[ep.name] = dist
+
+    def _collect(self) -> dict[str, dict[str, Implementation]]:
+        slots: dict[str, dict[str, Implementation]] = {slot: {} for slot in SLOT_HOOKS}
+        for slot, hook_name in SLOT_HOOKS.items():
+            caller = getattr(self._pm.hook, hook_name)
+            # pluggy lists hookimpls last-registered first; register in load order.
+            for impl in reversed(caller.get_hookimpls()):
+                dist = self._dist_of_plugin.get(impl.plugin_name, "<unknown>")
+                registry = slots[slot]
+
+                def register(
+                    name: str,
+                    cls: type,
+                    *,
+                    _slot: str = slot,
+                    _dist: str = dist,
+                    _plugin: str = impl.plugin_name,
+                    _registry: dict[str, Implementation] = registry,
+                ) -> None:
+                    if not isinstance(name, str) or not name:
+                        raise PluginError(f"plugin {_plugin!r} registered a {_slot} without a name")
+                    existing = _registry.get(name)
+                    if existing is not None and existing.cls is not cls:
+                        raise PluginError(
+                            f"two plugins claim the {_slot} name {name!r}: "
+                            f"{existing.plugin!r} from distribution {existing.distribution!r} "
+                            f"and {_plugin!r} from distribution {_dist!r}"
+                        )
+                    _registry[name] = Implementation(_slot, name, cls, _dist, _plugin)
+
+                impl.function(register=register)
+        return slots
+
+    # ----------------------------------------------------------------- lookup
+
+    def implementations(self, slot: str) -> dict[str, Implementation]:
+        self.load()
+        assert self._slots is not None
+        if slot not in self._slots:
+            raise PluginError(f"unknown slot {slot!r}; slots: {', '.join(SLOT_HOOKS)}")
+        return dict(self._slots[slot])
+
+    def get(self, slot: str, name: str) -> type:
+        impls = self.implementations(slot)
+        if name not in impls:
+            available = ", ".join(sorted(impls)) or "none installed"
+            raise PluginError(f"unknown {slot} {name!r}; available: {available}")
+        return impls[name].cls
+
+    def build(self, slot: str, name: str, options: dict[str, Any] | None = None, **kwargs: Any):
+        """Construct the named implementation. A class that declares `Options` (a pydantic
+        model) gets `options=` validated from its block in stack.yaml."""
+        cls = self.get(slot, name)
+        options_model = getattr(cls, "Options", None)
+        if options_model is not None:
+            kwargs["options"] = options_model.model_validate(options or {})
+        elif options:
+            raise PluginError(f"{slot} {name!r} takes no options, got: {', '.join(options)}")
+        return cls(**kwargs)
+
+    @property
+    def hook(self) -> Any:
+        """Observer hooks (request_finished, engine_step_finished) for the engine to call."""
+        self.load()
+        return self._pm.hook
+
+    def has_observers(self, hook_name: str) -> bool:
+        self.load()
+        return bool(getattr(self._pm.hook, hook_name).get_hookimpls())
+
+
+def _distribution_name(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else "<unknown>"
+
+
+_registry: PluginRegistry | None = None
+_registry_lock = threading.Lock()
+
+
+def get_registry(disable: Iterable[str] = ()) -> PluginRegistry:
+    """The process-wide registry, created on first use (again if `disable` changes)."""
+    global _registry
+    with _registry_lock:
+        if _registry is None or _registry._disable != set(disable):
+            _registry = PluginRegistry(disable)
+        return _registry

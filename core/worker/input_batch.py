@@ -1,0 +1,136 @@
+"""The persistent batch: requests keep their row between steps.
+
+Only what SchedulerOutput changes is applied each step (rows added, removed, blocks
+appended, progress set); per-row state lives in preallocated numpy arrays so that step
+inputs are built by vectorized indexing, not per-token Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from plugserve.engine.scheduler_output import NewRequestData
+from plugserve.sampling_params import SamplingParams
+
+
+class InputBatch:
+    def __init__(
+        self,
+        *,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.device = device
+        self.req_ids: list[str] = []  # row i holds req_ids[i]; rows stay dense
+        self.req_id_to_row: dict[str, int] = {}
+
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none asked
+
+        # Seeded requests keep their generator across preemption, so a resumed request
+        # draws the same noise it would have drawn without being preempted.
+        self.generators: dict[str, torch.Generator] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    # ------------------------------------------------------------------ changes
+
+    def add_request(self, new: NewRequestData) -> None:
+        row = self.num_reqs
+        if row >= self.max_num_reqs:
+            raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
+        self.req_ids.append(new.req_id)
+        self.req_id_to_row[new.req_id] = row
+
+        num_prompt = len(new.prompt_token_ids)
+        num_tokens = num_prompt + len(new.output_token_ids)
+        self.token_ids[row, :num_prompt] = new.prompt_token_ids
+        self.token_ids[row, num_prompt:num_tokens] = new.output_token_ids
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_tokens[row] = num_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+        self._set_sampling_params(row, new.req_id, new.sampling_params)
+
+    def _set_sampling_params(self, row: int, req_id: str, params: SamplingParams) -> None:
+        self.temperature[row] = 0.0 if params.greedy else params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = params.top_k
+        self.min_p[row] = params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if params.seed is not None and req_id not in self.generators:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+            self.generators[req_id] = generator
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def remove_requests(self, req_ids: set[str], finished: set[str]) -> None:
+        """Drop rows (finished, aborted or preempted) and close the gaps by moving rows
+        from the end. Generators of truly finished requests are dropped too."""
+        for req_id in finished:
+            self.generators.pop(req_id, None)
+        rows = sorted(
+            (self.req_id_to_row.pop(r) for r in req_ids if r in self.req_id_to_row), reverse=True
+        )
+        for row in rows:
+            last = self.num_reqs - 1
+            if row != last:
+                self._move_row(last, row)
+            self.req_ids.pop()
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        self.req_ids[dst] = req_id
+        self.req_id_to_row[req_id] = dst
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        nb = self.num_blocks[src]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for array in (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.num_blocks,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.num_logprobs,
+        ):
+            array[dst] = array[src]
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1

@@ -1,0 +1,289 @@
+"""ModelRunner: turns one SchedulerOutput into one forward pass, then into tokens.
+
+`execute_model` (phase 7) applies the step's changes to the persistent batch, builds
+the flat varlen inputs with numpy, runs the model over every scheduled token, keeps the
+logits of the rows that sample this step and parks them. `sample_tokens` (phase 8)
+samples from the parked logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plugserve.config import StackConfig
+from plugserve.engine.scheduler_output import SchedulerOutput
+from plugserve.interfaces import AttentionBatch, AttentionSpec, KVCacheInfo
+from plugserve.plugins import get_registry
+from plugserve.worker.input_batch import InputBatch
+from plugserve.worker.model_loader import load_model, resolve_model_path
+from plugserve.worker.model_runner_output import Logprobs, ModelRunnerOutput
+from plugserve.worker.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    make_padded_token_tensor,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("engine.device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class _ParkedLogits:
+    """What execute_model leaves for sample_tokens."""
+
+    logits: torch.Tensor  # [num_sampling_rows, vocab]
+    rows: np.ndarray  # persistent-batch rows, in logits order
+    req_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        engine = config.engine
+        self.device = resolve_device(engine.device)
+        self.dtype = resolve_dtype(engine.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(engine.num_threads or os.cpu_count() or 1)
+        self.block_size = engine.block_size
+        self.sampler = Sampler()
+        self._parked: _ParkedLogits | None = None
+
+    # ------------------------------------------------------------------ start-up
+
+    def initialize(self) -> KVCacheInfo:
+        registry = get_registry(self.config.disabled_plugins)
+        model_path = resolve_model_path(self.config.model)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(model_path)
+        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        model_cls = registry.get("model", arch)
+
+        model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(self.config.engine.max_model_len or model_max, model_max)
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        spec = AttentionSpec(
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        name = self.config.stack.attention
+        self.attention = registry.build(
+            "attention", name, self.config.plugin_options(name), spec=spec
+        )
+        start = time.perf_counter()
+        self.model = load_model(model_path, model_cls, self.attention, self.dtype, self.device)
+        logger.info("model loaded in %.1f s", time.perf_counter() - start)
+
+        num_blocks = self._num_kv_blocks()
+        self.attention.allocate_kv_cache(num_blocks)
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(
+            max_num_reqs=self.config.engine.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_blocks_per_req=max_blocks_per_req,
+            device=self.device,
+        )
+        self.vocab_size = hf_config.vocab_size
+        return KVCacheInfo(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        engine = self.config.engine
+        if engine.num_kv_blocks is not None:
+            return engine.num_kv_blocks
+        per_block = self.attention.kv_cache_bytes_per_block()
+        num_blocks = int(engine.kv_cache_memory) // per_block
+        # More blocks than every sequence at full length can use is wasted memory.
+        useful = engine.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 2:
+            raise ValueError(
+                f"engine.kv_cache_memory ({int(engine.kv_cache_memory)} bytes) holds fewer "
+                f"than 2 KV blocks of {per_block} bytes; raise it"
+            )
+        return num_blocks
+
+    # ------------------------------------------------------------------ phase 7
+
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        if so.finished_req_ids or so.preempted_req_ids:
+            batch.remove_requests(so.finished_req_ids | so.preempted_req_ids, so.finished_req_ids)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = batch.req_id_to_row[req_id]
+            batch.append_blocks(row, new_blocks)
+            batch.num_computed_tokens[row] = num_computed
+        for new in so.scheduled_new_reqs:
+            batch.add_request(new)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._update_batch(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_scheduled = np.zeros(num_reqs, dtype=np.int64)
+        for req_id, n in so.num_scheduled_tokens.items():
+            num_scheduled[batch.req_id_to_row[req_id]] = n
+        rows = np.flatnonzero(num_scheduled)
+        query_lens = num_scheduled[rows]
+        starts = batch.num_computed_tokens[rows]
+        cu_query = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu_query[1:])
+        total = int(cu_query[-1])
+
+        token_rows = np.repeat(rows, query_lens)
+        positions = np.repeat(starts, query_lens) + (
+            np.arange(total) - np.repeat(cu_query[:-1], query_lens)
+        )
+        input_ids = batch.token_ids[token_rows, positions]
+        block_numbers = batch.block_table[token_rows, positions // self.block_size]
+        slot_mapping = (
+            block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        )
+        seq_lens = (starts + query_lens).astype(np.int32)
+        max_blocks = int(batch.num_blocks[rows].max())
+        self.attention.prepare(
+            AttentionBatch(
+                query_start_loc=cu_query,
+                seq_lens=seq_lens,
+                block_table=batch.block_table[rows, :max_blocks],
+                slot_mapping=slot_mapping,
+            )
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(self.device, non_blocking=True),
+            torch.from_numpy(positions).to(self.device, non_blocking=True),
+        )
+        # Only rows that reach the end of their known tokens sample; a prefill chunk that
+        # stops short computes no logits at all.
+        samples = seq_lens == batch.num_tokens[rows]
+        logits_indices = torch.from_numpy(cu_query[1:][samples] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sample_rows = rows[samples]
+        self._parked = _ParkedLogits(
+            logits=logits, rows=sample_rows, req_ids=[batch.req_ids[r] for r in sample_rows]
+        )
+        return None
+
+    # ------------------------------------------------------------------ phase 8
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+        parked, self._parked = self._parked, None
+        if parked is None or not parked.req_ids:
+            return ModelRunnerOutput(sampled_token_ids={})
+        metadata = self._sampling_metadata(parked.rows, parked.req_ids)
+        out = self.sampler(parked.logits, metadata)
+        sampled = out.sampled_token_ids.cpu().numpy()
+        self.input_batch.append_sampled(parked.rows, sampled)
+        sampled_list = sampled.tolist()
+        result = ModelRunnerOutput(
+            sampled_token_ids={
+                rid: [tok] for rid, tok in zip(parked.req_ids, sampled_list, strict=True)
+            }
+        )
+        if out.logprobs is not None:
+            result.logprobs = self._logprobs_lists(parked, out.logprobs)
+        return result
+
+    def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
+        batch = self.input_batch
+        device = self.device
+        temperature = batch.temperature[rows]
+        greedy = temperature == 0.0
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
+        def optional(values: np.ndarray, neutral: float) -> torch.Tensor | None:
+            return tensor(values) if np.any(values != neutral) else None
+
+        top_k = batch.top_k[rows]
+        top_p = batch.top_p[rows]
+        min_p = batch.min_p[rows]
+        presence = batch.presence_penalty[rows]
+        frequency = batch.frequency_penalty[rows]
+        repetition = batch.repetition_penalty[rows]
+        use_penalties = bool(
+            np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
+        )
+        prompt_ids = output_ids = None
+        if use_penalties:
+            prompt_ids = make_padded_token_tensor(
+                [batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in rows],
+                self.vocab_size,
+                device,
+            )
+            output_ids = make_padded_token_tensor(
+                [
+                    batch.token_ids[r, batch.num_prompt_tokens[r] : batch.num_tokens[r]]
+                    for r in rows
+                ],
+                self.vocab_size,
+                device,
+            )
+        num_logprobs = batch.num_logprobs[rows]
+        generators = {
+            i: batch.generators[rid] for i, rid in enumerate(req_ids) if rid in batch.generators
+        }
+        return SamplingMetadata(
+            temperature=tensor(temperature),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_k=optional(top_k, 0),
+            top_p=optional(top_p, 1.0),
+            min_p=optional(min_p, 0.0),
+            generators=generators,
+            presence_penalties=tensor(presence) if use_penalties else None,
+            frequency_penalties=tensor(frequency) if use_penalties else None,
+            repetition_penalties=tensor(repetition) if use_penalties else None,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            max_num_logprobs=int(num_logprobs.max()) if np.any(num_logprobs >= 0) else None,
+        )
+
+    def _logprobs_lists(
+        self, parked: _ParkedLogits, tensors: LogprobsTensors
+    ) -> dict[str, list[Logprobs]]:
+        wanted = [
+            n if n >= 0 else None for n in self.input_batch.num_logprobs[parked.rows].tolist()
+        ]
+        rows = tensors.to_logprobs(wanted)
+        return {rid: [lp] for rid, lp in zip(parked.req_ids, rows, strict=True) if lp is not None}

@@ -1,0 +1,274 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style GQA, Qwen2's QKV bias).
+
+Written against the AttentionBackend interface: the model works on one flat varlen batch
+of tokens (no batch dimension, no padding) and hands each layer's q/k/v to the backend,
+which owns the paged KV cache. Q/K/V and gate/up are fused into one matmul each; the
+Hugging Face checkpoint's separate tensors are copied into their slices at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugserve.interfaces import AttentionBackend
+
+# Checkpoint tensors that are derived state in HF's own model, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict with "rope_type") from a transformers 4 config
+    (rope_theta + rope_scaling) or a transformers 5 one (rope_parameters)."""
+    params = dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
+    return float(theta), params
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies for the "default", "linear" and "llama3" RoPE types, computed
+    exactly as transformers does so logits match it bit for bit in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox/HF (rotate-half) RoPE with cos/sin precomputed for every position, so a step
+    only gathers rows by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # fp32 whatever the model dtype: cast per step, as HF does, to keep precision.
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalized in fp32 and cast back before the weight, as HF's LlamaRMSNorm does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _empty_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    # Every weight is overwritten by load_weights; skip the random initialization.
+    return nn.Linear(in_features, out_features, bias=bias, device="meta").to_empty(
+        device=torch.get_default_device()
+    )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, attention: AttentionBackend):
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Llama's attention_bias covers q, k, v and o; Qwen2 always has q/k/v bias, no o.
+        llama_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = llama_bias or getattr(hf_config, "model_type", "") == "qwen2"
+        self.qkv_proj = _empty_linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias)
+        self.o_proj = _empty_linear(self.q_size, hidden, llama_bias)
+        self.layer_idx = layer_idx
+        self.attention = attention  # not a submodule: one backend serves every layer
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.attention.forward(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (Llama models use silu)")
+        self.gate_up_proj = _empty_linear(hidden, 2 * inter, bias)
+        self.down_proj = _empty_linear(inter, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, attention: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, layer_idx, attention)
+        self.mlp = LlamaMLP(hf_config)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, attention: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            hf_config.vocab_size, hf_config.hidden_size, device="meta"
+        ).to_empty(device=torch.get_default_device())
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, i, attention) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """interfaces.CausalLM for Llama-architecture checkpoints (HF names)."""
+
+    def __init__(self, *, hf_config: Any, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, attention)
+        head_dim = self.model.layers[0].self_attn.head_dim if hf_config.num_hidden_layers else 0
+        theta, scaling = rope_parameters(hf_config)
+        self.rotary = RotaryEmbedding(head_dim, hf_config.max_position_embeddings, theta, scaling)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head: nn.Linear | None = (
+            None
+            if self.tie_word_embeddings
+            else _empty_linear(hf_config.hidden_size, hf_config.vocab_size, False)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(positions, x, self.rotary)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → fp32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown
+        name, a wrong shape, and on parameters the checkpoint left unset."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # some tied checkpoints store the shared matrix twice
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
+            dest = params[target].data
+            if shard is not None:
+                sizes = self._shard_sizes(target)
+                start = sum(sizes[:shard])
+                dest = dest[start : start + sizes[shard]]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add((target, shard))
+        expected = {
+            (name, shard)
+            for name in params
+            for shard in (range(len(self._shard_sizes(name))) if _is_fused(name) else [None])
+        }
+        missing = sorted(f"{name}[{shard}]" for name, shard in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
+        """Row counts of the checkpoint tensors stacked into a fused parameter, in order."""
+        if ".qkv_proj." in fused_name:
+            attn = self.model.layers[0].self_attn
+            return (attn.q_size, attn.kv_size, attn.kv_size)
+        return (self.config.intermediate_size, self.config.intermediate_size)
+
+
+# HF projection → (our fused projection, its index among the fused ones).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    """HF parameter name → (our parameter name, shard index inside it, or None)."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in _FUSED:
+        return name, None
+    fused, shard = _FUSED[parts[-2]]
+    return ".".join([*parts[:-2], fused, parts[-1]]), shard
+
+
+def _is_fused(name: str) -> bool:
+    return ".qkv_proj." in name or ".gate_up_proj." in name

@@ -1,0 +1,55 @@
+"""The in-process executor: the model runs inside the engine-core process.
+
+At tensor-parallel size 1 a forward pass is a function call, not an IPC round trip.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from plugserve import hookimpl
+from plugserve.config import StackConfig
+from plugserve.engine.scheduler_output import SchedulerOutput
+from plugserve.interfaces import KVCacheInfo
+from plugserve.worker.model_runner import ModelRunner
+from plugserve.worker.model_runner_output import ModelRunnerOutput
+
+
+class UniProcExecutor:
+    def __init__(self, *, config: StackConfig) -> None:
+        if config.engine.tensor_parallel_size != 1:
+            raise ValueError(
+                f"executor 'uni' runs one rank; tensor_parallel_size="
+                f"{config.engine.tensor_parallel_size} needs a multi-process executor"
+            )
+        self.runner = ModelRunner(config)
+
+    def initialize(self) -> KVCacheInfo:
+        return self.runner.initialize()
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[ModelRunnerOutput | None] | ModelRunnerOutput | None:
+        output = self.runner.execute_model(scheduler_output)
+        if not non_block:
+            return output
+        # The forward pass already ran in this thread; the Future only keeps the
+        # executor contract uniform with executors that run it elsewhere.
+        future: Future[ModelRunnerOutput | None] = Future()
+        future.set_result(output)
+        return future
+
+    def sample_tokens(self, grammar_output: Any | None) -> ModelRunnerOutput:
+        return self.runner.sample_tokens(grammar_output)
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+@hookimpl
+def register_executors(register):
+    register("uni", UniProcExecutor)
