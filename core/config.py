@@ -7,6 +7,7 @@ offline `LLM(**overrides)` and the CLI flags do.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +15,9 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
+
+# The slots stack.yaml selects; models are picked by the checkpoint's architecture.
+STACK_SLOTS = tuple(slot for slot in SLOT_HOOKS if slot != "model")
 
 
 class _Section(BaseModel):
@@ -81,13 +85,12 @@ class StackConfig(_Section):
         block = self.plugins.get(name)
         return dict(block) if block else None
 
-    def check_plugins(self) -> None:
-        """Every selected name is registered and every option block validates against
-        its plugin's `Options`; raises PluginError with what is available."""
+    def check_plugins(self, slots: Iterable[str] | None = None) -> None:
+        """Every selected name (of `slots`, default all) is registered and every option
+        block validates against its plugin's `Options`; raises PluginError with what is
+        available."""
         registry = get_registry(self.disabled_plugins)
-        for slot in SLOT_HOOKS:
-            if slot == "model":
-                continue
+        for slot in slots or STACK_SLOTS:
             name = getattr(self.stack, slot)
             cls = registry.get(slot, name)
             options = self.plugin_options(name)
@@ -97,7 +100,7 @@ class StackConfig(_Section):
                     options_model.model_validate(options or {})
                 except ValidationError as exc:
                     raise PluginError(f"plugins.{name}: {_first_error(exc)}") from exc
-        selected = {getattr(self.stack, slot) for slot in SLOT_HOOKS if slot != "model"}
+        selected = {getattr(self.stack, slot) for slot in STACK_SLOTS}
         for name in self.plugins:
             if name != "disable" and name not in selected:
                 raise PluginError(

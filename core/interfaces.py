@@ -63,7 +63,13 @@ class Detokenizer(Protocol):
 
     def update(self, new_token_ids: list[int]) -> str:
         """Append ids; return the text they add. Checks stop strings on the new window only;
-        after a match `stop_reason` is set and the text is cut as the params ask."""
+        after a match `stop_reason` is set and the text is cut as the params ask. Text
+        that might still become a stop string is held back."""
+        ...
+
+    def flush(self) -> str:
+        """The request ended for another reason (EOS, stop token, length, abort): return
+        the held-back text; `output_text` is final afterwards."""
         ...
 
 

@@ -56,6 +56,9 @@ class RequestOutput:
 
 PromptInput = str | dict[str, Any]
 
+# Everything but the transport: offline, the engine core runs in this process.
+OFFLINE_SLOTS = ("renderer", "detokenizer", "scheduler", "kv_allocator", "executor", "attention")
+
 
 @dataclass
 class _Sequence:
@@ -82,7 +85,8 @@ class LLM:
     ) -> None:
         if model is not None:
             overrides["model"] = model
-        self.config = load_config(config, overrides)
+        self.config = load_config(config, overrides, check_plugins=False)
+        self.config.check_plugins(OFFLINE_SLOTS)
         registry = get_registry(self.config.disabled_plugins)
         self.engine = EngineCore(self.config)
         model_path = str(resolve_model_path(self.config.model))
@@ -219,14 +223,15 @@ class LLM:
         output.token_ids.extend(out.new_token_ids)
         seq.parent.num_cached_tokens = out.num_cached_tokens
         detok = seq.detokenizer
-        detok.update(out.new_token_ids)
+        text_ids = out.new_token_ids
+        if out.finish_reason == "stop" and not seq.params.include_stop_str_in_output:
+            text_ids = text_ids[:-1]  # the EOS or stop token is not part of the text
+        detok.update(text_ids)
         if out.new_logprobs is not None:
             self._append_logprobs(output, out)
         stopped_by_string = detok.stop_reason is not None and not out.finished
         if out.finished or stopped_by_string:
-            flush = getattr(detok, "flush", None)
-            if flush is not None:
-                flush()
+            detok.flush()
             output.text = detok.output_text
             if detok.stop_reason is not None:
                 output.finish_reason, output.stop_reason = "stop", detok.stop_reason

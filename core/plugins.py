@@ -74,7 +74,10 @@ class PluginRegistry:
                 return
             self._register_builtins()
             self._load_entry_points()
-            self._pm.check_pending()
+            try:
+                self._pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                raise PluginError(f"{exc} (is the plugin written for this plugserve?)") from exc
             self._slots = self._collect()
 
     def register(self, plugin: ModuleType | object, name: str, distribution: str) -> None:

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jinja2
-from transformers import AutoTokenizer
 
 from plugserve import hookimpl
 
@@ -43,6 +42,10 @@ class HFRenderer:
     """
 
     def __init__(self, *, model_path: str) -> None:
+        # Imported here: transformers pulls in torch (~1.5 s), and every process that
+        # discovers plugins imports this module, most of them never building a renderer.
+        from transformers import AutoTokenizer
+
         self.model_path = model_path
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id

@@ -149,8 +149,7 @@ class IncrementalDetokenizer:
         pending = self._held + new_text
         # vLLM semantics: stop strings do not fire until min_tokens ids were generated.
         if self._stops and self._num_output_tokens > self._min_tokens:
-            # A match that ends in new_text starts at most max_stop_len - 1 chars before
-            # it; everything earlier was searched when it arrived.
+            # A match that ends in new_text starts at most max_stop_len - 1 chars before it.
             lookback_len = min(self._max_stop_len - 1, len(self.output_text))
             lookback = self.output_text[len(self.output_text) - lookback_len :]
             match = self._find_stop(lookback + pending, len(lookback) + len(self._held))

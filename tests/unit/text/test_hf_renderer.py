@@ -185,9 +185,7 @@ def test_chat_template_kwargs_reach_the_template(
 
 
 @pytest.mark.parametrize("key", ["tokenize", "return_dict", "chat_template", "conversation"])
-def test_chat_template_kwargs_cannot_override_the_renderer(
-    renderer: HFRenderer, key: str
-) -> None:
+def test_chat_template_kwargs_cannot_override_the_renderer(renderer: HFRenderer, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         renderer.render_chat(CONVERSATION, chat_template_kwargs={key: True})
 

@@ -1,0 +1,218 @@
+"""Paged varlen attention in plain torch ops: runs wherever torch runs (CPU, CUDA).
+
+KV cache: one tensor [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
+head_dim]; token slot s of a layer lives at flat row s of its [num_blocks * block_size,
+...] view. Each step, `prepare` turns the host batch into device tensors once and
+precomputes every index and mask the layers share; `forward` then writes the step's K/V
+and runs scaled_dot_product_attention: one batched call for all single-token rows
+(decodes) and one call per multi-token row (prefill chunks, few per step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from plugserve import hookimpl
+from plugserve.hookspecs import Register
+from plugserve.interfaces import AttentionBatch, AttentionSpec
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """One multi-token row: its queries sit at positions context_len .. seq_len - 1."""
+
+    start: int  # first token of the row in the flat batch
+    end: int
+    context_len: int  # tokens cached before this step's chunk
+    # With context: slots of all seq_len tokens and the [query_len, seq_len] causal mask
+    # shifted by context_len. Without: None, the chunk attends to its own k/v directly.
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    """All single-token rows, attended in one padded call."""
+
+    token_index: torch.Tensor  # [B] flat token of each row
+    slots: torch.Tensor  # [B, max_seq_len] context slots, padded with a valid slot
+    mask: torch.Tensor  # [B, 1, 1, max_seq_len] True where the key is in the context
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    num_tokens: int
+    slots: torch.Tensor  # [num_tokens] where each token's k/v goes
+    decodes: _Decodes | None
+    prefills: tuple[_Prefill, ...]
+
+
+class TorchPagedAttention:
+    """interfaces.AttentionBackend with paged KV in torch tensors and SDPA."""
+
+    def __init__(self, *, spec: AttentionSpec) -> None:
+        if spec.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({spec.num_heads}) must be a multiple of "
+                f"num_kv_heads ({spec.num_kv_heads})"
+            )
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.kv_cache: torch.Tensor | None = None
+        self._plan: _StepPlan | None = None
+
+    def kv_cache_bytes_per_block(self) -> int:
+        s = self.spec
+        element = torch.empty((), dtype=s.dtype).element_size()
+        return 2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        s = self.spec
+        # Zeros, not empty: padded keys are masked, but a NaN left in unused memory would
+        # still poison the output through 0 * NaN in the value product.
+        self.kv_cache = torch.zeros(
+            (s.num_layers, 2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim),
+            dtype=s.dtype,
+            device=self.device,
+        )
+
+    # ------------------------------------------------------------------ per step
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        query_start = batch.query_start_loc.astype(np.int64)
+        seq_lens = batch.seq_lens.astype(np.int64)
+        query_lens = np.diff(query_start)
+        context_lens = seq_lens - query_lens
+        if (context_lens < 0).any():
+            raise ValueError("a row has more query tokens than its seq_len")
+        block_table = torch.from_numpy(np.ascontiguousarray(batch.block_table, dtype=np.int64))
+        block_table = block_table.to(self.device, non_blocking=True)
+
+        decode_rows = np.flatnonzero(query_lens == 1)
+        decodes = None
+        if len(decode_rows):
+            decodes = self._plan_decodes(
+                query_start[decode_rows], seq_lens[decode_rows], block_table, decode_rows
+            )
+        prefills = tuple(
+            self._plan_prefill(
+                int(query_start[row]),
+                int(query_start[row + 1]),
+                int(seq_lens[row]),
+                block_table[row],
+            )
+            for row in np.flatnonzero(query_lens > 1)
+        )
+        self._plan = _StepPlan(
+            num_tokens=int(query_start[-1]),
+            slots=self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64)),
+            decodes=decodes,
+            prefills=prefills,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    def _context_slots(
+        self, block_rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+    ) -> torch.Tensor:
+        """[R, max_len] cache slot of each context position; positions past a row's
+        seq_len repeat its last slot, so every index stays valid (they are masked)."""
+        bs = self.spec.block_size
+        positions = torch.arange(max_len, device=self.device)[None, :]
+        positions = torch.minimum(positions, (seq_lens - 1)[:, None])
+        blocks = torch.gather(block_rows, 1, positions // bs)
+        return blocks * bs + positions % bs
+
+    def _plan_decodes(
+        self,
+        token_index: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: torch.Tensor,
+        rows: np.ndarray,
+    ) -> _Decodes:
+        lens = self._to_device(seq_lens)
+        # max_len from the host array: reading it off the device would sync every step.
+        slots = self._context_slots(block_table[self._to_device(rows)], lens, int(seq_lens.max()))
+        mask = torch.arange(slots.shape[1], device=self.device)[None, :] < lens[:, None]
+        return _Decodes(self._to_device(token_index), slots, mask[:, None, None, :])
+
+    def _plan_prefill(
+        self, start: int, end: int, seq_len: int, block_row: torch.Tensor
+    ) -> _Prefill:
+        context_len = seq_len - (end - start)
+        if context_len == 0:
+            return _Prefill(start, end, 0, None, None)
+        lens = torch.tensor([seq_len], device=self.device)
+        slots = self._context_slots(block_row[None, :], lens, seq_len)[0]
+        query_pos = torch.arange(context_len, seq_len, device=self.device)[:, None]
+        mask = torch.arange(seq_len, device=self.device)[None, :] <= query_pos
+        return _Prefill(start, end, context_len, slots, mask)
+
+    # ------------------------------------------------------------------ per layer
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None or self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() and prepare() must run before forward()")
+        if q.shape[0] != plan.num_tokens:
+            raise ValueError(f"got {q.shape[0]} tokens, the prepared batch has {plan.num_tokens}")
+        s = self.spec
+        k_cache = self.kv_cache[layer_idx, 0].view(-1, s.num_kv_heads, s.head_dim)
+        v_cache = self.kv_cache[layer_idx, 1].view(-1, s.num_kv_heads, s.head_dim)
+        # Written before any read, so a row sees the tokens every row adds this step.
+        k_cache.index_copy_(0, plan.slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, plan.slots, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)
+        if plan.decodes is not None:
+            d = plan.decodes
+            # [B, H, 1, D] against [B, KVH, L, D]; SDPA expands the KV heads for GQA.
+            o = self._sdpa(
+                q[d.token_index][:, :, None, :],
+                k_cache[d.slots].transpose(1, 2).to(q.dtype),
+                v_cache[d.slots].transpose(1, 2).to(q.dtype),
+                mask=d.mask,
+            )
+            out[d.token_index] = o[:, :, 0, :]
+        for p in plan.prefills:
+            if p.slots is None:
+                keys, values = k[p.start : p.end], v[p.start : p.end]
+            else:
+                keys = k_cache[p.slots].to(q.dtype)
+                values = v_cache[p.slots].to(q.dtype)
+            o = self._sdpa(
+                q[p.start : p.end].transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                mask=p.mask,
+            )
+            out[p.start : p.end] = o[0].transpose(0, 1)
+        return out
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        # No mask means a fresh prefill: plain causal, which lets SDPA pick a fused kernel.
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
+        )
+
+
+@hookimpl
+def register_attention_backends(register: Register) -> None:
+    register("torch", TorchPagedAttention)

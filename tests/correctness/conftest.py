@@ -1,0 +1,89 @@
+"""Shared inputs for the correctness suite: prompts of mixed lengths and the Hugging Face
+reference continuations, computed once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Varied natural text, so that greedy continuations are not degenerate repetitions.
+CORPUS = """\
+The history of the printing press begins in the fifteenth century, when Johannes
+Gutenberg combined movable metal type, oil-based ink and a wooden screw press into a
+system that could produce books far faster than any scribe. Within fifty years printing
+shops had spread to more than two hundred cities across Europe, and the price of books
+fell so sharply that reading stopped being a privilege of monasteries and courts.
+Photosynthesis is the process by which green plants, algae and some bacteria convert
+light energy into chemical energy. Chlorophyll absorbs mostly blue and red light, which
+is why leaves look green, and the energy drives the splitting of water molecules,
+releasing oxygen as a by-product while carbon dioxide is fixed into sugars.
+def merge_sorted(left, right):
+    result = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    return result + left[i:] + right[j:]
+In economics, inflation describes a general rise in prices across an economy over a
+period of time. Central banks usually respond by raising interest rates, which makes
+borrowing more expensive, slows spending and investment, and eventually brings price
+growth back toward a target, often around two percent a year. Critics argue that such
+policies can raise unemployment in the short run, especially for younger workers.
+Mount Everest, known in Nepali as Sagarmatha and in Tibetan as Chomolungma, is Earth's
+highest mountain above sea level. The first confirmed ascent was made in 1953 by Tenzing
+Norgay and Edmund Hillary, who approached from the southeast ridge. Today hundreds of
+climbers attempt the summit each spring, when a brief window of calmer winds opens.
+A recipe for a simple tomato soup: soften one chopped onion and two cloves of garlic in
+olive oil, add a kilogram of ripe tomatoes, a pinch of salt and a little sugar, simmer
+for twenty minutes, then blend until smooth and finish with fresh basil and cream.
+"""
+
+PROMPT_LENGTHS = (10, 23, 47, 88, 150, 215, 300, 400)
+MAX_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts(tokenizer) -> list[list[int]]:
+    """Eight prompts of 10–400 tokens, each starting at a different place in the corpus."""
+    ids = tokenizer.encode(CORPUS * 2)
+    prompts = []
+    for i, length in enumerate(PROMPT_LENGTHS):
+        start = (i * 37) % 150
+        prompts.append(ids[start : start + length])
+    assert [len(p) for p in prompts] == list(PROMPT_LENGTHS)
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smollm2_path, mixed_prompts) -> list[list[int]]:
+    """Hugging Face `generate`, greedy, fp32, one prompt at a time, exactly 64 new tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # compare full 64-token continuations
+    outputs = []
+    with torch.inference_mode():
+        for prompt in mixed_prompts:
+            input_ids = torch.tensor([prompt])
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    del model
+    return outputs

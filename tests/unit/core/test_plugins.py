@@ -1,0 +1,123 @@
+"""The plugin registry: discovery through entry points, resolution by name, conflicts."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from plugserve import hookimpl
+from plugserve.cli import main
+from plugserve.plugins import SLOT_HOOKS, PluginError, PluginRegistry
+
+BUNDLED = {
+    "renderer": {"hf"},
+    "detokenizer": {"incremental"},
+    "scheduler": {"fcfs", "priority"},
+    "kv_allocator": {"paged"},
+    "executor": {"uni"},
+    "attention": {"torch"},
+    "model": {"LlamaForCausalLM"},
+}
+
+
+def _plugin(**hooks) -> types.SimpleNamespace:
+    """A plugin object the way a third-party module would provide its hooks."""
+    return types.SimpleNamespace(**{name: hookimpl(fn) for name, fn in hooks.items()})
+
+
+def test_bundled_plugins_are_found_through_entry_points():
+    registry = PluginRegistry()
+    for slot, names in BUNDLED.items():
+        impls = registry.implementations(slot)
+        assert names <= set(impls), slot
+        for name in names:
+            assert impls[name].distribution == "plugserve"
+
+
+def test_unknown_name_lists_the_available_ones():
+    registry = PluginRegistry()
+    with pytest.raises(
+        PluginError, match=r"unknown scheduler 'lottery'; available: fcfs, priority"
+    ):
+        registry.get("scheduler", "lottery")
+
+
+def test_two_distributions_claiming_one_name_fail_naming_both():
+    class Lottery:
+        pass
+
+    registry = PluginRegistry()
+    registry.register(
+        _plugin(register_scheduler_policies=lambda register: register("fcfs", Lottery)),
+        name="acme_lottery",
+        distribution="acme-lottery",
+    )
+    with pytest.raises(PluginError) as err:
+        registry.implementations("scheduler")
+    message = str(err.value)
+    assert "'fcfs'" in message
+    assert "'plugserve'" in message and "'acme-lottery'" in message
+
+
+def test_a_third_party_plugin_adds_an_implementation():
+    class Lottery:
+        def __init__(self) -> None:
+            self.built = True
+
+    registry = PluginRegistry()
+    registry.register(
+        _plugin(register_scheduler_policies=lambda register: register("lottery", Lottery)),
+        name="acme_lottery",
+        distribution="acme-lottery",
+    )
+    impl = registry.implementations("scheduler")["lottery"]
+    assert impl.distribution == "acme-lottery"
+    assert registry.build("scheduler", "lottery").built
+
+
+def test_an_implementation_of_an_unknown_hook_is_rejected():
+    registry = PluginRegistry()
+    registry.register(
+        _plugin(register_widgets=lambda register: None), name="odd", distribution="odd"
+    )
+    with pytest.raises(PluginError, match="register_widgets"):
+        registry.load()
+
+
+def test_disable_blocks_a_bundled_plugin():
+    registry = PluginRegistry(disable=["priority"])
+    assert "priority" not in registry.implementations("scheduler")
+    assert "fcfs" in registry.implementations("scheduler")
+
+
+def test_options_are_validated_by_the_plugins_own_model():
+    import pydantic
+
+    class Knobs:
+        class Options(pydantic.BaseModel):
+            model_config = pydantic.ConfigDict(extra="forbid")
+            ring_bytes: int = 1024
+
+        def __init__(self, *, options: Options) -> None:
+            self.options = options
+
+    registry = PluginRegistry()
+    registry.register(
+        _plugin(register_transports=lambda register: register("knobs", Knobs)),
+        name="knobs",
+        distribution="acme-knobs",
+    )
+    assert registry.build("transport", "knobs", {"ring_bytes": 64}).options.ring_bytes == 64
+    with pytest.raises(pydantic.ValidationError):
+        registry.build("transport", "knobs", {"ring": 64})
+    with pytest.raises(PluginError, match="takes no options"):
+        registry.build("scheduler", "fcfs", {"x": 1})
+
+
+def test_cli_lists_every_slot_with_distribution(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    for slot in SLOT_HOOKS:
+        assert f"{slot}:" in out
+    assert "priority" in out and "plugserve" in out

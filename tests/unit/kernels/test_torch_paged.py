@@ -1,0 +1,159 @@
+"""TorchPagedAttention against dense per-request causal attention.
+
+Two steps over a paged cache with scattered blocks: the first prefills some requests,
+the second mixes every row kind the backend distinguishes (a decode, a one-token prompt,
+a fresh prefill, a prefill chunk after cached context), in no particular order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from plugserve.interfaces import AttentionBackend, AttentionBatch, AttentionSpec
+from plugserve_plugins.kernels.torch_paged import TorchPagedAttention, register_attention_backends
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 2, 16, 4, 48
+SPEC = AttentionSpec(
+    num_layers=LAYERS,
+    num_heads=HEADS,
+    num_kv_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    block_size=BLOCK_SIZE,
+    dtype=torch.float32,
+    device=torch.device("cpu"),
+)
+
+
+@dataclass
+class Sequence:
+    """One request's q/k/v for every position and layer, and its (scattered) blocks."""
+
+    q: torch.Tensor  # [layers, seq, heads, dim]
+    k: torch.Tensor  # [layers, seq, kv_heads, dim]
+    v: torch.Tensor
+    blocks: list[int]
+
+    def slots(self, start: int, end: int) -> np.ndarray:
+        positions = np.arange(start, end)
+        return (
+            np.asarray(self.blocks)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        )
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention over one whole sequence: [S, H, D] with GQA expanded."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def make_sequences(lengths: dict[str, int]) -> dict[str, Sequence]:
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    sequences = {}
+    for name, length in lengths.items():
+        num_blocks = -(-length // BLOCK_SIZE)
+        blocks, pool = pool[:num_blocks], pool[num_blocks:]
+
+        def rand(heads: int, length: int = length) -> torch.Tensor:
+            return torch.randn(LAYERS, length, heads, HEAD_DIM, generator=generator)
+
+        sequences[name] = Sequence(rand(HEADS), rand(KV_HEADS), rand(KV_HEADS), blocks)
+    return sequences
+
+
+def run_step(
+    backend: TorchPagedAttention, sequences: dict[str, Sequence], rows: list[tuple[str, int, int]]
+) -> None:
+    """Run rows (name, start, end) as one batch; check outputs and the cache per layer."""
+    max_blocks = max(len(s.blocks) for s in sequences.values())
+    block_table = np.zeros((len(rows), max_blocks), dtype=np.int32)
+    for i, (name, _, _) in enumerate(rows):
+        block_table[i, : len(sequences[name].blocks)] = sequences[name].blocks
+    batch = AttentionBatch(
+        query_start_loc=np.cumsum([0] + [end - start for _, start, end in rows], dtype=np.int32),
+        seq_lens=np.array([end for _, _, end in rows], dtype=np.int32),
+        block_table=block_table,
+        slot_mapping=np.concatenate([sequences[n].slots(s, e) for n, s, e in rows]),
+    )
+    backend.prepare(batch)
+    for layer in range(LAYERS):
+        q, k, v = (
+            torch.cat([getattr(sequences[n], part)[layer, s:e] for n, s, e in rows])
+            for part in ("q", "k", "v")
+        )
+        out = backend.forward(layer, q, k, v)
+        assert out.shape == q.shape
+
+        offset = 0
+        for name, start, end in rows:
+            seq = sequences[name]
+            expected = reference_attention(
+                seq.q[layer, :end], seq.k[layer, :end], seq.v[layer, :end]
+            )
+            torch.testing.assert_close(
+                out[offset : offset + end - start], expected[start:end], atol=1e-5, rtol=1e-5
+            )
+            offset += end - start
+
+        assert backend.kv_cache is not None
+        cache = backend.kv_cache[layer].view(2, -1, KV_HEADS, HEAD_DIM)
+        slots = torch.from_numpy(batch.slot_mapping)
+        assert torch.equal(cache[0, slots], k)
+        assert torch.equal(cache[1, slots], v)
+
+
+@pytest.fixture
+def backend() -> TorchPagedAttention:
+    backend = TorchPagedAttention(spec=SPEC)
+    backend.allocate_kv_cache(NUM_BLOCKS)
+    return backend
+
+
+def test_mixed_batch_matches_dense_attention(backend: TorchPagedAttention) -> None:
+    sequences = make_sequences({"a": 8, "b": 5, "c": 13, "d": 1, "e": 9})
+    # Step 1: fresh prefills that leave context behind in the cache.
+    run_step(backend, sequences, [("a", 0, 7), ("c", 0, 6), ("e", 0, 8)])
+    # Step 2: a chunk after 6 cached tokens (crossing blocks), a decode mid-block, a fresh
+    # prefill, a one-token prompt, a decode opening a new block.
+    run_step(backend, sequences, [("c", 6, 13), ("a", 7, 8), ("b", 0, 5), ("d", 0, 1), ("e", 8, 9)])
+
+
+def test_rows_see_blocks_another_row_fills_in_the_same_step(
+    backend: TorchPagedAttention,
+) -> None:
+    # A prefix-cache hit may land on a block whose tokens another request computes in
+    # this very step; the hitting rows (a chunk and a decode) must read them.
+    sequences = make_sequences({"early": 4, "late": 7, "later": 5})
+    early = sequences["early"]
+    for name in ("late", "later"):
+        seq = sequences[name]
+        seq.blocks[0] = early.blocks[0]
+        seq.k[:, :BLOCK_SIZE], seq.v[:, :BLOCK_SIZE] = early.k, early.v
+    run_step(backend, sequences, [("late", 4, 7), ("early", 0, 4), ("later", 4, 5)])
+
+
+def test_is_an_attention_backend_registered_as_torch() -> None:
+    backend = TorchPagedAttention(spec=SPEC)
+    assert isinstance(backend, AttentionBackend)
+    assert backend.kv_cache_bytes_per_block() == 2 * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+    registered: dict[str, type] = {}
+    register_attention_backends(register=registered.__setitem__)
+    assert registered == {"torch": TorchPagedAttention}
+
+
+def test_forward_before_prepare_is_an_error() -> None:
+    backend = TorchPagedAttention(spec=SPEC)
+    backend.allocate_kv_cache(4)
+    q = torch.zeros(1, HEADS, HEAD_DIM)
+    k = torch.zeros(1, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="prepare"):
+        backend.forward(0, q, k, k)
