@@ -206,3 +206,12 @@ def get_registry(disable: Iterable[str] = ()) -> PluginRegistry:
         if _registry is None or _registry._disable != set(disable):
             _registry = PluginRegistry(disable)
         return _registry
+
+
+def set_registry(registry: PluginRegistry | None) -> PluginRegistry | None:
+    """Install a registry as the process-wide one (an application embedding plugserve
+    with plugins it registers itself, or a test); returns the previous one."""
+    global _registry
+    with _registry_lock:
+        previous, _registry = _registry, registry
+        return previous

@@ -119,9 +119,13 @@ def file_sha256(path: Path) -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # --------------------------------------------------------------------------- GGUF → folder
@@ -139,6 +143,10 @@ def _gguf_to_folder(gguf_path: Path) -> Path:
     try:
         logger.info("converting %s into %s (once)", gguf_path, target)
         convert_gguf(gguf_path, tmp, sha256=digest)
+        # mkdtemp's private mode would lock out other users of a shared cache dir.
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
         try:
             os.replace(tmp, target)
         except OSError:

@@ -28,7 +28,6 @@ class _Prefill:
 
     start: int  # first token of the row in the flat batch
     end: int
-    context_len: int  # tokens cached before this step's chunk
     # With context: slots of all seq_len tokens and the [query_len, seq_len] causal mask
     # shifted by context_len. Without: None, the chunk attends to its own k/v directly.
     slots: torch.Tensor | None
@@ -148,12 +147,12 @@ class TorchPagedAttention:
     ) -> _Prefill:
         context_len = seq_len - (end - start)
         if context_len == 0:
-            return _Prefill(start, end, 0, None, None)
+            return _Prefill(start, end, None, None)
         lens = torch.tensor([seq_len], device=self.device)
         slots = self._context_slots(block_row[None, :], lens, seq_len)[0]
         query_pos = torch.arange(context_len, seq_len, device=self.device)[:, None]
         mask = torch.arange(seq_len, device=self.device)[None, :] <= query_pos
-        return _Prefill(start, end, context_len, slots, mask)
+        return _Prefill(start, end, slots, mask)
 
     # ------------------------------------------------------------------ per layer
 

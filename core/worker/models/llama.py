@@ -99,6 +99,12 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
 def _empty_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     # Every weight is overwritten by load_weights; skip the random initialization.
     return nn.Linear(in_features, out_features, bias=bias, device="meta").to_empty(
@@ -112,7 +118,7 @@ class LlamaAttention(nn.Module):
         hidden = hf_config.hidden_size
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = _head_dim(hf_config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Llama's attention_bias covers q, k, v and o; Qwen2 always has q/k/v bias, no o.
@@ -185,9 +191,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, attention)
-        head_dim = self.model.layers[0].self_attn.head_dim if hf_config.num_hidden_layers else 0
         theta, scaling = rope_parameters(hf_config)
-        self.rotary = RotaryEmbedding(head_dim, hf_config.max_position_embeddings, theta, scaling)
+        self.rotary = RotaryEmbedding(
+            _head_dim(hf_config), hf_config.max_position_embeddings, theta, scaling
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head: nn.Linear | None = (
             None

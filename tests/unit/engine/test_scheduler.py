@@ -1,0 +1,201 @@
+"""The scheduler as a state machine: schedule() opens a step, update_from_output() closes it.
+
+These tests step it with the real paged allocator and real policies, and play the model
+runner's part by sampling a fixed token for every request that reaches the end of its
+known tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plugserve.engine.request import Request, RequestStatus
+from plugserve.engine.scheduler import Scheduler
+from plugserve.plugins import get_registry
+from plugserve.sampling_params import SamplingParams
+from plugserve.worker.model_runner_output import ModelRunnerOutput
+
+EOS = 2
+TOKEN = 7  # what the stand-in runner samples
+
+
+def make_scheduler(
+    *,
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    budget=64,
+    max_model_len=256,
+    policy="fcfs",
+    prefix_caching=True,
+) -> Scheduler:
+    registry = get_registry()
+    return Scheduler(
+        policy=registry.build("scheduler", policy),
+        kv_allocator=registry.build(
+            "kv_allocator",
+            "paged",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_prefix_caching=prefix_caching,
+        ),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+    )
+
+
+def make_request(rid: str, prompt_len: int, *, priority=0, arrival=0.0, **params) -> Request:
+    params.setdefault("max_tokens", 4)
+    prompt = [100 + (hash(rid) + i) % 50 for i in range(prompt_len)]
+    return Request(
+        rid, prompt, SamplingParams(**params), EOS, arrival_time=arrival, priority=priority
+    )
+
+
+def run_step(scheduler: Scheduler, token: int = TOKEN):
+    """One step: schedule, then sample `token` for every request that completed its known tokens."""
+    out = scheduler.schedule()
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        request = scheduler.requests[rid]
+        if request.num_computed_tokens + n == request.num_tokens:
+            sampled[rid] = [token]
+    return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+
+
+def assert_pool_is_whole(scheduler: Scheduler) -> None:
+    stats = scheduler.kv.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert not scheduler.requests and not scheduler.running
+
+
+def test_decodes_and_prefills_share_one_token_budget():
+    scheduler = make_scheduler(budget=16)
+    scheduler.add_request(make_request("a", 6))
+    run_step(scheduler)  # a: prefill 6, samples
+    scheduler.add_request(make_request("b", 40))
+    out, _ = run_step(scheduler)
+    # a decodes one token; b gets what is left of the budget as a prefill chunk.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    assert out.total_num_scheduled_tokens == 16
+    assert scheduler.requests["b"].num_computed_tokens == 15
+    assert scheduler.requests["b"].num_output_tokens == 0  # a partial prefill samples nothing
+
+
+def test_max_num_seqs_caps_running_requests():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for rid in "abc":
+        scheduler.add_request(make_request(rid, 4))
+    out, _ = run_step(scheduler)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    assert scheduler.num_waiting == 1
+
+
+def test_finish_reasons():
+    scheduler = make_scheduler(max_model_len=12)
+    scheduler.add_request(make_request("len", 4, max_tokens=3))
+    scheduler.add_request(make_request("model_len", 10, max_tokens=100))
+    scheduler.add_request(make_request("stop_id", 4, stop_token_ids=[TOKEN]))
+    finished = {}
+    while scheduler.has_requests():
+        _, outputs = run_step(scheduler)
+        finished.update({o.request_id: o for o in outputs if o.finished})
+    assert finished["len"].finish_reason == "length"
+    assert finished["model_len"].finish_reason == "length"
+    assert finished["stop_id"].finish_reason == "stop"
+    assert finished["stop_id"].stop_reason == TOKEN
+    assert_pool_is_whole(scheduler)
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_defers_it():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("eos", 4, max_tokens=5))
+    scheduler.add_request(make_request("ignore", 4, max_tokens=5, ignore_eos=True))
+    scheduler.add_request(make_request("min", 4, max_tokens=5, min_tokens=3))
+    outputs_by_id: dict[str, list] = {}
+    while scheduler.has_requests():
+        _, outputs = run_step(scheduler, token=EOS)
+        for o in outputs:
+            outputs_by_id.setdefault(o.request_id, []).append(o)
+    assert [o.finish_reason for o in outputs_by_id["eos"]] == ["stop"]
+    assert outputs_by_id["ignore"][-1].finish_reason == "length"
+    assert len(outputs_by_id["ignore"]) == 5
+    assert len(outputs_by_id["min"]) == 3 and outputs_by_id["min"][-1].finish_reason == "stop"
+
+
+def test_kv_shortage_preempts_the_latest_admitted_under_fcfs():
+    # 6 blocks of 4 tokens: two requests of 8 prompt tokens fill 4, decoding needs more.
+    scheduler = make_scheduler(num_blocks=6, block_size=4, prefix_caching=False)
+    scheduler.add_request(make_request("first", 8, max_tokens=8, arrival=1.0))
+    scheduler.add_request(make_request("second", 8, max_tokens=8, arrival=2.0))
+    preempted = []
+    while scheduler.has_requests():
+        out, _ = run_step(scheduler)
+        preempted.extend(out.preempted_req_ids)
+    assert "second" in preempted and "first" not in preempted
+    assert scheduler.num_preemptions >= 1
+    assert_pool_is_whole(scheduler)
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, policy="priority", prefix_caching=False)
+    scheduler.add_request(make_request("low", 8, max_tokens=8, priority=5, arrival=1.0))
+    scheduler.add_request(make_request("high", 8, max_tokens=8, priority=0, arrival=2.0))
+    out, _ = run_step(scheduler)
+    assert list(out.num_scheduled_tokens) == ["high", "low"]
+    preempted, finish_order = [], []
+    while scheduler.has_requests():
+        out, outputs = run_step(scheduler)
+        preempted.extend(out.preempted_req_ids)
+        finish_order += [o.request_id for o in outputs if o.finished]
+    assert preempted and set(preempted) == {"low"}
+    assert finish_order == ["high", "low"]
+
+
+def test_a_preempted_request_resumes_with_its_output_tokens():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, prefix_caching=False)
+    scheduler.add_request(make_request("first", 8, max_tokens=8, arrival=1.0))
+    scheduler.add_request(make_request("second", 8, max_tokens=8, arrival=2.0))
+    resumed = None
+    while scheduler.has_requests() and resumed is None:
+        out, _ = run_step(scheduler)
+        resumed = next((n for n in out.scheduled_new_reqs if n.output_token_ids), None)
+    assert resumed is not None and resumed.req_id == "second"
+    assert resumed.output_token_ids == [TOKEN] * len(resumed.output_token_ids)
+    assert resumed.num_computed_tokens == 0  # recompute from scratch
+
+
+def test_abort_frees_waiting_and_running_requests():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("running", 4, max_tokens=50))
+    scheduler.add_request(make_request("waiting", 4, max_tokens=50))
+    run_step(scheduler)
+    aborted = scheduler.finish_requests(
+        ["running", "waiting", "unknown"], RequestStatus.FINISHED_ABORTED
+    )
+    assert {r.request_id for r in aborted} == {"running", "waiting"}
+    assert_pool_is_whole(scheduler)
+    out, _ = run_step(scheduler)
+    assert out.finished_req_ids == {"running", "waiting"}  # the runner drops their rows
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    scheduler = make_scheduler(block_size=4)
+    first = make_request("a", 10)
+    scheduler.add_request(first)
+    while scheduler.has_requests():
+        run_step(scheduler)
+    again = Request("b", first.prompt_token_ids, SamplingParams(max_tokens=2), EOS)
+    scheduler.add_request(again)
+    out, _ = run_step(scheduler)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 8  # two full blocks hit
+    assert out.num_scheduled_tokens["b"] == 2
+    assert again.num_cached_tokens == 8
+
+
+def test_duplicate_request_id_is_refused():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 4))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("a", 4))

@@ -1,0 +1,167 @@
+"""The offline API, as a vLLM user would call it, on the real embedded model."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from plugserve import LLM, SamplingParams, hookimpl
+from plugserve.plugins import PluginRegistry, set_registry
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(model="smollm2-135m-instruct", kv_cache_memory="64MiB", max_num_seqs=16)
+    yield llm
+    del llm
+
+
+def assert_every_block_back_in_the_pool(llm: LLM) -> None:
+    stats = llm.engine.scheduler.kv.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert not llm.engine.scheduler.requests
+
+
+def test_auto_dtype_is_float32_on_cpu(llm):
+    assert llm.engine.kv_cache_info.dtype == "float32"
+
+
+def test_generate_returns_one_output_per_prompt_in_order(llm):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outputs = llm.generate(
+        [*PROMPTS, {"prompt_token_ids": llm.tokenizer.encode(PROMPTS[0])}], params
+    )
+    assert [o.prompt for o in outputs[:3]] == PROMPTS
+    assert outputs[3].prompt_token_ids == outputs[0].prompt_token_ids
+    assert outputs[3].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    for out in outputs:
+        completion = out.outputs[0]
+        assert out.finished and completion.finish_reason in ("stop", "length")
+        assert 0 < len(completion.token_ids) <= 12
+        assert completion.text == llm.tokenizer.decode(
+            completion.token_ids, skip_special_tokens=True
+        )
+    assert "Paris" in outputs[0].outputs[0].text
+    assert_every_block_back_in_the_pool(llm)
+
+
+def test_chat_applies_the_template(llm):
+    [out] = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=30),
+    )
+    assert out.prompt.rstrip().endswith("<|im_start|>assistant")
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # the model ends its turn with EOS
+    assert "<|im_end|>" not in out.outputs[0].text
+
+
+def test_seeded_sampling_is_reproducible_across_runs_and_batch_mates(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPTS[2], seeded)[0].outputs[0].token_ids
+    again = llm.generate(PROMPTS[2], seeded)[0].outputs[0].token_ids
+    mates = [
+        SamplingParams(temperature=0.8, max_tokens=30),
+        SamplingParams(temperature=1.2, seed=7, max_tokens=5),
+    ]
+    in_batch = (
+        llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [*mates, seeded])[2].outputs[0].token_ids
+    )
+    assert alone == again == in_batch
+    other_seed = SamplingParams(
+        temperature=1.0, top_p=0.95, seed=4321, max_tokens=24, ignore_eos=True
+    )
+    assert llm.generate(PROMPTS[2], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_n_completions_per_prompt(llm):
+    [out] = llm.generate(
+        PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True)
+    )
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+
+
+def test_logprobs_with_top_alternatives(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    [out] = llm.generate(PROMPTS[0], params)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 5
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token in entry and entry[token].rank == 1  # greedy picks the most likely
+        assert len(entry) == 3  # the sampled token is also the top-1
+        assert all(lp.logprob <= 0 for lp in entry.values())
+        assert sorted(entry.values(), key=lambda lp: lp.rank)[0].logprob == entry[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
+
+
+def test_stop_string_ends_generation_and_frees_blocks(llm):
+    free_run = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
+    text = free_run[0].outputs[0].text
+    stop = text.strip().split()[1]  # a word the model is going to write
+    [out] = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop=[stop]))
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.text == text[: text.index(stop)]
+    assert_every_block_back_in_the_pool(llm)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    free_run = llm.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
+    ids = free_run[0].outputs[0].token_ids
+    [out] = llm.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[3]])
+    )
+    assert out.outputs[0].token_ids == ids[: ids.index(ids[3]) + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == ids[3]
+
+
+def test_a_prompt_too_long_is_refused_and_others_are_unaffected(llm):
+    too_long = {"prompt_token_ids": [1] * llm.engine.max_model_len}
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([PROMPTS[0], too_long], SamplingParams(max_tokens=4))
+    assert_every_block_back_in_the_pool(llm)
+    assert llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0].finished
+
+
+def test_bfloat16_on_cpu_is_chosen_explicitly():
+    llm = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_num_seqs=4)
+    assert llm.engine.kv_cache_info.dtype == "bfloat16"
+    [out] = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=12),
+    )
+    assert "Paris" in out.outputs[0].text
+
+
+def test_observer_hooks_see_steps_and_finished_requests():
+    finished, steps = [], []
+    observer = types.SimpleNamespace(
+        request_finished=hookimpl(
+            lambda request_id, finish_reason, num_prompt_tokens, num_output_tokens: finished.append(
+                (request_id, finish_reason, num_output_tokens)
+            )
+        ),
+        engine_step_finished=hookimpl(lambda stats: steps.append(stats)),
+    )
+    registry = PluginRegistry()
+    registry.register(observer, name="observer", distribution="acme-observer")
+    previous = set_registry(registry)
+    try:
+        llm = LLM(kv_cache_memory="16MiB", max_num_seqs=4)
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finally:
+        set_registry(previous)
+    assert sorted(finished) == [("0", "length", 6), ("1", "length", 6)]
+    assert len(steps) == 6
+    assert steps[0].num_scheduled_tokens == sum(len(llm.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert all(0 < s.forward_time <= s.step_time for s in steps)
