@@ -63,7 +63,9 @@ def run_plugserve(
     args: argparse.Namespace, prompts: list[list[int]]
 ) -> tuple[float, Row, list[list[int]]]:
     start = time.perf_counter()
-    llm = LLM(model=MODEL, dtype=args.dtype, max_num_seqs=args.num_prompts)
+    llm = LLM(
+        model=MODEL, dtype=args.dtype, max_num_seqs=args.num_prompts, num_threads=args.threads
+    )
     load_s = time.perf_counter() - start
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -171,10 +173,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-serial-prompts", type=int, default=4)
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", type=Path, help="save the figures here")
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
 
     from transformers import AutoTokenizer
 
@@ -184,7 +187,8 @@ def main() -> None:
     prompts = build_prompts(tokenizer, args.num_prompts, args.input_len)
     print(
         f"{MODEL} dtype={args.dtype} prompts={args.num_prompts} input_len={args.input_len} "
-        f"output_len={args.output_len} threads={torch.get_num_threads()}"
+        f"output_len={args.output_len} threads={torch.get_num_threads()} "
+        f"loadavg(1m)={os.getloadavg()[0]:.2f} cores={os.cpu_count()}"
     )
 
     load_s, ours, our_tokens = run_plugserve(args, prompts)

@@ -76,14 +76,67 @@ class Detokenizer(Protocol):
 # --------------------------------------------------------------------------- transport
 
 
+Frames = list[bytes | memoryview]
+
+
+@runtime_checkable
+class ClientChannel(Protocol):
+    """The API server's end: asyncio, one per API-server process."""
+
+    async def wait_ready(self, timeout: float) -> Frames:
+        """The engine's first message (its handshake). Raises TimeoutError."""
+        ...
+
+    async def send(self, frames: Frames) -> None:
+        """A request-side message to the engine; never blocks the event loop for long."""
+        ...
+
+    async def recv(self) -> Frames:
+        """The next engine-side message."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class EngineChannel(Protocol):
+    """The engine core's end: blocking calls, each used by one thread only (the input IO
+    thread receives, the output IO thread sends)."""
+
+    def send_ready(self, frames: Frames) -> None:
+        """The handshake; the engine speaks first."""
+        ...
+
+    def recv(self, timeout: float | None = None) -> Frames | None:
+        """The next request-side message, or None after `timeout` seconds."""
+        ...
+
+    def send(self, frames: Frames) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @runtime_checkable
 class Transport(Protocol):
-    """Moves frames (lists of bytes-like objects) between the API server and the engine."""
+    """Moves frames (lists of bytes-like objects) between the API-server and engine-core
+    processes. The core encodes messages; a transport only moves frames. Built in the
+    launching process, which calls `addresses()` and passes them, with the transport's
+    name and options, to each side; each side builds the transport again and opens its
+    end."""
 
     def __init__(self, *, options: Any = None) -> None: ...
 
     def addresses(self) -> dict[str, str]:
-        """Called by the launcher: fresh, opaque addresses both sides will be given."""
+        """Fresh, opaque addresses (ports picked free, temporary paths or names) for one
+        engine; picklable strings."""
+        ...
+
+    def client(self, addresses: dict[str, str]) -> ClientChannel:
+        """Open the API server's end (in its event loop's thread)."""
+        ...
+
+    def engine(self, addresses: dict[str, str]) -> EngineChannel:
+        """Open the engine's end."""
         ...
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import msgspec
+import msgspec.msgpack
 
 from plugserve.sampling_params import SamplingParams
 from plugserve.worker.model_runner_output import Logprobs
@@ -51,3 +52,48 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+
+# ----------------------------------------------------------------- framing
+# Every message is [type frame, payload frame]; the type frame tells the receiver which
+# typed decoder to use, so hot messages decode straight into their Structs.
+
+
+class RequestType:
+    """API server → engine."""
+
+    ADD = b"A"  # EngineCoreRequest
+    ABORT = b"X"  # list[str] of request ids
+    PING = b"P"  # int nonce; answered by PONG from the busy loop
+    SHUTDOWN = b"S"
+
+
+class OutputType:
+    """Engine → API server."""
+
+    READY = b"r"  # EngineReady, the handshake
+    OUTPUTS = b"o"  # EngineCoreOutputs
+    PONG = b"p"  # int nonce
+    DEAD = b"d"  # EngineDead, then the process exits
+
+
+class EngineReady(msgspec.Struct, kw_only=True):
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+    max_model_len: int
+    version: str
+    pid: int
+
+
+class EngineDead(msgspec.Struct, kw_only=True):
+    error: str
+
+
+encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+abort_decoder = msgspec.msgpack.Decoder(list[str])
+int_decoder = msgspec.msgpack.Decoder(int)
+outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+ready_decoder = msgspec.msgpack.Decoder(EngineReady)
+dead_decoder = msgspec.msgpack.Decoder(EngineDead)

