@@ -1,4 +1,4 @@
-"""`plugserve` command line: plugins | config.
+"""`plugserve` command line: plugins | config | serve.
 
 Any setting can be overridden after the subcommand as `--dotted.path value` or, when
 unambiguous, `--leaf-name value` (`--stack.scheduler priority`, `--max-num-seqs 8`).
@@ -57,6 +57,13 @@ def cmd_config(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    config = load_config(args.config, overrides)
+    from plugserve.frontend.launcher import serve
+
+    return serve(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plugserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,9 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "plugins", help="list every slot, its implementations and their distribution"
     )
     p.set_defaults(func=cmd_plugins)
-    p = sub.add_parser("config", help="print the resolved configuration")
-    p.add_argument("--config", "-c", default=None, help="stack.yaml path")
-    p.set_defaults(func=cmd_config)
+    for name, func, text in (
+        ("config", cmd_config, "print the resolved configuration"),
+        ("serve", cmd_serve, "serve the OpenAI-compatible API (settings as --name value)"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", "-c", default=None, help="stack.yaml path")
+        p.set_defaults(func=func)
     return parser
 
 

@@ -73,7 +73,7 @@ class OutputType:
 
     READY = b"r"  # EngineReady, the handshake
     OUTPUTS = b"o"  # EngineCoreOutputs
-    PONG = b"p"  # int nonce
+    PONG = b"p"  # Pong: the nonce, with fresh scheduler stats
     DEAD = b"d"  # EngineDead, then the process exits
 
 
@@ -86,6 +86,11 @@ class EngineReady(msgspec.Struct, kw_only=True):
     pid: int
 
 
+class Pong(msgspec.Struct, array_like=True):
+    nonce: int
+    stats: SchedulerStats
+
+
 class EngineDead(msgspec.Struct, kw_only=True):
     error: str
 
@@ -96,4 +101,5 @@ abort_decoder = msgspec.msgpack.Decoder(list[str])
 int_decoder = msgspec.msgpack.Decoder(int)
 outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 ready_decoder = msgspec.msgpack.Decoder(EngineReady)
+pong_decoder = msgspec.msgpack.Decoder(Pong)
 dead_decoder = msgspec.msgpack.Decoder(EngineDead)

@@ -6,6 +6,8 @@ slot hook is called once per plugin with a `register(name, cls)` callback bound 
 plugin's distribution, so that two distributions claiming one name fail naming both.
 
 Loading is lazy, idempotent and happens again in every spawned process.
+`PLUGSERVE_PLUGIN_MODULES` (comma-separated module names) registers plugin modules that
+no distribution declares, like pytest's `-p module`.
 `PLUGSERVE_PLUGINS` (comma-separated entry-point names) keeps only those third-party
 plugins; `plugins.disable` in stack.yaml (or `disable=` here) blocks named ones, like
 pytest's `-p no:name`.
@@ -74,6 +76,7 @@ class PluginRegistry:
                 return
             self._register_builtins()
             self._load_entry_points()
+            self._load_named_modules()
             try:
                 self._pm.check_pending()
             except pluggy.PluginValidationError as exc:
@@ -95,6 +98,23 @@ class PluginRegistry:
         if not self._pm.is_registered(models):
             self._pm.register(models, name="plugserve.models")
             self._dist_of_plugin["plugserve.models"] = BUILTIN_DISTRIBUTION
+
+    def _load_named_modules(self) -> None:
+        # Like pytest's `-p module`: plugins from importable modules that no distribution
+        # declares (a test's plugin, a local experiment). Spawned engine processes inherit
+        # the environment, so they load the same ones.
+        names = os.environ.get("PLUGSERVE_PLUGIN_MODULES", "")
+        for module_name in (n.strip() for n in names.split(",") if n.strip()):
+            if self._pm.has_plugin(module_name):
+                continue
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin module {module_name!r} (PLUGSERVE_PLUGIN_MODULES) failed to import: {exc}"
+                ) from exc
+            self._pm.register(module, name=module_name)
+            self._dist_of_plugin[module_name] = f"<module {module_name}>"
 
     def _load_entry_points(self) -> None:
         allow = os.environ.get("PLUGSERVE_PLUGINS")

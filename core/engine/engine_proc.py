@@ -14,7 +14,6 @@ import queue
 import signal
 import sys
 import threading
-import traceback
 from typing import Any
 
 from plugserve import __version__
@@ -28,6 +27,7 @@ from plugserve.messages import (
     EngineDead,
     EngineReady,
     OutputType,
+    Pong,
     RequestType,
     abort_decoder,
     encoder,
@@ -158,7 +158,7 @@ class EngineCoreProc:
             # Aborts come from the client, which already finished the request: no output.
             self.engine.abort_requests(payload)
         elif kind == RequestType.PING:
-            self.output_queue.put((OutputType.PONG, payload))
+            self.output_queue.put((OutputType.PONG, Pong(payload, self.engine.scheduler.stats())))
         elif kind == RequestType.SHUTDOWN:
             self._running = False
         elif kind == b"__error__":
@@ -166,7 +166,9 @@ class EngineCoreProc:
 
     def _emit(self, outputs: list[EngineCoreOutput]) -> None:
         stats = self.engine.scheduler.stats()
-        self.output_queue.put((OutputType.OUTPUTS, EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)))
+        self.output_queue.put(
+            (OutputType.OUTPUTS, EngineCoreOutputs(outputs=outputs, scheduler_stats=stats))
+        )
 
     # ------------------------------------------------------------------ IO threads
 

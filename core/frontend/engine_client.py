@@ -10,6 +10,7 @@ before the request is sent, so no output can arrive for an unknown request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -30,8 +31,8 @@ from plugserve.messages import (
     SchedulerStats,
     dead_decoder,
     encoder,
-    int_decoder,
     outputs_decoder,
+    pong_decoder,
     ready_decoder,
 )
 from plugserve.plugins import get_registry
@@ -127,16 +128,24 @@ class AsyncEngineClient:
         exited = loop.create_future()
         loop.add_reader(self._process.sentinel, lambda: exited.done() or exited.set_result(None))
         ready_task = asyncio.ensure_future(self._channel.wait_ready(timeout))
-        done, _ = await asyncio.wait({ready_task, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {ready_task, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
         if ready_task not in done:
             ready_task.cancel()
             await self._stop_process()
-            reason = "exited while starting" if exited.done() else f"did not start within {timeout:.0f} s"
+            reason = (
+                "exited while starting"
+                if exited.done()
+                else f"did not start within {timeout:.0f} s"
+            )
             raise EngineDeadError(f"the engine core {reason} (exit code {self._process.exitcode})")
         kind, payload = ready_task.result()
         if bytes(kind) == OutputType.DEAD:
             await self._stop_process()
-            raise EngineDeadError(f"the engine core failed to start: {dead_decoder.decode(payload).error}")
+            raise EngineDeadError(
+                f"the engine core failed to start: {dead_decoder.decode(payload).error}"
+            )
         self.ready = ready_decoder.decode(payload)
         loop.remove_reader(self._process.sentinel)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
@@ -155,10 +164,8 @@ class AsyncEngineClient:
         for task in self._tasks:
             task.cancel()
         if self._process is not None and self._process.is_alive() and self.dead_reason is None:
-            try:
+            with contextlib.suppress(Exception):  # the engine is going away either way
                 await asyncio.wait_for(self._send([RequestType.SHUTDOWN, b""]), 2)
-            except Exception:  # the engine is going away either way
-                pass
         await self._stop_process()
         if self._channel is not None:
             self._channel.close()
@@ -293,7 +300,9 @@ class AsyncEngineClient:
                         self.stats = batch.scheduler_stats
                     await self._process_outputs(batch.outputs)
                 elif kind == OutputType.PONG:
-                    future = self._pongs.get(int_decoder.decode(payload))
+                    pong = pong_decoder.decode(payload)
+                    self.stats = pong.stats
+                    future = self._pongs.get(pong.nonce)
                     if future is not None and not future.done():
                         future.set_result(None)
                 elif kind == OutputType.DEAD:

@@ -36,9 +36,16 @@ class ZmqTransport:
 
     def addresses(self) -> dict[str, str]:
         if self.options.protocol == "tcp":
-            return {"input": f"tcp://127.0.0.1:{_free_port()}", "output": f"tcp://127.0.0.1:{_free_port()}"}
+            return {
+                "input": f"tcp://127.0.0.1:{_free_port()}",
+                "output": f"tcp://127.0.0.1:{_free_port()}",
+            }
         folder = tempfile.mkdtemp(prefix="plugserve-zmq-")
-        return {"input": f"ipc://{folder}/input", "output": f"ipc://{folder}/output", "folder": folder}
+        return {
+            "input": f"ipc://{folder}/input",
+            "output": f"ipc://{folder}/output",
+            "folder": folder,
+        }
 
     def client(self, addresses: dict[str, str]) -> ZmqClientChannel:
         return ZmqClientChannel(addresses)

@@ -1,0 +1,335 @@
+"""Chat and text completions over the AsyncEngineClient: streamed (SSE) and not.
+
+Each choice of a request (n > 1) is its own engine request; their deltas are merged as
+they come. Validation happens here, before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
+from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from plugserve.interfaces import Renderer
+from plugserve.sampling_params import SamplingParams
+from plugserve.worker.model_runner_output import Logprobs
+
+
+class InvalidRequest(ValueError):
+    """Bad input: answered with a 400 in OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+
+
+@dataclass
+class _Prepared:
+    """A validated request: prompts as token ids and the params for each."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    priority: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    def __init__(self, client: AsyncEngineClient, renderer: Renderer, model_name: str) -> None:
+        self.client = client
+        self.renderer = renderer
+        self.model_name = model_name
+        self.tokenizer = renderer.tokenizer
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.client.ready is not None
+        return self.client.ready.max_model_len
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ModelNotFound(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`."
+            )
+
+    def _params(
+        self, body: ChatCompletionRequest | CompletionRequest, prompt_len: int
+    ) -> SamplingParams:
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {prompt_len} tokens, leaving no room to generate.",
+                "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
+        max_tokens = body.requested_max_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens is {max_tokens}, but the prompt has {prompt_len} tokens and "
+                f"this model's maximum context length is {self.max_model_len}.",
+                "max_tokens",
+            )
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or []):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        try:
+            return body.sampling_params(
+                max_tokens=max_tokens if max_tokens is not None else room,
+                num_logprobs=body.num_logprobs,
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
+        self._check_model(body.model)
+        try:
+            prompt = self.renderer.render_chat(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "messages") from exc
+        params = self._params(body, len(prompt))
+        return _Prepared(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority)
+
+    def prepare_completion(self, body: CompletionRequest) -> _Prepared:
+        self._check_model(body.model)
+        try:
+            raw = body.prompts()
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "prompt") from exc
+        vocab = len(self.tokenizer)
+        prompts = []
+        for p in raw:
+            if isinstance(p, str):
+                prompts.append(self.renderer.encode(p))
+            elif any(not 0 <= t < vocab for t in p):
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+            else:
+                prompts.append(list(p))
+        params = [self._params(body, len(p)) for p in prompts]
+        # max_tokens defaults per prompt to what fits; keep the smallest so one params
+        # object serves all prompts.
+        chosen = min(params, key=lambda sp: sp.max_tokens or 0)
+        return _Prepared(f"cmpl-{uuid.uuid4().hex}", prompts, chosen, body.priority)
+
+    # ------------------------------------------------------------------ running
+
+    async def _run(self, prep: _Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Every choice of every prompt, merged as their deltas come: (choice index, delta)."""
+        n = prep.params.n
+        streams = [
+            (
+                i * n + j,
+                self.client.generate(
+                    f"{prep.request_id}-{i * n + j}", ids, prep.params, priority=prep.priority
+                ),
+            )
+            for i, ids in enumerate(prep.prompts)
+            for j in range(n)
+        ]
+        if len(streams) == 1:
+            index, stream = streams[0]
+            async for delta in stream:
+                yield index, delta
+            return
+        queue: asyncio.Queue[tuple[int, RequestDelta] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[RequestDelta]) -> None:
+            try:
+                async for delta in stream:
+                    queue.put_nowait((index, delta))
+            except BaseException as exc:  # surfaces in the consumer, which cancels the rest
+                queue.put_nowait(exc)
+                raise
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in streams]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def complete(self, prep: _Prepared, chat: bool) -> dict[str, Any]:
+        choices = [_Choice(i) for i in range(len(prep.prompts) * prep.params.n)]
+        cached = 0
+        async for index, delta in self._run(prep):
+            choice = choices[index]
+            choice.text.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
+            if delta.logprobs:
+                choice.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=False))
+            choice.num_output_tokens = delta.num_output_tokens
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            cached = max(cached, delta.num_cached_tokens)
+        body = {
+            "id": prep.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": prep.created,
+            "model": self.model_name,
+            "choices": [self._final_choice(c, chat, prep) for c in choices],
+            "usage": self._usage(prep, sum(c.num_output_tokens for c in choices), cached),
+        }
+        return body
+
+    def _final_choice(self, c: _Choice, chat: bool, prep: _Prepared) -> dict[str, Any]:
+        text = "".join(c.text)
+        logprobs = self._logprobs(c.logprobs, chat) if prep.params.logprobs is not None else None
+        if chat:
+            return {
+                "index": c.index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        return {
+            "index": c.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    def _usage(self, prep: _Prepared, completion_tokens: int, cached: int) -> dict[str, Any]:
+        prompt_tokens = sum(len(p) for p in prep.prompts)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    async def stream(self, prep: _Prepared, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per delta, [DONE] last."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {
+            "id": prep.request_id,
+            "object": kind,
+            "created": prep.created,
+            "model": self.model_name,
+        }
+        num_choices = len(prep.prompts) * prep.params.n
+        num_output = [0] * num_choices
+        cached = 0
+        if chat:
+            for i in range(num_choices):
+                first = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield _sse({**head, "choices": [first]})
+        async for index, delta in self._run(prep):
+            num_output[index] = delta.num_output_tokens
+            cached = max(cached, delta.num_cached_tokens)
+            if not delta.text and not delta.finished and not delta.logprobs:
+                continue  # nothing a client could show yet (held-back text)
+            logprobs = None
+            if prep.params.logprobs is not None and delta.logprobs:
+                logprobs = self._logprobs(
+                    list(zip(delta.token_ids, delta.logprobs, strict=False)), chat
+                )
+            if chat:
+                choice = {"index": index, "delta": {"content": delta.text} if delta.text else {}}
+            else:
+                choice = {"index": index, "text": delta.text}
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = delta.finish_reason
+            if delta.finished:
+                choice["stop_reason"] = delta.stop_reason
+            chunk = {**head, "choices": [choice]}
+            if include_usage:
+                chunk["usage"] = None
+            yield _sse(chunk)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": self._usage(prep, sum(num_output), cached)})
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def _logprobs(self, entries: list[tuple[int, Logprobs]], chat: bool) -> dict[str, Any]:
+        text_of: Callable[[int], str] = self._text_of
+        if chat:
+            content = []
+            for token_id, lp in entries:
+                text = text_of(token_id)
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp.sampled_logprob,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode())}
+                            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for token_id, lp in entries:
+            text = text_of(token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.sampled_logprob)
+            top.append(
+                {text_of(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            )
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+class ModelNotFound(InvalidRequest):
+    """An unknown model name: a 404, as OpenAI answers."""
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
