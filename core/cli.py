@@ -39,15 +39,17 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 
 def cmd_plugins(_args: argparse.Namespace, _overrides: dict[str, Any]) -> int:
     registry = get_registry()
-    width = max(len(slot) for slot in SLOT_HOOKS)
-    for slot in SLOT_HOOKS:
-        impls = registry.implementations(slot)
+    rows = {slot: list(registry.implementations(slot).values()) for slot in SLOT_HOOKS}
+    impls = [impl for slot_impls in rows.values() for impl in slot_impls]
+    name_width = max((len(i.name) for i in impls), default=4)
+    dist_width = max((len(i.distribution) for i in impls), default=12)
+    for slot, slot_impls in rows.items():
         print(f"{slot}:")
-        if not impls:
+        if not slot_impls:
             print("  (none)")
-        for name, impl in impls.items():
+        for impl in slot_impls:
             where = f"{impl.cls.__module__}.{impl.cls.__qualname__}"
-            print(f"  {name:<{width}}  {impl.distribution:<16} {where}")
+            print(f"  {impl.name:<{name_width}}  {impl.distribution:<{dist_width}}  {where}")
     return 0
 
 

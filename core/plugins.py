@@ -144,8 +144,8 @@ class PluginRegistry:
         slots: dict[str, dict[str, Implementation]] = {slot: {} for slot in SLOT_HOOKS}
         for slot, hook_name in SLOT_HOOKS.items():
             caller = getattr(self._pm.hook, hook_name)
-            # pluggy lists hookimpls last-registered first; register in load order.
-            for impl in reversed(caller.get_hookimpls()):
+            # get_hookimpls() is in registration order: bundled plugins first.
+            for impl in caller.get_hookimpls():
                 dist = self._dist_of_plugin.get(impl.plugin_name, "<unknown>")
                 registry = slots[slot]
 
