@@ -198,4 +198,11 @@ class EngineCoreProc:
             if item is _STOP:
                 return
             kind, message = item
-            self.channel.send([kind, encoder.encode(message)])
+            try:
+                self.channel.send([kind, encoder.encode(message)])
+            except Exception as exc:
+                # Outputs can no longer leave: the busy loop must fail loudly (the
+                # frontend sees the process exit) rather than generate into the void.
+                logger.exception("engine output could not be sent")
+                self.input_queue.put((b"__error__", exc))
+                return

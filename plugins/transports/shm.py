@@ -17,8 +17,10 @@ the API server is killed; the engine attaches without registering (SharedMemory 
 register on Python < 3.13, and a spawned child shares its parent's tracker, so the child
 would drop the parent's registration or, in a process with its own tracker, unlink the
 segment under the client's feet when it exits). Segments are reserved with
-posix_fallocate where available, so a /dev/shm too small for the rings fails when the
-client opens, not later with SIGBUS.
+posix_fallocate where available (2 x ring_bytes of /dev/shm taken up front), so a
+/dev/shm too small for the rings fails when the client opens, not later with SIGBUS. An
+API server killed with SIGKILL leaves its FIFO folder in the temp dir (the tracker only
+knows segments); it is empty but for two FIFOs.
 
 Segment layout (native byte order): u64 slots at the front, the writer's and the
 reader's index each on its own cache line, then `ring_bytes` of data.
@@ -57,8 +59,8 @@ Lost wake-ups. The writer publishes the head before it rings; a reader that find
 ring empty drains its FIFO, checks the ring again, and only then waits for the FIFO to
 become readable. A message published after that second check rings after the drain, so
 the wait returns. A ring that finds the FIFO full (64 KiB of unread rings) is dropped:
-the reader has wake-ups pending already. The hot path touches the FIFO only when the
-reader is about to sleep.
+the reader has wake-ups pending already. The writer rings once per message (one write
+syscall); the reader touches its FIFO only when it is about to sleep.
 
 Limits. One client per engine (the rings are single-producer, single-consumer: several
 API servers need one address set each). The transport does not notice a dead peer; the
@@ -343,6 +345,7 @@ class _Doorbell:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
         self._poll: select.poll | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def ring(self) -> None:
         try:  # noqa: SIM105 (the hot path: no context manager)
@@ -366,17 +369,35 @@ class _Doorbell:
 
     async def wait_async(self) -> None:
         loop = asyncio.get_running_loop()
-        rung = loop.create_future()
-        loop.add_reader(self.fd, _set_done, rung)
+        fd = self.fd
+        self._waiter = rung = loop.create_future()
+        loop.add_reader(fd, _set_done, rung)
         try:
             await rung
         finally:
-            loop.remove_reader(self.fd)
+            self._waiter = None
+            loop.remove_reader(fd)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd < 0:
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            # A recv is waiting: take the fd out of its loop before closing it (a closed
+            # fd left registered confuses the loop once the number is reused), and wake
+            # the recv, which then finds the channel closed.
+            loop = waiter.get_loop()
+            try:
+                same_thread = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                same_thread = False
+            if same_thread:
+                loop.remove_reader(self.fd)
+                waiter.set_result(None)
+            else:
+                loop.call_soon_threadsafe(_set_done, waiter)
+        os.close(self.fd)
+        self.fd = -1
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

@@ -77,7 +77,10 @@ class ZmqClientChannel:
     async def wait_ready(self, timeout: float) -> Frames:
         import asyncio
 
-        identity, *frames = await asyncio.wait_for(self._input.recv_multipart(), timeout)
+        try:
+            identity, *frames = await asyncio.wait_for(self._input.recv_multipart(), timeout)
+        except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before 3.11
+            raise TimeoutError(f"no engine handshake within {timeout} s") from exc
         self._identity = identity
         return frames
 
