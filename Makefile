@@ -37,6 +37,7 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python benchmarks/serving.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

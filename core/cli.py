@@ -1,8 +1,9 @@
-"""`plugserve` command line: plugins | config | serve.
+"""`plugserve` command line: plugins | config | serve | bench serve.
 
 Any setting can be overridden after the subcommand as `--dotted.path value` or, when
 unambiguous, `--leaf-name value` (`--stack.scheduler priority`, `--max-num-seqs 8`).
-Errors print one line and exit 2.
+Errors print one line and exit 2. `bench serve` takes only its own flags (see
+plugserve.bench).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from plugserve.bench import add_cli_args
+from plugserve.bench import main as bench_main
 from plugserve.config import load_config
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 
@@ -66,6 +69,10 @@ def cmd_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     return serve(config)
 
 
+def cmd_bench_serve(args: argparse.Namespace, _overrides: dict[str, Any]) -> int:
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plugserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,12 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", "-c", default=None, help="stack.yaml path")
         p.set_defaults(func=func)
+    p = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser(
+        "serve", help="online serving benchmark, as `vllm bench serve` (its own flags)"
+    )
+    add_cli_args(p).set_defaults(func=cmd_bench_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench" and rest:
+        parser.parse_args(argv)  # not settings but unknown flags: argparse's error, exit 2
     try:
         overrides = parse_overrides(rest)
         if overrides and args.command == "plugins":

@@ -1,0 +1,264 @@
+"""Online serving: `plugserve serve` per transport, driven by `plugserve bench serve`.
+
+For each transport (zmq, shm; one not registered is skipped with a note) a server is
+started on a free port, and the reference workload is run against it at each
+concurrency: random prompts of exactly 128 tokens, 128 output tokens (EOS ignored),
+temperature 0, streaming /v1/completions, every request sent at t=0 and capped by the
+concurrency, one warm-up request, seed = the concurrency (as peers/bench.sh does with
+`vllm bench serve`). 16 prompts at concurrency 1, 64 otherwise. One table at the end.
+
+    .venv/bin/python benchmarks/serving.py [--concurrency "1 8 32"] [--transports zmq]
+        [--dtype bfloat16] [--server-args "--enable-prefix-caching false"] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import httpx
+
+from plugserve import bench
+from plugserve.plugins import get_registry
+
+TRANSPORTS = ("zmq", "shm")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`plugserve serve` in a child process (its own process group), logging to a file."""
+
+    def __init__(self, transport: str, args: argparse.Namespace, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{transport}.log"
+        max_num_seqs = max(args.max_num_seqs, *args.concurrency)
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "plugserve.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--stack.transport",
+            transport,
+            "--max-num-seqs",
+            str(max_num_seqs),
+        ]
+        if args.dtype:
+            self.cmd += ["--dtype", args.dtype]
+        self.cmd += shlex.split(args.server_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float) -> None:
+        print(f"$ {shlex.join(['plugserve', *self.cmd[3:]])}  (log: {self.log_path})", flush=True)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited with {self.proc.returncode} before it was healthy:\n"
+                    + self.log_tail()
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    print(f"server healthy after {time.perf_counter() - start:.1f} s", flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGINT (a graceful shutdown); then SIGKILL to whatever of the server's own
+        process group (the engine core) is still there after 30 s."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print("the server did not stop within 30 s: killing it", flush=True)
+        deadline = time.perf_counter() + 10
+        while _group_alive(proc.pid) and time.perf_counter() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def bench_args(args: argparse.Namespace, url: str, transport: str, conc: int) -> list[str]:
+    num_prompts = args.num_prompts or (16 if conc == 1 else 64)
+    return [
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(conc),
+        "--request-rate",
+        "inf",
+        "--seed",
+        str(conc),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--num-warmups",
+        "1",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--label",
+        f"plugserve-{transport}",
+    ]
+
+
+def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
+    server = Server(transport, args, log_dir)
+    results = []
+    try:
+        server.start(args.startup_timeout)
+        for conc in args.concurrency:
+            print(f"\n=== transport={transport} concurrency={conc}", flush=True)
+            bargs = bench.parse_args(bench_args(args, server.url, transport, conc))
+            result = bench.run_benchmark(bargs)
+            results.append({"transport": transport, "concurrency": conc, **result})
+            if server.proc is not None and server.proc.poll() is not None:
+                raise RuntimeError("the server died during the run:\n" + server.log_tail())
+    finally:
+        server.stop()
+    return results
+
+
+def print_summary(rows: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'transport':<10}{'conc':>5}{'prompts':>8}{'out tok/s':>11}"
+        f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'failed':>7}"
+    )
+    print("\n" + header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['transport']:<10}{r['concurrency']:>5}{r['num_prompts']:>8}"
+            f"{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>10.1f}"
+            f"{r['p99_ttft_ms']:>10.1f}{r['median_itl_ms']:>9.2f}{r['p99_itl_ms']:>9.2f}"
+            f"{r['failed']:>7}"
+        )
+    print("(latencies in ms)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transports", default=" ".join(TRANSPORTS), help='e.g. "zmq shm"')
+    parser.add_argument("--concurrency", default="1 8 32", help='e.g. "1 8 32"')
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="default: 16 at concurrency 1, else 64"
+    )
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="at least the concurrency")
+    parser.add_argument("--dtype", default=None, help="the server's --dtype (default: its own)")
+    parser.add_argument("--server-args", default="", help="more `plugserve serve` settings")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--json", type=Path, help="save every run's result here")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.replace(",", " ").split()]
+    transports = args.transports.replace(",", " ").split()
+    if not args.concurrency or not transports:
+        parser.error("--concurrency and --transports need at least one value")
+
+    registered = set(get_registry().implementations("transport"))
+    print(
+        f"transports={transports} concurrency={args.concurrency} input_len={args.input_len} "
+        f"output_len={args.output_len} loadavg(1m)={os.getloadavg()[0]:.2f} "
+        f"cores={os.cpu_count()}",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    broken = False
+    with tempfile.TemporaryDirectory(prefix="plugserve-bench-") as tmp:
+        for transport in transports:
+            if transport not in registered:
+                note = (
+                    f"skipped transport {transport!r}: not registered "
+                    f"(registered: {', '.join(sorted(registered)) or 'none'})"
+                )
+                print(note, flush=True)
+                notes.append(note)
+                continue
+            try:
+                rows += run_transport(transport, args, Path(tmp))
+            except RuntimeError as exc:
+                note = f"transport {transport!r} failed: {exc}"
+                print(note, file=sys.stderr, flush=True)
+                notes.append(note.splitlines()[0])
+                broken = True
+    if rows:
+        print_summary(rows)
+    for note in notes:
+        print(f"note: {note}")
+    if args.json:
+        report = {"args": {k: str(v) for k, v in vars(args).items()}, "notes": notes}
+        report["runs"] = rows
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"saved {args.json}")
+    broken = broken or not rows or any(r["failed"] for r in rows)
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
