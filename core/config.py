@@ -56,6 +56,15 @@ class EngineConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads; None: all cores
+    # Tensor parallelism over processes (executor "mp"): the workers join one
+    # torch.distributed group through a TCP rendezvous that global rank 0 hosts at
+    # master_addr:master_port. Across nodes, tensor_parallel_size counts every rank;
+    # node k runs ranks k*local .. k*local+local-1 (local = tensor_parallel_size / nnodes);
+    # node 0 runs the engine, the others run `python -m plugserve_plugins.executors.mp`.
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = Field(None, ge=1, le=65535)  # None: pick a free port
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _budget_fits_a_sequence(self) -> EngineConfig:
@@ -64,6 +73,21 @@ class EngineConfig(_Section):
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}): every running request decodes a token "
                 "per step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _nodes_fit(self) -> EngineConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                f"nnodes ({self.nnodes}): every node runs the same number of ranks"
+            )
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError(
+                "master_port must be set when nnodes > 1: every node dials the same rendezvous"
             )
         return self
 

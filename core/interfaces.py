@@ -348,7 +348,11 @@ class AttentionBackend(Protocol):
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """A model architecture registered through `register_models`."""
+    """A model architecture registered through `register_models`.
+
+    An architecture that supports tensor parallelism also accepts `parallel=` (a
+    plugserve.worker.parallel.ParallelContext) and then holds only its rank's shard;
+    it is passed only when the world size is above 1."""
 
     def __init__(self, *, hf_config: Any, attention: AttentionBackend) -> None: ...
 
@@ -356,7 +360,10 @@ class CausalLM(Protocol):
         """Flat token ids and positions → final hidden states [tokens, hidden]."""
         ...
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] → fp32 logits [N, vocab]: on rank 0 under tensor
+        parallelism (gathered), None on the other ranks."""
+        ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights under Hugging Face names."""

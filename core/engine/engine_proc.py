@@ -158,6 +158,8 @@ class EngineCoreProc:
             # Aborts come from the client, which already finished the request: no output.
             self.engine.abort_requests(payload)
         elif kind == RequestType.PING:
+            # A worker that died while the engine was idle fails the ping, not a request.
+            self.engine.executor.check_health()
             self.output_queue.put((OutputType.PONG, Pong(payload, self.engine.scheduler.stats())))
         elif kind == RequestType.SHUTDOWN:
             self._running = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -391,14 +392,23 @@ def load_model(
     attention: Any,
     dtype: torch.dtype,
     device: torch.device,
+    parallel: Any = None,
 ) -> torch.nn.Module:
     """Build `model_cls(hf_config=..., attention=...)` on `device` in `dtype`, load the
-    folder's weights into it and return it in eval mode."""
+    folder's weights into it and return it in eval mode. A tensor-parallel rank passes
+    its ParallelContext, which the model class must then accept as `parallel=`."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(model_path))
+    # Only passed when given, so architectures without tensor parallelism still load.
+    extra = {} if parallel is None else {"parallel": parallel}
+    if extra and "parallel" not in inspect.signature(model_cls).parameters:
+        raise ValueError(
+            f"{model_cls.__name__} does not support tensor parallelism (no `parallel=` "
+            "argument); use tensor_parallel_size=1"
+        )
     with _no_param_init(dtype, torch.device(device)):
-        model = model_cls(hf_config=hf_config, attention=attention)
+        model = model_cls(hf_config=hf_config, attention=attention, **extra)
     model.load_weights(iter_weights(model_path))  # type: ignore[operator]
     return model.eval()
 

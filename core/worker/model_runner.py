@@ -4,6 +4,10 @@
 the flat varlen inputs with numpy, runs the model over every scheduled token, keeps the
 logits of the rows that sample this step and parks them. `sample_tokens` (phase 8)
 samples from the parked logits.
+
+Under tensor parallelism every rank runs this same runner on the same SchedulerOutput,
+so the persistent batches stay identical: rank 0 gathers the logits, samples, and
+broadcasts the sampled ids so that every rank appends the same tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from plugserve.plugins import get_registry
 from plugserve.worker.input_batch import InputBatch
 from plugserve.worker.model_loader import load_model, resolve_model_path
 from plugserve.worker.model_runner_output import Logprobs, ModelRunnerOutput
+from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 from plugserve.worker.sampler import (
     LogprobsTensors,
     Sampler,
@@ -53,14 +58,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class _ParkedLogits:
     """What execute_model leaves for sample_tokens."""
 
-    logits: torch.Tensor  # [num_sampling_rows, vocab]
+    logits: torch.Tensor | None  # [num_sampling_rows, vocab]; None off the driver rank
     rows: np.ndarray  # persistent-batch rows, in logits order
     req_ids: list[str]
 
 
 class ModelRunner:
-    def __init__(self, config: StackConfig) -> None:
+    def __init__(self, config: StackConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
+        self.parallel = parallel or NO_PARALLEL
         engine = config.engine
         self.device = resolve_device(engine.device)
         self.dtype = resolve_dtype(engine.dtype, self.device)
@@ -85,10 +91,14 @@ class ModelRunner:
         self.max_model_len = min(self.config.engine.max_model_len or model_max, model_max)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        # This rank's heads: its attention backend and KV cache hold only those.
+        heads = self.parallel.head_shard(
+            num_heads, getattr(hf_config, "num_key_value_heads", None) or num_heads
+        )
         spec = AttentionSpec(
             num_layers=hf_config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
             head_dim=head_dim,
             block_size=self.block_size,
             dtype=self.dtype,
@@ -99,10 +109,15 @@ class ModelRunner:
             "attention", name, self.config.plugin_options(name), spec=spec
         )
         start = time.perf_counter()
-        self.model = load_model(model_path, model_cls, self.attention, self.dtype, self.device)
+        parallel = self.parallel if self.parallel.world_size > 1 else None
+        self.model = load_model(
+            model_path, model_cls, self.attention, self.dtype, self.device, parallel
+        )
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
-        num_blocks = self._num_kv_blocks()
+        # Ranks hold different numbers of KV heads (uneven shards), hence fit different
+        # numbers of blocks; block ids are shared, so all use the smallest count.
+        num_blocks = self.parallel.min_int(self._num_kv_blocks())
         self.attention.allocate_kv_cache(num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
@@ -195,8 +210,10 @@ class ModelRunner:
         # stops short computes no logits at all.
         samples = seq_lens == batch.num_tokens[rows]
         logits_indices = torch.from_numpy(cu_query[1:][samples] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_indices])
         sample_rows = rows[samples]
+        # Skipped (on every rank alike) when no row samples: a collective over empty
+        # tensors is pointless and not every backend accepts one.
+        logits = self.model.compute_logits(hidden[logits_indices]) if len(sample_rows) else None
         self._parked = _ParkedLogits(
             logits=logits, rows=sample_rows, req_ids=[batch.req_ids[r] for r in sample_rows]
         )
@@ -209,9 +226,17 @@ class ModelRunner:
         parked, self._parked = self._parked, None
         if parked is None or not parked.req_ids:
             return ModelRunnerOutput(sampled_token_ids={})
-        metadata = self._sampling_metadata(parked.rows, parked.req_ids)
-        out = self.sampler(parked.logits, metadata)
-        sampled = out.sampled_token_ids.cpu().numpy()
+        out = None
+        if parked.logits is not None:  # the driver rank (or no tensor parallelism)
+            metadata = self._sampling_metadata(parked.rows, parked.req_ids)
+            out = self.sampler(parked.logits, metadata)
+            sampled_tensor = out.sampled_token_ids.to(torch.int64)
+        else:
+            sampled_tensor = torch.empty(len(parked.rows), dtype=torch.int64, device=self.device)
+        if self.parallel.world_size > 1:
+            # Every rank's persistent batch must hold the tokens rank 0 sampled.
+            self.parallel.broadcast(sampled_tensor)
+        sampled = sampled_tensor.cpu().numpy()
         self.input_batch.append_sampled(parked.rows, sampled)
         sampled_list = sampled.tolist()
         result = ModelRunnerOutput(
@@ -219,7 +244,7 @@ class ModelRunner:
                 rid: [tok] for rid, tok in zip(parked.req_ids, sampled_list, strict=True)
             }
         )
-        if out.logprobs is not None:
+        if out is not None and out.logprobs is not None:
             result.logprobs = self._logprobs_lists(parked, out.logprobs)
         return result
 

@@ -17,6 +17,8 @@ from plugserve.worker.model_runner_output import ModelRunnerOutput
 
 
 class UniProcExecutor:
+    max_tensor_parallel_size = 1
+
     def __init__(self, *, config: StackConfig) -> None:
         if config.engine.tensor_parallel_size != 1:
             raise ValueError(

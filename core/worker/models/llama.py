@@ -4,6 +4,12 @@ Written against the AttentionBackend interface: the model works on one flat varl
 of tokens (no batch dimension, no padding) and hands each layer's q/k/v to the backend,
 which owns the paged KV cache. Q/K/V and gate/up are fused into one matmul each; the
 Hugging Face checkpoint's separate tensors are copied into their slices at load time.
+
+Tensor parallelism (a ParallelContext with world_size > 1): QKV and gate-up are
+column-parallel (each rank holds its heads' / its intermediate slice's rows), o_proj and
+down_proj row-parallel (the matching input columns, then an all-reduce), the embedding
+and the LM head vocab-parallel. load_weights slices each checkpoint tensor for the rank.
+Without one, no collective runs and the layers are plain matmuls.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugserve.interfaces import AttentionBackend
+from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 
 # Checkpoint tensors that are derived state in HF's own model, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -105,19 +112,71 @@ def _head_dim(hf_config: Any) -> int:
     )
 
 
-def _empty_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+def _empty_linear(
+    in_features: int, out_features: int, bias: bool, cls: type[nn.Linear] = nn.Linear
+) -> nn.Linear:
     # Every weight is overwritten by load_weights; skip the random initialization.
-    return nn.Linear(in_features, out_features, bias=bias, device="meta").to_empty(
+    return cls(in_features, out_features, bias=bias, device="meta").to_empty(
         device=torch.get_default_device()
     )
 
 
+class RowParallelLinear(nn.Linear):
+    """Holds the input columns of this rank's shard; the partial products are summed
+    over ranks before the (full, unsharded) bias is added once."""
+
+    parallel: ParallelContext = NO_PARALLEL
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.parallel.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def _row_parallel(
+    in_features: int, out_features: int, bias: bool, parallel: ParallelContext
+) -> RowParallelLinear:
+    layer = _empty_linear(in_features, out_features, bias, RowParallelLinear)
+    assert isinstance(layer, RowParallelLinear)
+    layer.parallel = parallel
+    return layer
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds rows [start, end) of the vocabulary; ids outside the slice embed
+    to zero and the all-reduce leaves every token the one rank's row that has it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext):
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.start, self.end = parallel.shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(inside, input_ids - self.start, 0)
+        out = F.embedding(local, self.weight).masked_fill_(~inside[:, None], 0.0)
+        return self.parallel.all_reduce(out)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, attention: AttentionBackend):
+    def __init__(
+        self,
+        hf_config: Any,
+        layer_idx: int,
+        attention: AttentionBackend,
+        parallel: ParallelContext = NO_PARALLEL,
+    ):
         super().__init__()
         hidden = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.shard = parallel.head_shard(*_num_heads(hf_config))
+        self.num_heads = self.shard.num_heads
+        self.num_kv_heads = self.shard.num_kv_heads
         self.head_dim = _head_dim(hf_config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -125,7 +184,7 @@ class LlamaAttention(nn.Module):
         llama_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = llama_bias or getattr(hf_config, "model_type", "") == "qwen2"
         self.qkv_proj = _empty_linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias)
-        self.o_proj = _empty_linear(self.q_size, hidden, llama_bias)
+        self.o_proj = _row_parallel(self.q_size, hidden, llama_bias, parallel)
         self.layer_idx = layer_idx
         self.attention = attention  # not a submodule: one backend serves every layer
 
@@ -142,15 +201,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, parallel: ParallelContext = NO_PARALLEL):
         super().__init__()
-        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        hidden = hf_config.hidden_size
+        self.inter_start, self.inter_end = parallel.shard(hf_config.intermediate_size)
+        inter = self.inter_end - self.inter_start
         bias = bool(getattr(hf_config, "mlp_bias", False))
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (Llama models use silu)")
         self.gate_up_proj = _empty_linear(hidden, 2 * inter, bias)
-        self.down_proj = _empty_linear(inter, hidden, bias)
+        self.down_proj = _row_parallel(inter, hidden, bias, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -158,10 +219,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, attention: AttentionBackend):
+    def __init__(
+        self, hf_config: Any, layer_idx: int, attention: AttentionBackend, parallel: ParallelContext
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_idx, attention)
-        self.mlp = LlamaMLP(hf_config)
+        self.self_attn = LlamaAttention(hf_config, layer_idx, attention, parallel)
+        self.mlp = LlamaMLP(hf_config, parallel)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -173,13 +236,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, attention: AttentionBackend):
+    def __init__(self, hf_config: Any, attention: AttentionBackend, parallel: ParallelContext):
         super().__init__()
-        self.embed_tokens = nn.Embedding(
-            hf_config.vocab_size, hf_config.hidden_size, device="meta"
-        ).to_empty(device=torch.get_default_device())
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, parallel
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, attention) for i in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(hf_config, i, attention, parallel)
+            for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -187,19 +251,28 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """interfaces.CausalLM for Llama-architecture checkpoints (HF names)."""
 
-    def __init__(self, *, hf_config: Any, attention: AttentionBackend) -> None:
+    def __init__(
+        self,
+        *,
+        hf_config: Any,
+        attention: AttentionBackend,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, attention)
+        self.parallel = parallel or NO_PARALLEL
+        self.model = LlamaModel(hf_config, attention, self.parallel)
         theta, scaling = rope_parameters(hf_config)
         self.rotary = RotaryEmbedding(
             _head_dim(hf_config), hf_config.max_position_embeddings, theta, scaling
         )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # The LM head holds the same vocabulary rows as this rank's embedding slice.
+        embed = self.model.embed_tokens
         self.lm_head: nn.Linear | None = (
             None
             if self.tie_word_embeddings
-            else _empty_linear(hf_config.hidden_size, hf_config.vocab_size, False)
+            else _empty_linear(hf_config.hidden_size, embed.end - embed.start, False)
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -209,10 +282,12 @@ class LlamaForCausalLM(nn.Module):
             x = layer(positions, x, self.rotary)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] → fp32 logits [N, vocab]."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] → fp32 logits [N, vocab]. With tensor parallelism each rank
+        computes its vocabulary slice and rank 0 gathers them; the others get None."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        logits = F.linear(hidden_states, weight).float()
+        return self.parallel.gather_last_dim(logits, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown
@@ -230,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
             dest = params[target].data
+            if self.parallel.world_size > 1:
+                tensor = self._rank_slice(target, shard, tensor)
             if shard is not None:
                 sizes = self._shard_sizes(target)
                 start = sum(sizes[:shard])
@@ -251,11 +328,37 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
     def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
-        """Row counts of the checkpoint tensors stacked into a fused parameter, in order."""
+        """Row counts of the checkpoint tensors stacked into a fused parameter, in order
+        (this rank's rows under tensor parallelism)."""
         if ".qkv_proj." in fused_name:
             attn = self.model.layers[0].self_attn
             return (attn.q_size, attn.kv_size, attn.kv_size)
-        return (self.config.intermediate_size, self.config.intermediate_size)
+        mlp = self.model.layers[0].mlp
+        return (mlp.inter_end - mlp.inter_start,) * 2
+
+    def _rank_slice(self, target: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a full checkpoint tensor this rank holds in `target`."""
+        heads = self.model.layers[0].self_attn.shard
+        head_dim = _head_dim(self.config)
+        mlp = self.model.layers[0].mlp
+        module, leaf = target.split(".")[-2:]
+        if module == "qkv_proj":  # column-parallel: this rank's heads' rows
+            start, end = (
+                (heads.q_start, heads.q_end) if shard == 0 else (heads.kv_start, heads.kv_end)
+            )
+            return tensor[start * head_dim : end * head_dim]
+        if module == "gate_up_proj":
+            return tensor[mlp.inter_start : mlp.inter_end]
+        if leaf == "bias":  # row-parallel biases are added once, after the all-reduce
+            return tensor
+        if module == "o_proj":  # row-parallel: the input columns of this rank's heads
+            return tensor[:, heads.q_start * head_dim : heads.q_end * head_dim]
+        if module == "down_proj":
+            return tensor[:, mlp.inter_start : mlp.inter_end]
+        if module in ("embed_tokens", "lm_head"):  # vocab-parallel rows
+            embed = self.model.embed_tokens
+            return tensor[embed.start : embed.end]
+        return tensor  # norms: replicated
 
 
 # HF projection → (our fused projection, its index among the fused ones).
@@ -275,6 +378,11 @@ def _fused_target(name: str) -> tuple[str, int | None]:
         return name, None
     fused, shard = _FUSED[parts[-2]]
     return ".".join([*parts[:-2], fused, parts[-1]]), shard
+
+
+def _num_heads(hf_config: Any) -> tuple[int, int]:
+    heads = hf_config.num_attention_heads
+    return heads, getattr(hf_config, "num_key_value_heads", None) or heads
 
 
 def _is_fused(name: str) -> bool:

@@ -1,0 +1,181 @@
+"""Tensor-parallel state, collectives and shard ranges.
+
+A model built without a ParallelContext (or with `NO_PARALLEL`) runs every collective as
+a no-op and never touches torch.distributed, so the single-process path costs nothing.
+The shard helpers are pure functions of the sizes: every rank computes the same table
+and picks its own row, so no rank has to tell another where its slice is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A gloo collective whose peer died blocks until this timeout; the executor notices the
+# death much sooner through process sentinels, so this is only a backstop.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of each of `parts` contiguous ranges covering range(total); the first
+    `total % parts` ranges are one longer."""
+    if parts < 1:
+        raise ValueError(f"cannot split into {parts} parts")
+    base, extra = divmod(total, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """One rank's attention heads: query heads [q_start, q_end) and the KV heads
+    [kv_start, kv_end) they read."""
+
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_end - self.kv_start
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, world_size: int) -> list[HeadShard]:
+    """Split attention heads by KV-head groups, as evenly as possible.
+
+    With at least as many KV heads as ranks, each rank gets a contiguous run of KV heads
+    with all their query heads (9 query / 3 KV heads on 2 ranks: 6+2 and 3+1). With fewer
+    KV heads than ranks, the ranks are spread over the KV heads and each KV head is
+    replicated on its ranks, which split that head's query group between them; every
+    rank then holds exactly one KV head, so its local heads stay a proper GQA layout.
+    """
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= world_size:
+        return [
+            HeadShard(start * group, end * group, start, end)
+            for start, end in split_evenly(num_kv_heads, world_size)
+        ]
+    shards = []
+    for kv, (first, last) in enumerate(split_evenly(world_size, num_kv_heads)):
+        ranks = last - first
+        if group < ranks:
+            raise ValueError(
+                f"cannot shard {num_heads} query heads ({num_kv_heads} KV heads) over "
+                f"{world_size} ranks: KV head {kv} has {group} query heads for {ranks} ranks"
+            )
+        for start, end in split_evenly(group, ranks):
+            shards.append(HeadShard(kv * group + start, kv * group + end, kv, kv + 1))
+    return shards
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This process's place in the tensor-parallel group and the collectives the model
+    and the model runner need. Rank 0 is the driver: it gathers logits and samples."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None: the default group
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, total: int) -> tuple[int, int]:
+        """This rank's [start, end) of a dimension split evenly (vocab, intermediate)."""
+        return split_evenly(total, self.world_size)[self.rank]
+
+    def head_shard(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        return shard_heads(num_heads, num_kv_heads, self.world_size)[self.rank]
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` over ranks (every rank gets it)."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def gather_last_dim(self, tensor: torch.Tensor, total: int) -> torch.Tensor | None:
+        """Concatenate each rank's evenly-split slice of the last dimension (see `shard`)
+        on the driver; None on the other ranks."""
+        if self.world_size == 1:
+            return tensor
+        ranges = split_evenly(total, self.world_size)
+        widest = max(end - start for start, end in ranges)
+        # Collectives need equal shapes: pad the shorter slices, trim after.
+        pad = widest - tensor.shape[-1]
+        if pad:
+            tensor = torch.nn.functional.pad(tensor, (0, pad))
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in ranges] if self.is_driver else None
+        dist.gather(tensor, parts, dst=self._global_rank(0), group=self.group)
+        if parts is None:
+            return None
+        return torch.cat(
+            [p[..., : end - start] for p, (start, end) in zip(parts, ranges, strict=True)], -1
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """The driver's (or `src`'s) tensor on every rank, in place."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
+        return tensor
+
+    def _global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _collective_device(self) -> torch.device:
+        return (
+            torch.device("cuda") if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        )
+
+
+NO_PARALLEL = ParallelContext()
+
+
+def init_parallel(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelContext:
+    """Join the default process group (gloo on CPU, nccl on CUDA) through the TCP
+    rendezvous at master_addr:master_port, which global rank 0 hosts. On CUDA each
+    process of a node takes the GPU of its local rank."""
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr  # an IPv6 literal
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{host}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return ParallelContext(rank=rank, world_size=world_size)

@@ -1,0 +1,190 @@
+"""The `mp` executor: worker processes per tensor-parallel rank over gloo, on SmolLM2.
+
+Greedy tokens at TP=2 (uneven head shards: 6+3 query heads, 2+1 KV heads) and through
+one worker at TP=1 equal the in-process executor's; a worker that raises or is killed
+surfaces as a clear error naming it, within seconds; shutdown stops every worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plugserve import LLM, SamplingParams
+from plugserve.config import load_config
+from plugserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from plugserve_plugins.executors.mp import MultiprocExecutor
+
+MAX_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden screw press",
+    "def merge_sorted(left, right):\n    result = []",
+    "Mount Everest is",
+]
+ENGINE = dict(dtype="float32", kv_cache_memory="32MiB", max_num_seqs=8)
+
+
+def generate(llm: LLM, prompts: list[str] = PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def workers(llm: LLM) -> list[Any]:
+    executor = llm.engine.executor
+    assert isinstance(executor, MultiprocExecutor)
+    return executor._procs
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+@pytest.fixture(scope="module")
+def uni_tokens() -> list[list[int]]:
+    llm = LLM(executor="uni", **ENGINE)
+    try:
+        tokens = generate(llm)
+    finally:
+        llm.engine.shutdown()
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
+    return tokens
+
+
+def test_tp2_matches_uni_and_shuts_down(uni_tokens: list[list[int]]) -> None:
+    started = time.perf_counter()
+    llm = LLM(executor="mp", tensor_parallel_size=2, **ENGINE)
+    print(f"TP=2 engine start: {time.perf_counter() - started:.1f} s")
+    try:
+        procs = workers(llm)
+        for rank, proc in enumerate(procs):
+            assert proc.is_alive()
+            assert cmdline(proc.pid).startswith(f"plugserve::Worker_TP{rank}")
+            # Children of the engine core (here the test process, offline).
+            assert int(Path(f"/proc/{proc.pid}/stat").read_text().split()[3]) == os.getpid()
+        # KV blocks are sized per rank; rank 0 holds 2 of the 3 KV heads, so the fewest
+        # blocks: 32 MiB / (2 K/V × 30 layers × 16 tokens × 2 heads × 64 dims × 4 bytes).
+        assert llm.engine.kv_cache_info.num_blocks == (32 << 20) // (2 * 30 * 16 * 2 * 64 * 4)
+        started = time.perf_counter()
+        assert generate(llm) == uni_tokens
+        print(f"TP=2 generate: {time.perf_counter() - started:.1f} s")
+    finally:
+        llm.engine.shutdown()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    with pytest.raises(RuntimeError, match="shut down"):
+        generate(llm)
+
+
+def test_tp1_matches_uni_and_a_worker_exception_surfaces(uni_tokens: list[list[int]]) -> None:
+    llm = LLM(executor="mp", tensor_parallel_size=1, **ENGINE)
+    try:
+        (proc,) = workers(llm)
+        assert generate(llm) == uni_tokens
+        # A step naming a request the worker never saw: its ModelRunner raises KeyError.
+        bad = SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=["ghost"], new_block_ids=[[]], num_computed_tokens=[0]
+            ),
+            num_scheduled_tokens={"ghost": 1},
+            total_num_scheduled_tokens=1,
+            finished_req_ids=set(),
+        )
+        executor = llm.engine.executor
+        future = executor.execute_model(bad, non_block=True)
+        with pytest.raises(RuntimeError, match=r"Worker_TP0 failed: KeyError: 'ghost'"):
+            future.result()
+        proc.join(timeout=5)
+        assert proc.exitcode is not None  # it exits after reporting; the executor stops it too
+        with pytest.raises(RuntimeError, match="KeyError"):
+            executor.check_health()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_killed_worker_fails_the_engine_within_seconds() -> None:
+    llm = LLM(executor="mp", tensor_parallel_size=2, **ENGINE)
+    procs = workers(llm)
+    errors: list[BaseException] = []
+    failed_at: list[float] = []
+
+    def long_generate() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True))
+        except BaseException as exc:
+            errors.append(exc)
+        failed_at.append(time.perf_counter())
+
+    thread = threading.Thread(target=long_generate)
+    thread.start()
+    try:
+        # Kill it mid-request: once decoding is under way.
+        deadline = time.monotonic() + 60
+        while not any(r.num_output_tokens > 2 for r in list(llm.engine.scheduler.running)):
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        killed_at = time.perf_counter()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        llm.engine.shutdown()
+    elapsed = failed_at[0] - killed_at
+    print(f"engine error {elapsed * 1000:.0f} ms after SIGKILL: {errors}")
+    assert elapsed < 5
+    (error,) = errors
+    assert isinstance(error, RuntimeError)
+    assert "Worker_TP1" in str(error) and "SIGKILL" in str(error)
+    for proc in procs:  # the survivor, stuck in a collective, was stopped too
+        proc.join(timeout=5)
+        assert proc.exitcode is not None
+    with pytest.raises(RuntimeError, match="Worker_TP1"):
+        llm.engine.executor.check_health()
+
+
+def test_worker_failing_at_start_names_its_error() -> None:
+    config = load_config(
+        overrides=dict(model="/nonexistent/model", executor="mp", tensor_parallel_size=2)
+    )
+    executor = MultiprocExecutor(config=config)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match=r"Worker_TP[01] failed: ValueError: cannot resolve"):
+            executor.initialize()
+    finally:
+        executor.shutdown()
+    assert time.perf_counter() - started < 60
+    assert all(proc.exitcode is not None for proc in executor._procs)
+
+
+def test_two_nodes_on_one_host(uni_tokens: list[list[int]]) -> None:
+    """nnodes=2: this process is node 0 (engine + rank 0), a second command runs rank 1,
+    which takes its commands from rank 0 over the process group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # One thread per rank: the two "nodes" share this host's cores.
+    shared = dict(ENGINE, tensor_parallel_size=2, nnodes=2, master_port=port, num_threads=1)
+    overrides = [arg for key, value in shared.items() for arg in ("-o", f"{key}={value}")]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "plugserve_plugins.executors.mp", "--node-rank", "1", *overrides]
+    )
+    try:
+        llm = LLM(executor="mp", **shared)
+        try:
+            assert generate(llm) == uni_tokens
+        finally:
+            llm.engine.shutdown()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
