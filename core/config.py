@@ -52,6 +52,8 @@ class EngineConfig(_Section):
     num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
+    # Engine-core processes behind the one API server, each a full replica of the model.
+    data_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0

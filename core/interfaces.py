@@ -84,15 +84,17 @@ class ClientChannel(Protocol):
     """The API server's end: asyncio, one per API-server process."""
 
     async def wait_ready(self, timeout: float) -> Frames:
-        """The engine's first message (its handshake). Raises TimeoutError."""
+        """The next handshake from an engine that has not sent one yet (called once per
+        engine). Raises TimeoutError."""
         ...
 
-    async def send(self, frames: Frames) -> None:
-        """A request-side message to the engine; never blocks the event loop for long."""
+    async def send(self, frames: Frames, engine: int = 0) -> None:
+        """A request-side message to engine number `engine`; never blocks the event loop
+        for long."""
         ...
 
     async def recv(self) -> Frames:
-        """The next engine-side message."""
+        """The next message from any engine (the messages say which engine sent them)."""
         ...
 
     def close(self) -> None: ...
@@ -126,17 +128,17 @@ class Transport(Protocol):
 
     def __init__(self, *, options: Any = None) -> None: ...
 
-    def addresses(self) -> dict[str, str]:
-        """Fresh, opaque addresses (ports picked free, temporary paths or names) for one
-        engine; picklable strings."""
+    def addresses(self, num_engines: int = 1) -> dict[str, str]:
+        """Fresh, opaque addresses (ports picked free, temporary paths or names) for
+        `num_engines` engines sharing one client (data parallelism); picklable strings."""
         ...
 
     def client(self, addresses: dict[str, str]) -> ClientChannel:
         """Open the API server's end (in its event loop's thread)."""
         ...
 
-    def engine(self, addresses: dict[str, str]) -> EngineChannel:
-        """Open the engine's end."""
+    def engine(self, addresses: dict[str, str], engine: int = 0) -> EngineChannel:
+        """Open engine number `engine`'s end (0 <= engine < num_engines)."""
         ...
 
 

@@ -51,6 +51,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
+    engine_index: int = 0
     timestamp: float = 0.0
 
 
@@ -78,6 +79,7 @@ class OutputType:
 
 
 class EngineReady(msgspec.Struct, kw_only=True):
+    engine_index: int
     num_kv_blocks: int
     block_size: int
     dtype: str
@@ -88,10 +90,12 @@ class EngineReady(msgspec.Struct, kw_only=True):
 
 class Pong(msgspec.Struct, array_like=True):
     nonce: int
+    engine_index: int
     stats: SchedulerStats
 
 
 class EngineDead(msgspec.Struct, kw_only=True):
+    engine_index: int
     error: str
 
 

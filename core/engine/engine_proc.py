@@ -38,37 +38,47 @@ from plugserve.plugins import get_registry
 
 logger = logging.getLogger(__name__)
 
-PROCESS_TITLE = "plugserve::EngineCore"
 _STOP = object()
 
 
-def run_engine_core(config_json: str, addresses: dict[str, str]) -> None:
-    """Entry point of the spawned engine-core process."""
-    configure_process_logging("EngineCore")
+def engine_process_name(engine_index: int, data_parallel_size: int) -> str:
+    return "EngineCore" if data_parallel_size == 1 else f"EngineCore_DP{engine_index}"
+
+
+def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: int = 0) -> None:
+    """Entry point of a spawned engine-core process (one per data-parallel rank)."""
+    config = StackConfig.model_validate_json(config_json)
+    dp_size = config.engine.data_parallel_size
+    name = engine_process_name(engine_index, dp_size)
+    configure_process_logging(name)
     try:
         import setproctitle
 
-        setproctitle.setproctitle(PROCESS_TITLE)
+        setproctitle.setproctitle(f"plugserve::{name}")
     except ImportError:  # the title is a convenience for ps and top
         pass
     # The API server handles Ctrl-C and tells us to shut down; a terminal's SIGINT to
     # the whole group must not kill the engine mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = StackConfig.model_validate_json(config_json)
+    if dp_size > 1 and config.engine.num_threads is None:
+        # Replicas share the host's cores rather than all fighting for every one.
+        config.engine.num_threads = max(1, (os.cpu_count() or 1) // dp_size)
     registry = get_registry(config.disabled_plugins)
     transport = registry.build(
         "transport", config.stack.transport, config.plugin_options(config.stack.transport)
     )
-    channel = transport.engine(addresses)
+    channel = transport.engine(addresses, engine_index)
     try:
         engine = EngineCore(config)
     except BaseException as exc:
         logger.exception("engine failed to start")
-        channel.send_ready([OutputType.DEAD, encoder.encode(EngineDead(error=_one_line(exc)))])
+        dead = EngineDead(engine_index=engine_index, error=_one_line(exc))
+        channel.send_ready([OutputType.DEAD, encoder.encode(dead)])
         channel.close()
         sys.exit(1)
     info = engine.kv_cache_info
     ready = EngineReady(
+        engine_index=engine_index,
         num_kv_blocks=info.num_blocks,
         block_size=info.block_size,
         dtype=info.dtype,
@@ -77,7 +87,7 @@ def run_engine_core(config_json: str, addresses: dict[str, str]) -> None:
         pid=os.getpid(),
     )
     channel.send_ready([OutputType.READY, encoder.encode(ready)])
-    EngineCoreProc(engine, channel).run()
+    EngineCoreProc(engine, channel, engine_index).run()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -85,8 +95,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 class EngineCoreProc:
-    def __init__(self, engine: EngineCore, channel: EngineChannel) -> None:
+    def __init__(self, engine: EngineCore, channel: EngineChannel, engine_index: int = 0) -> None:
         self.engine = engine
+        self.engine_index = engine_index
         self.channel = channel
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
@@ -104,7 +115,8 @@ class EngineCoreProc:
             self._busy_loop()
         except BaseException as exc:
             logger.exception("engine core died")
-            self.output_queue.put((OutputType.DEAD, EngineDead(error=_one_line(exc))))
+            dead = EngineDead(engine_index=self.engine_index, error=_one_line(exc))
+            self.output_queue.put((OutputType.DEAD, dead))
             exit_code = 1
         finally:
             self.output_queue.put(_STOP)
@@ -160,7 +172,8 @@ class EngineCoreProc:
         elif kind == RequestType.PING:
             # A worker that died while the engine was idle fails the ping, not a request.
             self.engine.executor.check_health()
-            self.output_queue.put((OutputType.PONG, Pong(payload, self.engine.scheduler.stats())))
+            pong = Pong(payload, self.engine_index, self.engine.scheduler.stats())
+            self.output_queue.put((OutputType.PONG, pong))
         elif kind == RequestType.SHUTDOWN:
             self._running = False
         elif kind == b"__error__":
@@ -169,7 +182,12 @@ class EngineCoreProc:
     def _emit(self, outputs: list[EngineCoreOutput]) -> None:
         stats = self.engine.scheduler.stats()
         self.output_queue.put(
-            (OutputType.OUTPUTS, EngineCoreOutputs(outputs=outputs, scheduler_stats=stats))
+            (
+                OutputType.OUTPUTS,
+                EngineCoreOutputs(
+                    outputs=outputs, scheduler_stats=stats, engine_index=self.engine_index
+                ),
+            )
         )
 
     # ------------------------------------------------------------------ IO threads

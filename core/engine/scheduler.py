@@ -53,8 +53,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+        # The policy first: a policy that refuses the request (raises) leaves no trace.
         self.policy.add(request)
+        self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (aborts); returns those that were live."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plugserve.config import StackConfig
-from plugserve.engine.engine_proc import run_engine_core
+from plugserve.engine.engine_proc import engine_process_name, run_engine_core
 from plugserve.interfaces import ClientChannel, Detokenizer
 from plugserve.messages import (
     EngineCoreOutput,
@@ -76,6 +76,7 @@ class RequestState:
     num_prompt_tokens: int
     params: SamplingParams
     detokenizer: Detokenizer
+    engine: int  # the data-parallel engine serving it
     queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
     finished: bool = False
@@ -100,101 +101,148 @@ class AsyncEngineClient:
             "transport", stack.transport, config.plugin_options(stack.transport)
         )
         self._detokenizer_cls = registry.get("detokenizer", stack.detokenizer)
+        self.num_engines = config.engine.data_parallel_size
         self._states: dict[str, RequestState] = {}
+        # In-flight requests per engine: new requests go to the least loaded one.
+        self._load = [0] * self.num_engines
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._nonces = itertools.count()
         self._channel: ClientChannel | None = None
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._processes: list[multiprocessing.process.BaseProcess] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self.ready: EngineReady | None = None
-        self.stats = SchedulerStats()
+        self.readies: list[EngineReady] = []
+        self._stats = [SchedulerStats() for _ in range(self.num_engines)]
         self.dead_reason: str | None = None
 
     # ------------------------------------------------------------------ life cycle
 
     async def start(self, timeout: float = 600.0) -> EngineReady:
-        """Spawn the engine core and wait for its handshake; raise EngineDeadError with
-        the engine's own error if it dies while starting."""
-        addresses = self._transport.addresses()
+        """Spawn the engine cores and wait for every handshake; raise EngineDeadError with
+        an engine's own error if one dies while starting."""
+        addresses = self._transport.addresses(self.num_engines)
         self._channel = self._transport.client(addresses)
         ctx = multiprocessing.get_context("spawn")
-        self._process = ctx.Process(
-            target=run_engine_core,
-            args=(self.config.model_dump_json(), addresses),
-            name="EngineCore",
-        )
-        self._process.start()
+        for index in range(self.num_engines):
+            process = ctx.Process(
+                target=run_engine_core,
+                args=(self.config.model_dump_json(), addresses, index),
+                name=engine_process_name(index, self.num_engines),
+            )
+            process.start()
+            self._processes.append(process)
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
-        loop.add_reader(self._process.sentinel, lambda: exited.done() or exited.set_result(None))
+        for process in self._processes:
+            loop.add_reader(process.sentinel, lambda: exited.done() or exited.set_result(None))
+        try:
+            for _ in range(self.num_engines):
+                self.readies.append(await self._next_handshake(exited, timeout))
+        except EngineDeadError:
+            await self._stop_processes()
+            raise
+        self.readies.sort(key=lambda r: r.engine_index)
+        for process in self._processes:
+            loop.remove_reader(process.sentinel)
+            loop.add_reader(process.sentinel, self._on_process_exit)
+        self._tasks.append(asyncio.create_task(self._output_handler(), name="output-handler"))
+        for ready in self.readies:
+            logger.info(
+                "engine core %d ready (pid %d): %d KV blocks of %d, %s, max_model_len %d",
+                ready.engine_index,
+                ready.pid,
+                ready.num_kv_blocks,
+                ready.block_size,
+                ready.dtype,
+                ready.max_model_len,
+            )
+        return self.readies[0]
+
+    async def _next_handshake(self, exited: asyncio.Future[None], timeout: float) -> EngineReady:
+        assert self._channel is not None
         ready_task = asyncio.ensure_future(self._channel.wait_ready(timeout))
         done, _ = await asyncio.wait(
             {ready_task, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
         if ready_task not in done:
             ready_task.cancel()
-            await self._stop_process()
+            codes = [p.exitcode for p in self._processes if p.exitcode is not None]
             reason = (
-                "exited while starting"
-                if exited.done()
+                f"exited while starting (exit code {codes[0]})"
+                if exited.done() and codes
                 else f"did not start within {timeout:.0f} s"
             )
-            raise EngineDeadError(f"the engine core {reason} (exit code {self._process.exitcode})")
+            raise EngineDeadError(f"the engine core {reason}")
         kind, payload = ready_task.result()
         if bytes(kind) == OutputType.DEAD:
-            await self._stop_process()
             raise EngineDeadError(
                 f"the engine core failed to start: {dead_decoder.decode(payload).error}"
             )
-        self.ready = ready_decoder.decode(payload)
-        loop.remove_reader(self._process.sentinel)
-        loop.add_reader(self._process.sentinel, self._on_process_exit)
-        self._tasks.append(asyncio.create_task(self._output_handler(), name="output-handler"))
-        logger.info(
-            "engine core ready (pid %d): %d KV blocks of %d, %s, max_model_len %d",
-            self.ready.pid,
-            self.ready.num_kv_blocks,
-            self.ready.block_size,
-            self.ready.dtype,
-            self.ready.max_model_len,
-        )
-        return self.ready
+        return ready_decoder.decode(payload)
+
+    @property
+    def ready(self) -> EngineReady | None:
+        """The first engine's handshake (every engine serves the same model and limits)."""
+        return self.readies[0] if self.readies else None
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Scheduler figures summed over the engines, as of their latest report."""
+        total = SchedulerStats()
+        for s in self._stats:
+            total.num_running += s.num_running
+            total.num_waiting += s.num_waiting
+            total.num_kv_blocks += s.num_kv_blocks
+            total.num_free_kv_blocks += s.num_free_kv_blocks
+            total.prefix_cache_queries += s.prefix_cache_queries
+            total.prefix_cache_hits += s.prefix_cache_hits
+            total.num_preemptions += s.num_preemptions
+        if total.num_kv_blocks:
+            total.kv_usage = 1.0 - total.num_free_kv_blocks / total.num_kv_blocks
+        return total
 
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self._process is not None and self._process.is_alive() and self.dead_reason is None:
-            with contextlib.suppress(Exception):  # the engine is going away either way
-                await asyncio.wait_for(self._send([RequestType.SHUTDOWN, b""]), 2)
-        await self._stop_process()
+        if self.dead_reason is None:
+            for index, process in enumerate(self._processes):
+                if process.is_alive():
+                    with contextlib.suppress(Exception):  # it is going away either way
+                        await asyncio.wait_for(self._send([RequestType.SHUTDOWN, b""], index), 2)
+        await self._stop_processes()
         if self._channel is not None:
             self._channel.close()
 
-    async def _stop_process(self) -> None:
-        process = self._process
-        if process is None:
-            return
-        asyncio.get_running_loop().remove_reader(process.sentinel)
-        for stop in (None, process.terminate, process.kill):
-            if stop is not None:
-                stop()
-            await asyncio.get_running_loop().run_in_executor(None, process.join, 5)
-            if not process.is_alive():
-                return
+    async def _stop_processes(self) -> None:
+        loop = asyncio.get_running_loop()
+        for process in self._processes:
+            loop.remove_reader(process.sentinel)
+        for process in self._processes:
+            for stop in (None, process.terminate, process.kill):
+                if stop is not None:
+                    stop()
+                await loop.run_in_executor(None, process.join, 5)
+                if not process.is_alive():
+                    break
 
     @property
-    def engine_pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+    def engine_pids(self) -> list[int]:
+        return [p.pid for p in self._processes if p.pid is not None]
 
     @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
     def _on_process_exit(self) -> None:
-        assert self._process is not None
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        self._process.join(0)
-        self._mark_dead(f"the engine core exited unexpectedly (exit code {self._process.exitcode})")
+        loop = asyncio.get_running_loop()
+        for index, process in enumerate(self._processes):
+            if not process.is_alive():
+                loop.remove_reader(process.sentinel)
+                process.join(0)
+                name = engine_process_name(index, self.num_engines)
+                self._mark_dead(
+                    f"the engine core {name} exited unexpectedly (exit code {process.exitcode})"
+                )
+                return
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -228,6 +276,7 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        engine = min(range(self.num_engines), key=self._load.__getitem__)
         state = RequestState(
             request_id=request_id,
             num_prompt_tokens=len(prompt_token_ids),
@@ -235,8 +284,9 @@ class AsyncEngineClient:
             detokenizer=self._detokenizer_cls(
                 tokenizer=self.tokenizer, prompt_token_ids=prompt_token_ids, params=params
             ),
+            engine=engine,
         )
-        self._states[request_id] = state  # before sending: outputs may come back at once
+        self._register(state)  # before sending: outputs may come back at once
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -246,7 +296,7 @@ class AsyncEngineClient:
             priority=priority,
         )
         try:
-            await self._send([RequestType.ADD, encoder.encode(request)])
+            await self._send([RequestType.ADD, encoder.encode(request)], engine)
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
@@ -255,36 +305,50 @@ class AsyncEngineClient:
                 if item.finished:
                     return
         finally:
-            if not state.finished:
-                state.finished = True
-                self._states.pop(request_id, None)
-                if self.dead_reason is None:
-                    await self.abort([request_id])
+            if not state.finished and self.dead_reason is None:
+                await self.abort([request_id])
+
+    def _register(self, state: RequestState) -> None:
+        self._states[state.request_id] = state
+        self._load[state.engine] += 1
+
+    def _forget(self, state: RequestState) -> None:
+        """The request is over on this side (finished, failed or aborted)."""
+        if not state.finished:
+            state.finished = True
+            del self._states[state.request_id]
+            self._load[state.engine] -= 1
 
     async def abort(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
-            state = self._states.pop(request_id, None)
+            state = self._states.get(request_id)
             if state is not None:
-                state.finished = True
-        await self._send([RequestType.ABORT, encoder.encode(request_ids)])
+                self._forget(state)
+                by_engine.setdefault(state.engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            await self._send([RequestType.ABORT, encoder.encode(ids)], engine)
 
     async def check_health(self, timeout: float) -> None:
         """A round trip through the transport to the engine's busy loop. Raises
         EngineDeadError if the engine is gone, TimeoutError if it does not answer."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        nonce = next(self._nonces)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pongs[nonce] = future
+        loop = asyncio.get_running_loop()
+        nonces = [next(self._nonces) for _ in range(self.num_engines)]
+        futures = [loop.create_future() for _ in nonces]
+        self._pongs.update(zip(nonces, futures, strict=True))
         try:
-            await self._send([RequestType.PING, encoder.encode(nonce)])
-            await asyncio.wait_for(future, timeout)
+            for engine, nonce in enumerate(nonces):
+                await self._send([RequestType.PING, encoder.encode(nonce)], engine)
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
         finally:
-            self._pongs.pop(nonce, None)
+            for nonce in nonces:
+                self._pongs.pop(nonce, None)
 
-    async def _send(self, frames: list[bytes]) -> None:
+    async def _send(self, frames: list[bytes], engine: int = 0) -> None:
         assert self._channel is not None, "start() the client first"
-        await self._channel.send(frames)
+        await self._channel.send(frames, engine)
 
     # ------------------------------------------------------------------ outputs
 
@@ -297,11 +361,11 @@ class AsyncEngineClient:
                 if kind == OutputType.OUTPUTS:
                     batch = outputs_decoder.decode(payload)
                     if batch.scheduler_stats is not None:
-                        self.stats = batch.scheduler_stats
+                        self._stats[batch.engine_index] = batch.scheduler_stats
                     await self._process_outputs(batch.outputs)
                 elif kind == OutputType.PONG:
                     pong = pong_decoder.decode(payload)
-                    self.stats = pong.stats
+                    self._stats[pong.engine_index] = pong.stats
                     future = self._pongs.get(pong.nonce)
                     if future is not None and not future.done():
                         future.set_result(None)
@@ -316,7 +380,7 @@ class AsyncEngineClient:
 
     async def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
-            to_abort = []
+            to_abort: list[str] = []
             for output in outputs[start : start + OUTPUT_CHUNK_SIZE]:
                 state = self._states.get(output.request_id)
                 if state is None:
@@ -325,15 +389,14 @@ class AsyncEngineClient:
                     to_abort.append(output.request_id)
             if to_abort:
                 # Stop strings end requests here; the engine must free them too.
-                await self._send([RequestType.ABORT, encoder.encode(to_abort)])
+                await self.abort(to_abort)
             if start + OUTPUT_CHUNK_SIZE < len(outputs):
                 await asyncio.sleep(0)
 
     def _apply(self, state: RequestState, output: EngineCoreOutput) -> bool:
         """Detokenize one output into a delta; True if a stop string ended the request."""
         if output.error is not None:
-            state.finished = True
-            del self._states[state.request_id]
+            self._forget(state)
             state.queue.put_nowait(RequestError(output.error))
             return False
         detok = state.detokenizer
@@ -348,9 +411,8 @@ class AsyncEngineClient:
             finish_reason, stop_reason = "stop", detok.stop_reason
         elif finish_reason is not None:
             text += detok.flush()
-        if finish_reason is not None:
-            state.finished = True
-            del self._states[state.request_id]
+        if finish_reason is not None and not stopped_here:
+            self._forget(state)
         state.queue.put_nowait(
             RequestDelta(
                 text=text,

@@ -8,7 +8,7 @@ zero-copy: frames come back as memoryviews over ZeroMQ's buffers.
 
 from __future__ import annotations
 
-import os
+import asyncio
 import shutil
 import socket
 import tempfile
@@ -21,7 +21,9 @@ import zmq.asyncio
 from plugserve import hookimpl
 from plugserve.interfaces import Frames
 
-_ENGINE_IDENTITY = b"engine-0"
+
+def _identity(engine: int) -> bytes:
+    return b"engine-%d" % engine
 
 
 class ZmqTransport:
@@ -34,7 +36,8 @@ class ZmqTransport:
     def __init__(self, *, options: Options | None = None) -> None:
         self.options = options or self.Options()
 
-    def addresses(self) -> dict[str, str]:
+    def addresses(self, num_engines: int = 1) -> dict[str, str]:
+        # One ROUTER and one PULL serve every engine: identities route the requests.
         if self.options.protocol == "tcp":
             return {
                 "input": f"tcp://127.0.0.1:{_free_port()}",
@@ -50,8 +53,8 @@ class ZmqTransport:
     def client(self, addresses: dict[str, str]) -> ZmqClientChannel:
         return ZmqClientChannel(addresses)
 
-    def engine(self, addresses: dict[str, str]) -> ZmqEngineChannel:
-        return ZmqEngineChannel(addresses)
+    def engine(self, addresses: dict[str, str], engine: int = 0) -> ZmqEngineChannel:
+        return ZmqEngineChannel(addresses, engine)
 
 
 def _free_port() -> int:
@@ -72,22 +75,22 @@ class ZmqClientChannel:
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(addresses["output"])
-        self._identity: bytes | None = None
+        self._ready: set[bytes] = set()
 
     async def wait_ready(self, timeout: float) -> Frames:
-        import asyncio
 
         try:
             identity, *frames = await asyncio.wait_for(self._input.recv_multipart(), timeout)
         except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before 3.11
             raise TimeoutError(f"no engine handshake within {timeout} s") from exc
-        self._identity = identity
+        self._ready.add(identity)
         return frames
 
-    async def send(self, frames: Frames) -> None:
-        if self._identity is None:
-            raise RuntimeError("the engine has not completed its handshake")
-        await self._input.send_multipart([self._identity, *frames], copy=False)
+    async def send(self, frames: Frames, engine: int = 0) -> None:
+        identity = _identity(engine)
+        if identity not in self._ready:
+            raise RuntimeError(f"engine {engine} has not completed its handshake")
+        await self._input.send_multipart([identity, *frames], copy=False)
 
     async def recv(self) -> Frames:
         frames = await self._output.recv_multipart(copy=False)
@@ -102,11 +105,11 @@ class ZmqClientChannel:
 
 
 class ZmqEngineChannel:
-    def __init__(self, addresses: dict[str, str]) -> None:
+    def __init__(self, addresses: dict[str, str], engine: int) -> None:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.DEALER)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.IDENTITY, _ENGINE_IDENTITY + b"-%d" % os.getpid())
+        self._input.setsockopt(zmq.IDENTITY, _identity(engine))
         self._input.connect(addresses["input"])
         self._output = self._ctx.socket(zmq.PUSH)
         self._output.setsockopt(zmq.LINGER, 2000)  # let the last outputs (DEAD) leave
