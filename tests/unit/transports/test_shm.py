@@ -1,14 +1,17 @@
-"""The shm transport: shared-memory rings with FIFO doorbells between two processes.
+"""The shm transport: shared-memory rings with FIFO doorbells, two per engine.
 
 The contract every transport honours (handshake, order, timeouts, idle waits that do not
-spin) is in test_transport_contract.py, shm included; this file specifies what is the
-shm transport's own: options, ring wrap-around, the size limit, back-pressure, who
-creates and who removes the shared memory.
+spin, several engines behind one client) is in test_transport_contract.py, shm
+included; this file specifies what is the shm transport's own: options, ring
+wrap-around, the size limit, back-pressure, how the engines' outputs are merged and
+their handshakes told apart, who creates and who removes the shared memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
 import subprocess
 import sys
@@ -17,23 +20,35 @@ import time
 
 import pydantic
 import pytest
-from test_transport_contract import build, echo_pair, round_trip, varied_messages
+from test_transport_contract import (
+    answered_by,
+    build,
+    echo_engines,
+    echo_pair,
+    echoed,
+    round_trip,
+    varied_messages,
+)
 
-from plugserve_plugins.transports.shm import MIN_RING_BYTES, ShmEngineChannel, ShmTransport
+from plugserve_plugins.transports.shm import (
+    MIN_RING_BYTES,
+    ShmEngineChannel,
+    ShmTransport,
+    _Names,
+)
 
 SMALL_RING = 4096
 HEADER = 16  # u64 record length + u64 frame count, then u64 per frame
 
 
-def shm_exists(name: str) -> bool:
-    return os.path.exists(os.path.join("/dev/shm", name))
-
-
 def left_behind(addresses: dict[str, str]) -> list[str]:
-    """What the transport created for these addresses and still exists."""
-    paths = [os.path.join("/dev/shm", addresses[k]) for k in ("input", "output")]
-    paths.append(addresses["folder"])
-    return [p for p in paths if os.path.exists(p)]
+    """What the transport created for these addresses and still exists: segments, whose
+    names all start with the address's name, and the FIFO folder."""
+    prefix = addresses["name"] + "_"
+    paths = [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    if os.path.exists(addresses["folder"]):
+        paths.append(addresses["folder"])
+    return sorted(paths)
 
 
 # --------------------------------------------------------------------------- options
@@ -50,10 +65,14 @@ def test_options_default_to_16_mib_rings_and_are_validated():
 
 def test_addresses_are_fresh_names_and_create_nothing():
     transport = ShmTransport()
-    first, second = transport.addresses(), transport.addresses()
-    assert first != second
-    assert all(len(first[k]) < 31 for k in ("input", "output"))  # macOS's shm name limit
-    assert left_behind(first) == []
+    first, second = transport.addresses(), transport.addresses(4)
+    assert first["name"] != second["name"] and first["folder"] != second["folder"]
+    assert first["engines"] == "1" and second["engines"] == "4"
+    names = _Names(transport.addresses(1000), 999)
+    assert len("/" + names.input) <= 31 and len("/" + names.output) <= 31  # macOS's limit
+    assert left_behind(first) == [] and left_behind(second) == []
+    with pytest.raises(ValueError):
+        transport.addresses(0)
 
 
 # --------------------------------------------------------------------------- the ring
@@ -73,7 +92,7 @@ def test_small_ring_wraps_around_many_times_without_corrupting_messages():
 
             sender = asyncio.create_task(send_all())
             for frames in messages:
-                assert await client.recv() == [b"echo:" + frames[0], *frames[1:]]
+                assert await client.recv() == echoed(frames)
             await sender
 
     asyncio.run(main())
@@ -87,7 +106,7 @@ def test_messages_up_to_half_the_ring_arrive_intact():
     async def main():
         async with echo_pair(transport) as (client, _):
             for frames in messages:
-                assert await round_trip(client, frames) == [b"echo:" + frames[0], *frames[1:]]
+                assert await round_trip(client, frames) == echoed(frames)
 
     asyncio.run(main())
 
@@ -100,12 +119,12 @@ def test_a_message_larger_than_the_ring_raises_value_error_and_the_channel_goes_
         async with echo_pair(transport) as (client, _):
             with pytest.raises(ValueError, match="does not fit in the shm transport's ring"):
                 await client.send([exact_fit + b"x"])
-            # Exactly the capacity is allowed; its echo, 5 bytes longer, is refused on
+            # Exactly the capacity is allowed; its echo, 6 bytes longer, is refused on
             # the engine's side with the same error, and the engine goes on.
             kind, message = await round_trip(client, [exact_fit])
             assert kind == b"error" and b"ring_bytes" in message
             assert await round_trip(client, [b"still", b"working"]) == [
-                b"echo:still",
+                b"echo0:still",
                 b"working",
             ]
 
@@ -134,7 +153,7 @@ def test_a_full_request_ring_makes_senders_wait_in_order_without_blocking_the_lo
             # Concurrent senders, all held back by the full ring, keep their order.
             sends = asyncio.gather(*(client.send([b"%d" % i, payload]) for i in range(count)))
             for i in range(count):
-                assert await client.recv() == [b"echo:%d" % i, payload]
+                assert await client.recv() == [b"echo0:%d" % i, payload]
             await sends
             ticking.cancel()
             assert time.monotonic() - started >= 0.4  # the senders did have to wait
@@ -158,23 +177,169 @@ def test_a_full_output_ring_makes_the_engine_wait_and_loses_nothing():
             await asyncio.sleep(0.5)  # not reading: both rings fill, both sides wait
             assert not sender.done()
             for frames in messages:
-                assert await client.recv() == [b"echo:" + frames[0], frames[1]]
+                assert await client.recv() == echoed(frames)
             await sender
 
     asyncio.run(main())
 
 
+# --------------------------------------------------------------------------- several engines
+
+
+def open_in_process(num_engines: int, ring_bytes: int = SMALL_RING):
+    """A client and its engines' ends, all in this process (the engine ends are
+    blocking but never block here: their rings have room)."""
+    transport = build("shm", ring_bytes=ring_bytes)
+    addresses = transport.addresses(num_engines)
+    client = transport.client(addresses)
+    engines = [transport.engine(addresses, engine) for engine in range(num_engines)]
+    return client, engines
+
+
+def close_all(client, engines) -> None:
+    for engine in engines:
+        engine.close()
+    client.close()
+
+
+def test_output_from_every_engine_is_merged_fairly():
+    # Both engines' output rings are full before the client reads: a client that kept
+    # reading the ring it read last (or always the first) would take all of one
+    # engine's backlog first; round robin takes one from each in turn.
+    transport = build("shm", ring_bytes=64 * 1024)
+    per_engine, payload = 150, b"o" * 1000  # ~63 messages fill an output ring
+
+    async def main():
+        async with echo_engines(transport, 2) as (client, _):
+
+            async def send_all():
+                for i in range(per_engine):
+                    for engine in (0, 1):
+                        await client.send([b"%d" % i, payload], engine)
+
+            sender = asyncio.create_task(send_all())
+            await asyncio.sleep(1.0)  # not reading: both output rings fill
+            order = []
+            received: list[list[list[bytes]]] = [[], []]
+            for _ in range(2 * per_engine):
+                frames = await client.recv()
+                order.append(answered_by(frames))
+                received[order[-1]].append(frames)
+            await sender
+            assert all(a != b for a, b in itertools.pairwise(order[:100])), order[:100]
+            for engine in (0, 1):
+                assert received[engine] == [
+                    echoed([b"%d" % i, payload], engine) for i in range(per_engine)
+                ]
+
+    asyncio.run(main())
+
+
+def test_a_full_request_ring_holds_back_only_its_own_engine():
+    client, (engine0, engine1) = open_in_process(2)
+
+    async def main():
+        payload = b"p" * 1000
+        sent = 0
+        while True:  # fill engine 0's request ring until a send has to wait
+            held_back = asyncio.create_task(client.send([b"%d" % sent, payload], 0))
+            await asyncio.sleep(0.01)
+            if not held_back.done():
+                break
+            sent += 1
+        await asyncio.wait_for(client.send([b"to 1"], 1), 1)  # engine 1's ring has room
+        assert engine1.recv(timeout=1) == [b"to 1"]
+        assert not held_back.done()
+        for i in range(sent):  # engine 0 reads: the held-back send goes through
+            assert engine0.recv(timeout=1) == [b"%d" % i, payload]
+        await asyncio.wait_for(held_back, 1)
+        assert engine0.recv(timeout=1) == [b"%d" % sent, payload]
+
+    try:
+        asyncio.run(main())
+    finally:
+        close_all(client, [engine0, engine1])
+
+
+def test_a_recv_waiting_before_the_handshakes_wakes_when_they_are_taken():
+    # The engine's handshake and its first output are both in its ring before the
+    # handshake is taken; recv skips that ring until then, and must not sleep through
+    # the output after (wait_ready's drain may have taken the doorbell's ring).
+    client, engines = open_in_process(2)
+
+    async def main():
+        waiting = asyncio.create_task(client.recv())
+        await asyncio.sleep(0.05)
+        for engine, channel in enumerate(engines):
+            channel.send_ready([b"ready", b"%d" % engine])
+            channel.send([b"output", b"%d" % engine])
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # a handshake is not an output
+            assert await client.wait_ready(1) == [b"ready", b"%d" % engine]
+            assert await asyncio.wait_for(waiting, 1) == [b"output", b"%d" % engine]
+            waiting = asyncio.create_task(client.recv())
+            await asyncio.sleep(0.05)
+        waiting.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        close_all(client, engines)
+
+
+def test_concurrent_wait_ready_calls_take_one_handshake_each():
+    client, engines = open_in_process(3)
+
+    async def main():
+        waits = asyncio.gather(*(client.wait_ready(5) for _ in engines))
+        await asyncio.sleep(0.05)
+        for engine in (2, 0, 1):
+            engines[engine].send_ready([b"ready", b"%d" % engine])
+            await asyncio.sleep(0.01)
+        assert sorted(await waits) == [[b"ready", b"%d" % i] for i in range(3)]
+        with pytest.raises(RuntimeError, match="every engine"):
+            await client.wait_ready(1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        close_all(client, engines)
+
+
+def test_engine_indices_out_of_range_are_refused():
+    transport = build("shm", ring_bytes=SMALL_RING)
+    addresses = transport.addresses(2)
+    with pytest.raises(IndexError):
+        transport.engine(addresses, 2)
+    client = transport.client(addresses)
+
+    async def main():
+        for engine in (2, -1):
+            with pytest.raises(IndexError):
+                await client.send([b"x"], engine)
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+    assert left_behind(addresses) == []
+
+
 # --------------------------------------------------------------------------- ownership
 
 
-def test_the_client_removes_every_segment_and_fifo_when_it_closes():
+@pytest.mark.parametrize("num_engines", [1, 3])
+def test_the_client_removes_every_segment_and_fifo_when_it_closes(num_engines):
     transport = build("shm", ring_bytes=SMALL_RING)
-    addresses = transport.addresses()
+    addresses = transport.addresses(num_engines)
     client = transport.client(addresses)
-    assert len(left_behind(addresses)) == 3  # two segments and the FIFO folder
-    engine = transport.engine(addresses)
-    engine.close()  # the engine only unmaps
-    assert len(left_behind(addresses)) == 3
+    created = left_behind(addresses)
+    assert len(created) == 2 * num_engines + 1  # two segments per engine and the folder
+    assert len(os.listdir(addresses["folder"])) == 2 * num_engines  # two FIFOs per engine
+    engines = [transport.engine(addresses, engine) for engine in range(num_engines)]
+    for engine in engines:
+        engine.close()  # an engine only unmaps
+    assert left_behind(addresses) == created
     client.close()
     client.close()  # idempotent
     assert left_behind(addresses) == []
@@ -182,12 +347,12 @@ def test_the_client_removes_every_segment_and_fifo_when_it_closes():
 
 def test_nothing_is_left_behind_after_a_served_session():
     transport = build("shm", ring_bytes=SMALL_RING)
-    addresses = transport.addresses()
+    addresses = transport.addresses(2)
 
     async def main():
-        async with echo_pair(transport, addresses=addresses) as (client, _):
-            assert len(left_behind(addresses)) == 3
-            await round_trip(client, [b"x"])
+        async with echo_engines(transport, 2, addresses=addresses) as (client, _):
+            assert len(left_behind(addresses)) == 5
+            await round_trip(client, [b"x"], 1)
 
     asyncio.run(main())
     assert left_behind(addresses) == []
@@ -195,12 +360,12 @@ def test_nothing_is_left_behind_after_a_served_session():
 
 def test_a_client_that_fails_to_open_leaves_nothing_behind():
     transport = build("shm", ring_bytes=SMALL_RING)
-    addresses = transport.addresses()
+    addresses = transport.addresses(2)
     os.mkdir(addresses["folder"])  # someone else's folder: never reused
     try:
         with pytest.raises(FileExistsError):
             transport.client(addresses)
-        assert not shm_exists(addresses["input"]) and not shm_exists(addresses["output"])
+        assert left_behind(addresses) == [addresses["folder"]]
     finally:
         os.rmdir(addresses["folder"])
 
@@ -209,30 +374,23 @@ def test_an_engine_in_an_unrelated_process_leaves_the_segments_alone_when_it_exi
     # Attaching must not register the segments with the engine process's resource
     # tracker: a tracker of its own would unlink them (and warn) when that process exits.
     transport = build("shm", ring_bytes=SMALL_RING)
-    addresses = transport.addresses()
+    addresses = transport.addresses(2)
     client = transport.client(addresses)
     code = (
-        "import sys; from plugserve_plugins.transports.shm import ShmTransport\n"
-        "engine = ShmTransport().engine(dict(zip(('input', 'output', 'folder'), sys.argv[1:])))\n"
+        "import json, sys; from plugserve_plugins.transports.shm import ShmTransport\n"
+        "engine = ShmTransport().engine(json.loads(sys.argv[1]), 1)\n"
         "engine.send_ready([b'ready']); engine.close()\n"
     )
     try:
         child = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                code,
-                addresses["input"],
-                addresses["output"],
-                addresses["folder"],
-            ],
+            [sys.executable, "-c", code, json.dumps(addresses)],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert child.returncode == 0, child.stderr
         assert "resource_tracker" not in child.stderr
-        assert len(left_behind(addresses)) == 3
+        assert len(left_behind(addresses)) == 5
         assert asyncio.run(client.wait_ready(5)) == [b"ready"]
     finally:
         client.close()
@@ -241,9 +399,9 @@ def test_an_engine_in_an_unrelated_process_leaves_the_segments_alone_when_it_exi
 
 def test_the_engine_may_open_first_and_waits_for_the_client():
     transport = build("shm", ring_bytes=SMALL_RING)
-    addresses = transport.addresses()
+    addresses = transport.addresses(2)
     opened = []
-    thread = threading.Thread(target=lambda: opened.append(transport.engine(addresses)))
+    thread = threading.Thread(target=lambda: opened.append(transport.engine(addresses, 1)))
     thread.start()
     time.sleep(0.2)
     client = transport.client(addresses)
@@ -274,19 +432,35 @@ def test_a_closed_client_refuses_to_send_or_receive():
             await client.send([b"x"])
         with pytest.raises(RuntimeError, match="closed"):
             await client.recv()
+        with pytest.raises(RuntimeError, match="closed"):
+            await client.wait_ready(1)
 
     asyncio.run(main())
 
 
-def test_closing_the_client_wakes_a_waiting_recv_with_an_error():
-    transport = build("shm", ring_bytes=SMALL_RING)
-    client = transport.client(transport.addresses())
+@pytest.mark.parametrize("from_another_thread", [False, True])
+@pytest.mark.parametrize("handshakes", [0, 2])
+def test_closing_the_client_wakes_a_waiting_recv_with_an_error(handshakes, from_another_thread):
+    # With no handshake taken, recv watches no doorbell; with both, it watches both.
+    client, engines = open_in_process(2)
+    for engine in engines:
+        engine.send_ready([b"ready"])
 
     async def main():
+        for _ in range(handshakes):
+            await client.wait_ready(1)
         waiting = asyncio.create_task(client.recv())
         await asyncio.sleep(0.05)
-        client.close()
+        if from_another_thread:
+            closer = threading.Thread(target=client.close)
+            closer.start()
+            closer.join()
+        else:
+            client.close()
         with pytest.raises(RuntimeError, match="closed"):
             await asyncio.wait_for(waiting, 5)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        close_all(client, engines)

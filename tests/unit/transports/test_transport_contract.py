@@ -1,9 +1,12 @@
 """The transport contract, proven the same way for every bundled transport.
 
 Each test builds the transport through the plugin registry, opens the client end here
-(asyncio, as the API server does) and the engine end in a spawned child process running
-`echo_engine`, which plays the engine core: it speaks first, then answers every message.
-test_shm.py reuses `echo_engine` and `echo_pair` for the shm-specific behaviour.
+(asyncio, as the API server does) and each engine's end in a spawned child process
+running `echo_engine`, which plays an engine core: it speaks first, then answers every
+message, naming itself in the answer. Most tests run one engine; those with two check
+data parallelism: several engines behind one client channel, each addressed by its
+index, their answers merged by `recv`. test_shm.py reuses these helpers for the
+shm-specific behaviour.
 """
 
 from __future__ import annotations
@@ -30,21 +33,25 @@ IDLE_CPU_LIMIT = 0.1  # CPU seconds over IDLE_SECONDS of waiting: well under, or
 
 
 def echo_engine(
-    transport_cls: type, options: Any, addresses: dict[str, str], start_delay: float = 0.0
+    transport_cls: type,
+    options: Any,
+    addresses: dict[str, str],
+    engine: int = 0,
+    start_delay: float = 0.0,
 ) -> None:
-    """A stand-in engine core, run in a spawned child.
+    """A stand-in engine core number `engine`, run in a spawned child.
 
-    Speaks first (`[b"ready", pid]`), then, for every message:
+    Speaks first (`[b"ready", engine, pid]`), then, for every message:
       [b"stop"]            → close and exit 0
       [b"idle", seconds]   → recv(timeout=seconds), answer [b"idle", result-is-None,
                              CPU seconds, wall seconds] of that wait
-      anything else        → send it back with b"echo:" before the first frame; a send
-                             the transport refuses with ValueError is answered
-                             [b"error", message]
+      anything else        → send it back with b"echo<engine>:" before the first frame
+                             (see `echoed`); a send the transport refuses with
+                             ValueError is answered [b"error", message]
     `start_delay` keeps it from reading at first, so the request side fills up.
     """
-    channel = transport_cls(options=options).engine(addresses)
-    channel.send_ready([b"ready", str(os.getpid()).encode()])
+    channel = transport_cls(options=options).engine(addresses, engine)
+    channel.send_ready([b"ready", b"%d" % engine, str(os.getpid()).encode()])
     time.sleep(start_delay)
     while True:
         frames = channel.recv(timeout=None)
@@ -59,46 +66,83 @@ def echo_engine(
             channel.send([b"idle", b"%d" % (result is None), b"%f" % cpu, b"%f" % wall])
             continue
         try:
-            channel.send([b"echo:" + first, *frames[1:]])
+            channel.send([b"echo%d:" % engine + first, *frames[1:]])
         except ValueError as exc:
             channel.send([b"error", str(exc).encode()])
     channel.close()
+
+
+def echoed(frames: list, engine: int = 0) -> list[bytes]:
+    """What `echo_engine` number `engine` answers to `frames`."""
+    return [b"echo%d:" % engine + bytes(frames[0]), *(bytes(f) for f in frames[1:])]
+
+
+def answered_by(frames: list) -> int:
+    """Which engine sent this echo."""
+    prefix = bytes(frames[0]).split(b":", 1)[0]
+    assert prefix.startswith(b"echo"), frames
+    return int(prefix[len(b"echo") :])
 
 
 def build(name: str, **options: Any):
     return get_registry().build("transport", name, options)
 
 
+def spawn_engine(transport, addresses: dict[str, str], engine: int = 0, start_delay=0.0):
+    process = multiprocessing.get_context("spawn").Process(
+        target=echo_engine,
+        args=(type(transport), transport.options, addresses, engine, start_delay),
+        daemon=True,
+    )
+    process.start()
+    return process
+
+
+@contextlib.asynccontextmanager
+async def echo_engines(
+    transport,
+    num_engines: int = 1,
+    start_delay: float = 0.0,
+    addresses: dict[str, str] | None = None,
+) -> AsyncIterator[tuple[Any, list[Any]]]:
+    """(client channel, engine processes by index) after every engine's handshake; on
+    exit each engine is told to stop and must exit 0, and the client end is closed."""
+    addresses = addresses or transport.addresses(num_engines)
+    client = transport.client(addresses)
+    processes = []
+    try:
+        for engine in range(num_engines):
+            processes.append(spawn_engine(transport, addresses, engine, start_delay))
+        handshakes = [[bytes(f) for f in await client.wait_ready(60)] for _ in processes]
+        assert sorted(handshakes) == sorted(
+            [b"ready", b"%d" % engine, str(process.pid).encode()]
+            for engine, process in enumerate(processes)
+        )
+        yield client, processes
+        for engine in range(num_engines):
+            await client.send([b"stop"], engine)
+        for process in processes:
+            process.join(30)
+            assert process.exitcode == 0
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        client.close()
+
+
 @contextlib.asynccontextmanager
 async def echo_pair(
     transport, start_delay: float = 0.0, addresses: dict[str, str] | None = None
 ) -> AsyncIterator[tuple[Any, Any]]:
-    """(client channel, engine process) after the handshake; on exit the engine is told
-    to stop and must exit 0, and the client end is closed."""
-    addresses = addresses or transport.addresses()
-    client = transport.client(addresses)
-    process = multiprocessing.get_context("spawn").Process(
-        target=echo_engine,
-        args=(type(transport), transport.options, addresses, start_delay),
-        daemon=True,
-    )
-    try:
-        process.start()
-        ready = await client.wait_ready(60)
-        assert [bytes(f) for f in ready] == [b"ready", str(process.pid).encode()]
+    """One engine: (client channel, engine process), as `echo_engines`."""
+    async with echo_engines(transport, 1, start_delay, addresses) as (client, (process,)):
         yield client, process
-        await client.send([b"stop"])
-        process.join(30)
-        assert process.exitcode == 0
-    finally:
-        if process.is_alive():
-            process.kill()
-            process.join(5)
-        client.close()
 
 
-async def round_trip(client, frames: list) -> list[bytes]:
-    await client.send(frames)
+async def round_trip(client, frames: list, engine: int = 0) -> list[bytes]:
+    await client.send(frames, engine)
     return [bytes(f) for f in await client.recv()]
 
 
@@ -119,34 +163,97 @@ def varied_messages(max_size: int, count: int, seed: int = 0) -> list[list[bytes
 def test_the_engine_speaks_first_and_then_answers(name):
     async def main():
         async with echo_pair(build(name)) as (client, _):
-            assert await round_trip(client, [b"hello", b"world"]) == [b"echo:hello", b"world"]
+            assert await round_trip(client, [b"hello", b"world"]) == [b"echo0:hello", b"world"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("num_engines", [1, 2])
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_messages_arrive_intact_and_in_order_both_ways(name, num_engines):
+    messages = varied_messages(max_size=64 * 1024, count=300)
+    rng = random.Random(3)
+    targets = [rng.randrange(num_engines) for _ in messages]  # interleaved, unevenly
+
+    async def main():
+        async with echo_engines(build(name), num_engines) as (client, _):
+            # Frames may be any bytes-like object.
+            assert await round_trip(client, [bytearray(b"ab"), memoryview(b"cd")]) == [
+                b"echo0:ab",
+                b"cd",
+            ]
+
+            async def send_all():
+                for frames, engine in zip(messages, targets, strict=True):
+                    await client.send(frames, engine)
+
+            sender = asyncio.create_task(send_all())  # pipelined: not one at a time
+            received: list[list[list[bytes]]] = [[] for _ in range(num_engines)]
+            for _ in messages:
+                got = [bytes(f) for f in await client.recv()]
+                received[answered_by(got)].append(got)
+            await sender
+            # Each engine answered exactly what was sent to it, in order; the order
+            # between engines is not specified.
+            for engine in range(num_engines):
+                expected = [
+                    echoed(frames, engine)
+                    for frames, target in zip(messages, targets, strict=True)
+                    if target == engine
+                ]
+                assert received[engine] == expected
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_messages_arrive_intact_and_in_order_both_ways(name):
-    messages = varied_messages(max_size=64 * 1024, count=300)
-
+def test_each_engine_answers_only_what_is_sent_to_it(name):
     async def main():
-        async with echo_pair(build(name)) as (client, _):
-            # Frames may be any bytes-like object.
-            assert await round_trip(client, [bytearray(b"ab"), memoryview(b"cd")]) == [
-                b"echo:ab",
-                b"cd",
-            ]
-
-            async def send_all():
-                for frames in messages:
-                    await client.send(frames)
-
-            sender = asyncio.create_task(send_all())  # pipelined: not one at a time
-            for frames in messages:
-                got = [bytes(f) for f in await client.recv()]
-                assert got == [b"echo:" + frames[0], *frames[1:]]
-            await sender
+        async with echo_engines(build(name), 2) as (client, _):
+            for engine in (1, 0, 0, 1):
+                assert await round_trip(client, [b"to", b"%d" % engine], engine) == echoed(
+                    [b"to", b"%d" % engine], engine
+                )
+            # Both engines busy at once: everything comes back, each from its engine.
+            for i in range(20):
+                await client.send([b"%d" % i], i % 2)
+            got = sorted([[bytes(f) for f in await client.recv()] for _ in range(20)])
+            assert got == sorted(echoed([b"%d" % i], i % 2) for i in range(20))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_recv_never_returns_a_handshake(name):
+    transport = build(name)
+    addresses = transport.addresses(2)
+    client = transport.client(addresses)
+
+    async def main():
+        processes = [spawn_engine(transport, addresses, engine) for engine in (0, 1)]
+        try:
+            first = int(bytes((await client.wait_ready(60))[1]))
+            await asyncio.sleep(0.5)  # most likely the other engine's handshake is in by now
+            for i in range(5):
+                assert await round_trip(client, [b"%d" % i], first) == echoed([b"%d" % i], first)
+            kind, second, _ = (bytes(f) for f in await client.wait_ready(60))
+            assert kind == b"ready" and int(second) == 1 - first
+            assert await round_trip(client, [b"x"], 1 - first) == echoed([b"x"], 1 - first)
+            for engine in (0, 1):
+                await client.send([b"stop"], engine)
+            for process in processes:
+                process.join(30)
+                assert process.exitcode == 0
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
@@ -161,16 +268,18 @@ def test_an_idle_engine_recv_times_out_with_none_without_spinning(name):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("num_engines", [1, 2])
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_an_idle_client_recv_waits_without_spinning(name):
+def test_an_idle_client_recv_waits_without_spinning(name, num_engines):
     async def main():
-        async with echo_pair(build(name)) as (client, _):
+        async with echo_engines(build(name), num_engines) as (client, _):
             cpu = time.process_time()
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(client.recv(), IDLE_SECONDS)
             assert time.process_time() - cpu < IDLE_CPU_LIMIT
             # The cancelled wait lost nothing and left the channel usable.
-            assert await round_trip(client, [b"after"]) == [b"echo:after"]
+            for engine in range(num_engines):
+                assert await round_trip(client, [b"after"], engine) == echoed([b"after"], engine)
 
     asyncio.run(main())
 
@@ -183,6 +292,34 @@ def test_wait_ready_raises_timeout_error_when_no_engine_answers(name):
     async def main():
         with pytest.raises(TimeoutError):
             await client.wait_ready(0.2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_wait_ready_raises_timeout_error_for_an_engine_that_never_answers(name):
+    transport = build(name)
+    addresses = transport.addresses(2)
+    client = transport.client(addresses)
+
+    async def main():
+        process = spawn_engine(transport, addresses, 1)  # engine 0 never starts
+        try:
+            handshake = [bytes(f) for f in await client.wait_ready(60)]
+            assert handshake == [b"ready", b"1", str(process.pid).encode()]
+            with pytest.raises(TimeoutError):
+                await client.wait_ready(0.2)
+            assert await round_trip(client, [b"on"], 1) == echoed([b"on"], 1)
+            await client.send([b"stop"], 1)
+            process.join(30)
+            assert process.exitcode == 0
+        finally:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
 
     try:
         asyncio.run(main())
