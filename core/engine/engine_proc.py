@@ -9,6 +9,8 @@ when there is nothing to do, so an idle engine burns no core.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -60,6 +62,7 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     # The API server handles Ctrl-C and tells us to shut down; a terminal's SIGINT to
     # the whole group must not kill the engine mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     if dp_size > 1 and config.engine.num_threads is None:
         # Replicas share the host's cores rather than all fighting for every one.
         config.engine.num_threads = max(1, (os.cpu_count() or 1) // dp_size)
@@ -88,6 +91,21 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     )
     channel.send_ready([OutputType.READY, encoder.encode(ready)])
     EngineCoreProc(engine, channel, engine_index).run()
+
+
+def _exit_with_parent() -> None:
+    """Leave at once when the API server is gone (killed with SIGKILL, crashed): nobody
+    can reach an orphaned engine, which would hold its memory until rebooted."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not spawned by multiprocessing (run in-process by a test)
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.error("the API server (pid %s) is gone; the engine exits", parent.pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ParentWatch", daemon=True).start()
 
 
 def _one_line(exc: BaseException) -> str:

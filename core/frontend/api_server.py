@@ -190,7 +190,10 @@ async def _guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except (EngineDeadError, RequestError) as exc:
-        kind = "server_error"
-        payload = {"error": {"message": str(exc), "type": kind, "param": None, "code": 500}}
+        # The same code a non-streamed request would have got: 503 for a dead engine.
+        code = 503 if isinstance(exc, EngineDeadError) else 500
+        payload = {
+            "error": {"message": str(exc), "type": "server_error", "param": None, "code": code}
+        }
         yield f"data: {json.dumps(payload)}\n\n"
         yield "data: [DONE]\n\n"

@@ -2,12 +2,16 @@
 
 The engine starts first; the HTTP port opens once it has answered its handshake. If
 the engine dies, in-flight requests fail, the server stops and the process exits 1.
+SIGINT (Ctrl-C) or SIGTERM stops the server in order, engine included, and exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -22,6 +26,23 @@ from plugserve.worker.model_loader import resolve_model_path
 logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "plugserve::ApiServer"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGINT or SIGTERM once it has shut down, which ends
+    the process before the launcher has stopped the engine (SIGTERM) or prints a
+    KeyboardInterrupt traceback (SIGINT, Ctrl-C). Here a signal asks the server to stop:
+    it shuts down in order and exits 0. A second SIGINT still forces the exit."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def serve(config: StackConfig) -> int:
@@ -65,7 +86,7 @@ async def _serve(config: StackConfig) -> int:
         return 1
     model_name = config.server.served_model_name or config.model
     app = build_app(client, OpenAIServing(client, renderer, model_name), config.server.api_key)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=config.server.host,

@@ -26,12 +26,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 TRANSPORTS = ["zmq", "shm"]
 # Small enough to keep the suite quick: 512 tokens of context makes the too-long-prompt
-# cases cheap, 64 MiB of KV cache gives ~90 blocks of 16 tokens.
+# cases cheap, 64 MiB of KV cache gives ~90 blocks of 16 tokens. One torch thread per
+# process: the test process (offline reference) and the engine share a small machine,
+# and oversubscribed OpenMP threads slow both down many times over.
 MAX_MODEL_LEN = 512
+NUM_THREADS = 1
 SERVER_SETTINGS = (
     "--kv-cache-memory", "64MiB",
     "--max-num-seqs", "32",
     "--max-model-len", str(MAX_MODEL_LEN),
+    "--num-threads", str(NUM_THREADS),
 )  # fmt: skip
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
@@ -171,10 +175,13 @@ class ServerProcess:
                     f"plugserve serve exited with {self.popen.returncode} while starting:\n"
                     + self.log_tail()
                 )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url("/health"), timeout=10).status_code == 200:
-                    self._engine_pid = self.engine_pid()
-                    return
+            # The log line first: a 200 from some other server that took the port
+            # must not pass for ours.
+            if f"running on {self.base_url}" in self.log_text():
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(self.url("/health"), timeout=10).status_code == 200:
+                        self._engine_pid = self.engine_pid()
+                        return
             time.sleep(0.25)
         raise TimeoutError(f"no healthy server within {timeout:.0f} s:\n" + self.log_tail())
 
@@ -292,7 +299,9 @@ def running_server(
 def transport(request: pytest.FixtureRequest) -> str:
     name = request.param
     if not transport_registered(name):
-        pytest.skip(f"the {name!r} transport plugin is not registered (plugserve plugins lists no {name!r})")
+        pytest.skip(
+            f"the {name!r} transport plugin is not registered (plugserve plugins lists no {name!r})"
+        )
     return name
 
 
@@ -320,6 +329,7 @@ def offline_llm():
         max_model_len=MAX_MODEL_LEN,
         dtype="float32",
         max_num_seqs=32,
+        num_threads=NUM_THREADS,
     )
 
 
@@ -341,6 +351,9 @@ CHAT_CONVERSATIONS = [
     [{"role": "user", "content": "Explain what a CPU does in one sentence."}],
 ]
 MAX_TOKENS = 16
+# For requests that must still be running when a test acts on them (hundreds of tokens
+# on a CPU), with room left for a chat template's prompt within MAX_MODEL_LEN.
+LONG_MAX_TOKENS = MAX_MODEL_LEN - 64
 
 
 class Reference:

@@ -199,3 +199,18 @@ def test_duplicate_request_id_is_refused():
     scheduler.add_request(make_request("a", 4))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(make_request("a", 4))
+
+
+def test_a_request_the_policy_refuses_leaves_no_trace():
+    """A policy may raise in add(); the scheduler must not keep the request (an engine
+    that still 'has requests' would spin forever on nothing to schedule)."""
+    scheduler = make_scheduler()
+
+    def refuse(request: Request) -> None:
+        raise ValueError("refused")
+
+    scheduler.policy.add = refuse
+    with pytest.raises(ValueError, match="refused"):
+        scheduler.add_request(make_request("a", 5))
+    assert not scheduler.has_requests()
+    assert "a" not in scheduler.requests

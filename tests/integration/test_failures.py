@@ -1,0 +1,209 @@
+"""Failures: the engine killed (in-flight requests fail fast, the server exits
+non-zero), the API server killed (its engine goes too), the engine stopped (/health
+turns 503, then recovers), and an engine-side error confined to one request by a faulty
+plugin. All but the stopped engine get a server of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from .conftest import (
+    CHAT_CONVERSATIONS,
+    COMPLETION_PROMPTS,
+    LONG_MAX_TOKENS,
+    MAX_TOKENS,
+    MODEL,
+    REPO_ROOT,
+    SERVER_SETTINGS,
+    ServerProcess,
+    assert_openai_error,
+    cpu_seconds,
+    is_engine,
+    running_server,
+    wait_until,
+)
+
+LONG = {
+    "model": MODEL,
+    "prompt": "Once upon a time",
+    "temperature": 0,
+    "max_tokens": LONG_MAX_TOKENS,
+    "extra_body": {"ignore_eos": True},
+}
+
+
+def health(server: ServerProcess, timeout: float = 30) -> int | None:
+    """/health's status code, or None if the server no longer answers."""
+    try:
+        return httpx.get(server.url("/health"), timeout=timeout).status_code
+    except httpx.TransportError:
+        return None
+
+
+def test_killed_engine_fails_in_flight_requests_and_the_server_exits(transport, tmp_path):
+    with (
+        running_server(transport, tmp_path, check_exit=False) as server,
+        server.openai_client(timeout=60) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        engine = server.engine_pid()
+        streaming = threading.Event()
+
+        def streamed() -> None:
+            for _ in client.completions.create(**LONG, stream=True):
+                streaming.set()
+
+        stream_future = pool.submit(streamed)
+        plain_future = pool.submit(client.completions.create, **LONG)
+        assert streaming.wait(60), "the streamed request never started"
+        assert wait_until(lambda: server.metrics()["num_requests_running"] == 2, 30)
+
+        os.kill(engine, signal.SIGKILL)
+        killed_at = time.monotonic()
+        # A non-streamed request in flight gets a 503 with OpenAI's error body ...
+        with pytest.raises(openai.APIStatusError) as plain:
+            plain_future.result(timeout=15)
+        assert plain.value.status_code == 503
+        assert "engine" in plain.value.message
+        # ... a streamed one an error event (or, at worst, a broken connection).
+        with pytest.raises(openai.APIError) as streamed_error:
+            stream_future.result(timeout=15)
+        if streamed_error.value.body is not None:  # the error event's body
+            assert streamed_error.value.body["code"] == 503
+            assert "engine" in streamed_error.value.message
+        assert time.monotonic() - killed_at < 10
+
+        # /health reports the engine dead, unless the server is already gone.
+        assert health(server, timeout=10) in (503, None)
+        code = server.popen.wait(30)
+        assert code != 0, server.log_tail()
+        assert "exited unexpectedly" in server.log_text()
+
+
+def test_stopped_engine_turns_health_503_and_it_recovers(server: ServerProcess, client):
+    # On the shared server: SIGCONT follows whatever happens, and nothing is lost.
+    engine = server.engine_pid()
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        response = httpx.get(server.url("/health"), timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    assert_openai_error(response, 503)
+    assert "did not answer" in response.json()["error"]["message"]
+    assert elapsed < 10
+    assert wait_until(lambda: health(server) == 200, 15), server.log_tail()
+    result = client.completions.create(
+        model=MODEL, prompt=COMPLETION_PROMPTS[0], temperature=0, max_tokens=4
+    )
+    assert result.choices[0].text
+
+
+def test_killed_api_server_takes_its_engine_along(transport, tmp_path):
+    """An engine orphaned by its API server would hold its memory forever."""
+    with running_server(transport, tmp_path, check_exit=False) as server:
+        engine = server.engine_pid()
+        server.popen.kill()
+        server.popen.wait(10)
+        assert wait_until(lambda: not is_engine(engine), 10), "the engine outlived its server"
+
+
+# --------------------------------------------------------------------------- faulty plugin
+
+UNLUCKY = {"priority": 13}  # what tests/integration/faulty_plugin.py refuses
+
+
+def faulty_server(transport: str, log_dir) -> Any:
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {
+        "PLUGSERVE_PLUGIN_MODULES": "tests.integration.faulty_plugin",
+        "PYTHONPATH": pythonpath,
+    }
+    settings = (*SERVER_SETTINGS, "--stack.scheduler", "faulty")
+    return running_server(transport, log_dir, settings=settings, env=env)
+
+
+async def _requests(server: ServerProcess) -> list[Any]:
+    """Two refused requests (streamed and not) among good ones, all at once."""
+    async with server.async_openai_client() as aclient:
+
+        async def completion(prompt: str, **extra: Any) -> str:
+            result = await aclient.completions.create(
+                model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, **extra
+            )
+            return result.choices[0].text
+
+        async def chat_stream(conversation: list[dict[str, str]], **extra: Any) -> str:
+            stream = await aclient.chat.completions.create(
+                model=MODEL,
+                messages=conversation,
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+                stream=True,
+                **extra,
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        return await asyncio.wait_for(
+            asyncio.gather(
+                completion(COMPLETION_PROMPTS[0]),
+                completion(COMPLETION_PROMPTS[1], extra_body=UNLUCKY),
+                chat_stream(CHAT_CONVERSATIONS[0]),
+                chat_stream(CHAT_CONVERSATIONS[1], extra_body=UNLUCKY),
+                completion(COMPLETION_PROMPTS[2]),
+                chat_stream(CHAT_CONVERSATIONS[2]),
+                return_exceptions=True,
+            ),
+            120,
+        )
+
+
+def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_path, reference):
+    with faulty_server(transport, tmp_path) as server:
+        results = asyncio.run(_requests(server))
+        good_text, refused, good_chat, refused_stream, good_text_2, good_chat_2 = results
+
+        # The refused requests fail with a 5xx that says why ...
+        assert isinstance(refused, openai.InternalServerError), refused
+        assert refused.status_code == 500
+        assert "faulty policy refuses priority 13" in refused.message
+        assert refused.body["type"] == "server_error"
+        assert isinstance(refused_stream, openai.APIError), refused_stream
+        assert "faulty policy refuses priority 13" in refused_stream.message
+        # ... and the others complete as if nothing happened.
+        assert good_text == reference.completion(COMPLETION_PROMPTS[0]).outputs[0].text
+        assert good_text_2 == reference.completion(COMPLETION_PROMPTS[2]).outputs[0].text
+        assert good_chat == reference.chat(CHAT_CONVERSATIONS[0]).outputs[0].text
+        assert good_chat_2 == reference.chat(CHAT_CONVERSATIONS[2]).outputs[0].text
+
+        assert health(server) == 200
+        idle = server.wait_idle()
+        assert (idle["num_requests_running"], idle["num_requests_waiting"]) == (0, 0)
+        assert idle["kv_cache_usage"] == 0
+        # Nothing of the refused requests lingers in the engine: it goes idle.
+        engine = server.engine_pid()
+        before = cpu_seconds(engine)
+        time.sleep(1.0)
+        assert cpu_seconds(engine) - before < 0.3
+        with server.openai_client() as client:
+            again = client.completions.create(
+                model=MODEL, prompt=COMPLETION_PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS
+            )
+        assert again.choices[0].text == good_text
+
+        # Ctrl-C stops it in order: exit 0, no traceback, no engine left behind.
+        server.popen.send_signal(signal.SIGINT)
+        assert server.popen.wait(30) == 0, server.log_tail()
+        assert "Traceback" not in server.log_text()
+        assert wait_until(lambda: not is_engine(engine), 10)

@@ -1,0 +1,268 @@
+"""The OpenAI API of a live server, through the official client: chat and completions,
+streamed and not, equal to the offline LLM's greedy text; many streams at once;
+disconnects and stop strings aborting their engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from .conftest import (
+    CHAT_CONVERSATIONS,
+    COMPLETION_PROMPTS,
+    LONG_MAX_TOKENS,
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    MODEL,
+    ServerProcess,
+    cpu_seconds,
+)
+
+
+def assert_usage(usage, prompt_tokens: int, completion_tokens: int) -> None:
+    assert usage is not None
+    assert usage.prompt_tokens == prompt_tokens
+    assert usage.completion_tokens == completion_tokens
+    assert usage.total_tokens == prompt_tokens + completion_tokens
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_completions_equal_the_offline_greedy_text(client, reference):
+    for prompt in COMPLETION_PROMPTS:
+        ref = reference.completion(prompt)
+        expected = ref.outputs[0]
+        result = client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS
+        )
+        [choice] = result.choices
+        assert choice.text == expected.text
+        assert choice.finish_reason == expected.finish_reason
+        assert result.object == "text_completion"
+        assert_usage(result.usage, len(ref.prompt_token_ids), len(expected.token_ids))
+
+
+def test_completion_stream_equals_the_non_streamed_text(client, reference):
+    for prompt in COMPLETION_PROMPTS:
+        ref = reference.completion(prompt)
+        expected = ref.outputs[0]
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        *deltas, last = chunks
+        whole = client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS
+        )
+        assert "".join(c.choices[0].text for c in deltas) == whole.choices[0].text
+        assert whole.choices[0].text == expected.text
+        assert [c.choices[0].finish_reason for c in deltas][-1] == expected.finish_reason
+        assert all(c.choices[0].finish_reason is None for c in deltas[:-1])
+        assert all(c.usage is None for c in deltas)
+        # include_usage: a final chunk with no choices carries the usage.
+        assert last.choices == []
+        assert_usage(last.usage, len(ref.prompt_token_ids), len(expected.token_ids))
+
+
+def test_chat_equals_the_offline_greedy_text(client, reference):
+    for conversation in CHAT_CONVERSATIONS:
+        ref = reference.chat(conversation)
+        expected = ref.outputs[0]
+        result = client.chat.completions.create(
+            model=MODEL, messages=conversation, temperature=0, max_tokens=MAX_TOKENS
+        )
+        [choice] = result.choices
+        assert choice.message.role == "assistant"
+        assert choice.message.content == expected.text
+        assert choice.finish_reason == expected.finish_reason
+        assert result.object == "chat.completion"
+        assert_usage(result.usage, len(ref.prompt_token_ids), len(expected.token_ids))
+
+
+def test_chat_stream_equals_the_non_streamed_text(client, reference):
+    for conversation in CHAT_CONVERSATIONS:
+        ref = reference.chat(conversation)
+        expected = ref.outputs[0]
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=conversation,
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        *deltas, last = chunks
+        whole = client.chat.completions.create(
+            model=MODEL, messages=conversation, temperature=0, max_tokens=MAX_TOKENS
+        )
+        assert deltas[0].choices[0].delta.role == "assistant"
+        streamed = "".join(c.choices[0].delta.content or "" for c in deltas)
+        assert streamed == whole.choices[0].message.content
+        assert streamed == expected.text
+        assert deltas[-1].choices[0].finish_reason == expected.finish_reason
+        assert last.choices == []
+        assert_usage(last.usage, len(ref.prompt_token_ids), len(expected.token_ids))
+
+
+def test_stream_without_include_usage_sends_no_usage(client, reference):
+    prompt = COMPLETION_PROMPTS[0]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        )
+    )
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
+    assert (
+        "".join(c.choices[0].text for c in chunks) == reference.completion(prompt).outputs[0].text
+    )
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+async def _stream_text(aclient, index: int) -> str:
+    if index % 2:
+        conversation = CHAT_CONVERSATIONS[(index // 2) % len(CHAT_CONVERSATIONS)]
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=conversation, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    prompt = COMPLETION_PROMPTS[(index // 2) % len(COMPLETION_PROMPTS)]
+    stream = await aclient.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )
+    return "".join([c.choices[0].text async for c in stream if c.choices])
+
+
+def test_32_concurrent_streams_all_complete_correctly(server: ServerProcess, reference):
+    num_requests = 32
+
+    async def main() -> list[str]:
+        async with server.async_openai_client() as aclient:
+            return await asyncio.wait_for(
+                asyncio.gather(*(_stream_text(aclient, i) for i in range(num_requests))), 300
+            )
+
+    texts = asyncio.run(main())
+    for i, text in enumerate(texts):
+        if i % 2:
+            conversation = CHAT_CONVERSATIONS[(i // 2) % len(CHAT_CONVERSATIONS)]
+            expected = reference.chat(conversation).outputs[0].text
+        else:
+            prompt = COMPLETION_PROMPTS[(i // 2) % len(COMPLETION_PROMPTS)]
+            expected = reference.completion(prompt).outputs[0].text
+        assert text == expected, f"request {i}"
+    metrics = server.metrics()
+    assert metrics["num_requests_running"] == 0
+    assert metrics["num_requests_waiting"] == 0
+    assert metrics["kv_cache_usage"] == 0
+    # An idle engine blocks on its input queue: it burns (almost) no CPU.
+    engine = server.engine_pid()
+    before = cpu_seconds(engine)
+    time.sleep(1.0)
+    assert cpu_seconds(engine) - before < 0.3
+
+
+# --------------------------------------------------------------------------- aborts
+
+
+def _long_request(chat: bool = False, **extra) -> dict:
+    # Long enough (hundreds of tokens on a CPU) that it is still running when we act.
+    body = {"model": MODEL, "temperature": 0, "max_tokens": LONG_MAX_TOKENS, **extra}
+    body["ignore_eos"] = True
+    if chat:
+        return {**body, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    return {**body, "prompt": "Once upon a time"}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_client_disconnect_mid_stream_aborts_the_request(server: ServerProcess, chat: bool):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", server.url(path), json=_long_request(chat, stream=True)) as response,
+    ):
+        assert response.status_code == 200
+        # Keep the iterator: a generator dropped mid-way closes the connection early.
+        lines = response.iter_lines()
+        events = (line for line in lines if line.startswith("data: {"))
+        for _ in range(4):
+            next(events)
+        during = server.metrics()
+        assert during["num_requests_running"] == 1
+        assert during["kv_cache_usage"] > 0
+    # The connection is closed: the server must notice and abort the engine request.
+    after = server.wait_idle(timeout=10)
+    assert after["num_requests_running"] == 0
+    assert after["kv_cache_usage"] == 0
+
+
+def test_client_disconnect_while_waiting_for_a_non_streamed_answer(server: ServerProcess):
+    with (
+        httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        http.post(server.url("/v1/completions"), json=_long_request())
+    after = server.wait_idle(timeout=10)
+    assert after["num_requests_running"] == 0
+    assert after["kv_cache_usage"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+def test_stop_string_finishes_the_request_and_aborts_it_in_the_engine(
+    server: ServerProcess, client, reference, stream: bool
+):
+    prompt = COMPLETION_PROMPTS[2]
+    greedy = reference.completion(prompt, max_tokens=24, ignore_eos=True).outputs[0].text
+    # A word in the middle of the greedy text: generation must end just before it.
+    words = [w for w in greedy.split() if len(w) >= 3 and w.isalpha()]
+    assert len(words) >= 3, greedy
+    stop = words[len(words) // 2]
+    expected = greedy[: greedy.index(stop)]
+    # Without the abort the engine would go on for hundreds of tokens (ignore_eos).
+    kwargs = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": LONG_MAX_TOKENS}
+    kwargs.update(stop=[stop], extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish_reason = chunks[-1].choices[0].finish_reason
+        stop_reason = chunks[-1].choices[0].model_extra.get("stop_reason")
+    else:
+        result = client.completions.create(**kwargs)
+        text, finish_reason = result.choices[0].text, result.choices[0].finish_reason
+        stop_reason = result.choices[0].model_extra.get("stop_reason")
+        assert result.usage.completion_tokens < 40
+    assert finish_reason == "stop"
+    assert stop_reason == stop
+    assert text == expected
+    metrics = server.metrics()  # the ping follows the abort down the same channel
+    assert metrics["num_requests_running"] == 0
+    assert metrics["kv_cache_usage"] == 0
+
+
+def test_raw_sse_format(server: ServerProcess):
+    """What the stream looks like on the wire: `data: {json}` events, `data: [DONE]` last."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        response = http.post(server.url("/v1/completions"), json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        assert event.startswith("data: ")
+        assert json.loads(event.removeprefix("data: "))["object"] == "text_completion"

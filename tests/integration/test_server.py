@@ -1,0 +1,68 @@
+"""`plugserve serve` as a process: refusing a bad config, its process titles and logs,
+its plain endpoints."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import httpx
+import pytest
+
+from plugserve import __version__
+
+from .conftest import (
+    API_SERVER_TITLE,
+    ENGINE_TITLE,
+    REPO_ROOT,
+    ServerProcess,
+    free_port,
+    plugserve_command,
+    process_cmdline,
+)
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (["--stack.scheduler", "nope"], "unknown scheduler 'nope'; available: "),
+        (["--stack.transport", "carrier-pigeon"], "unknown transport 'carrier-pigeon'"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--no-such-setting", "1"], "unknown setting 'no_such_setting'"),
+    ],
+    ids=["unknown-scheduler", "unknown-transport", "invalid-value", "unknown-setting"],
+)
+def test_a_bad_config_fails_with_one_line_and_a_nonzero_exit(settings: list[str], says: str):
+    command = [*plugserve_command(), "serve", "--port", str(free_port()), *settings]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("plugserve: error: ")
+    assert says in lines[0]
+
+
+def test_process_titles_and_log_lines_name_their_process(server: ServerProcess):
+    engine = server.engine_pid()
+    assert process_cmdline(server.pid).startswith(API_SERVER_TITLE)
+    assert process_cmdline(engine).startswith(ENGINE_TITLE)
+    log = server.log_text()
+    assert re.search(rf"^\S+ ApiServer pid={server.pid} INFO ", log, re.MULTILINE), log
+    assert re.search(rf"^\S+ EngineCore pid={engine} INFO ", log, re.MULTILINE), log
+    # Every log line that plugserve formats carries its process and pid.
+    for line in log.splitlines():
+        if re.match(r"^\d\d:\d\d:\d\d ", line):
+            assert re.match(r"^\S+ (ApiServer|EngineCore\S*) pid=\d+ [A-Z]+ ", line), line
+
+
+def test_health_version_and_metrics(server: ServerProcess):
+    with httpx.Client(timeout=30) as http:
+        assert http.get(server.url("/health")).status_code == 200
+        assert http.get(server.url("/version")).json() == {"version": __version__}
+        metrics = http.get(server.url("/metrics"))
+    assert metrics.status_code == 200
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "# TYPE plugserve_num_requests_running gauge" in metrics.text
+    values = server.metrics()
+    assert values["kv_cache_blocks"] > 0
+    assert values["kv_cache_free_blocks"] <= values["kv_cache_blocks"]
