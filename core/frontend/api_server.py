@@ -156,6 +156,10 @@ def build_app(client: AsyncEngineClient, serving: OpenAIServing, api_key: str | 
             ("plugserve_preemptions_total", "counter", s.num_preemptions),
         ]
         text = "".join(f"# TYPE {name} {kind}\n{name} {value}\n" for name, kind, value in lines)
+        name = "plugserve_engine_requests_total"
+        text += f"# TYPE {name} counter\n" + "".join(
+            f'{name}{{engine="{i}"}} {n}\n' for i, n in enumerate(client.requests_per_engine)
+        )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app

@@ -105,6 +105,7 @@ class AsyncEngineClient:
         self._states: dict[str, RequestState] = {}
         # In-flight requests per engine: new requests go to the least loaded one.
         self._load = [0] * self.num_engines
+        self.requests_per_engine = [0] * self.num_engines  # ever assigned, for /metrics
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._nonces = itertools.count()
         self._channel: ClientChannel | None = None
@@ -311,6 +312,7 @@ class AsyncEngineClient:
     def _register(self, state: RequestState) -> None:
         self._states[state.request_id] = state
         self._load[state.engine] += 1
+        self.requests_per_engine[state.engine] += 1
 
     def _forget(self, state: RequestState) -> None:
         """The request is over on this side (finished, failed or aborted)."""

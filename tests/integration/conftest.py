@@ -163,7 +163,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
             )
         self.pid = self.popen.pid
-        self._engine_pid: int | None = None
+        self._engine_pids: list[int] = []
 
     # ------------------------------------------------------------------ life cycle
 
@@ -180,7 +180,7 @@ class ServerProcess:
             if f"running on {self.base_url}" in self.log_text():
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(self.url("/health"), timeout=10).status_code == 200:
-                        self._engine_pid = self.engine_pid()
+                        self._engine_pids = self.engine_pids()
                         return
             time.sleep(0.25)
         raise TimeoutError(f"no healthy server within {timeout:.0f} s:\n" + self.log_tail())
@@ -188,7 +188,7 @@ class ServerProcess:
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, then SIGKILL; returns the exit code. Fails if the server did not exit
         on SIGTERM or left its engine process behind."""
-        engine = self._engine_pid
+        engines = self._engine_pids
         killed = False
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -198,22 +198,22 @@ class ServerProcess:
                 killed = True
                 self.popen.kill()
                 self.popen.wait(10)
-        orphan = engine is not None and not wait_until(lambda: not is_engine(engine), 10)
-        if orphan:
-            assert engine is not None
+        gone = wait_until(lambda: not any(is_engine(pid) for pid in engines), 10)
+        orphans = [] if gone else [pid for pid in engines if is_engine(pid)]
+        for pid in orphans:
             with contextlib.suppress(OSError):
-                os.kill(engine, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
         assert not killed, f"the server ignored SIGTERM for {timeout:.0f} s:\n{self.log_tail()}"
-        assert not orphan, f"the engine (pid {engine}) outlived its server:\n{self.log_tail()}"
+        assert not orphans, f"engines {orphans} outlived their server:\n{self.log_tail()}"
         return self.popen.returncode
 
     def kill_all(self) -> None:
         """Last resort for a test that failed half-way: nothing may outlive the test.
         (Pids are checked by title or through Popen, never reused blindly.)"""
-        engine = self._engine_pid
-        if engine is not None and ENGINE_TITLE in process_cmdline(engine):
-            with contextlib.suppress(OSError):
-                os.kill(engine, signal.SIGKILL)
+        for pid in self._engine_pids:
+            if ENGINE_TITLE in process_cmdline(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
         if self.popen.poll() is None:
             self.popen.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -230,11 +230,15 @@ class ServerProcess:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
+    def engine_pids(self) -> list[int]:
+        """The server's children titled plugserve::EngineCore (one per data-parallel rank)."""
+        if self._engine_pids:
+            return self._engine_pids
+        return [c for c in children_of(self.pid) if ENGINE_TITLE in process_cmdline(c)]
+
     def engine_pid(self) -> int:
-        """The child of the server whose title is plugserve::EngineCore."""
-        if self._engine_pid is not None:
-            return self._engine_pid
-        engines = [c for c in children_of(self.pid) if ENGINE_TITLE in process_cmdline(c)]
+        """The engine of a server with one engine."""
+        engines = self.engine_pids()
         assert len(engines) == 1, f"engine processes among the server's children: {engines}"
         return engines[0]
 
