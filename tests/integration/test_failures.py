@@ -27,8 +27,10 @@ from .conftest import (
     SERVER_SETTINGS,
     ServerProcess,
     assert_openai_error,
+    children_of,
     cpu_seconds,
     is_engine,
+    process_cmdline,
     running_server,
     wait_until,
 )
@@ -207,3 +209,37 @@ def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_p
         assert server.popen.wait(30) == 0, server.log_tail()
         assert "Traceback" not in server.log_text()
         assert wait_until(lambda: not is_engine(engine), 10)
+
+
+def test_killed_tensor_parallel_worker_fails_the_request_within_seconds(tmp_path):
+    """A worker of the mp executor dies mid-request: the client hears of it within 5 s."""
+    settings = (*SERVER_SETTINGS, "--stack.executor", "mp", "--tensor-parallel-size", "2")
+    with (
+        running_server("zmq", tmp_path, check_exit=False, settings=settings) as server,
+        server.openai_client(timeout=60) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        workers = [
+            pid
+            for pid in children_of(server.engine_pid())
+            if "plugserve::Worker_TP" in process_cmdline(pid)
+        ]
+        assert len(workers) == 2, workers
+        streaming = threading.Event()
+
+        def streamed() -> None:
+            for _ in client.completions.create(**LONG, stream=True):
+                streaming.set()
+
+        future = pool.submit(streamed)
+        assert streaming.wait(60), "the streamed request never started"
+        victim = next(p for p in workers if "Worker_TP1" in process_cmdline(p))
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(openai.APIError) as error:
+            future.result(timeout=15)
+        assert time.monotonic() - killed_at < 5
+        if error.value.body is not None:
+            assert "Worker_TP1" in error.value.message
+        assert health(server, timeout=10) in (503, None)
+        assert server.popen.wait(30) != 0
