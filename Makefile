@@ -38,6 +38,7 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py
 	$(BIN)/python benchmarks/serving.py
+	$(BIN)/python benchmarks/parallel.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

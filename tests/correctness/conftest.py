@@ -4,7 +4,6 @@ reference continuations, computed once per session."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 # Varied natural text, so that greedy continuations are not degenerate repetitions.
 CORPUS = """\
@@ -66,24 +65,6 @@ def mixed_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(smollm2_path, mixed_prompts) -> list[list[int]]:
+def hf_greedy(hf_greedy_generate, mixed_prompts) -> list[list[int]]:
     """Hugging Face `generate`, greedy, fp32, one prompt at a time, exactly 64 new tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None  # compare full 64-token continuations
-    outputs = []
-    with torch.inference_mode():
-        for prompt in mixed_prompts:
-            input_ids = torch.tensor([prompt])
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    del model
-    return outputs
+    return hf_greedy_generate(mixed_prompts, MAX_NEW_TOKENS)

@@ -14,7 +14,6 @@ import itertools
 from dataclasses import dataclass
 
 import pytest
-import torch
 from integration.conftest import running_server
 
 from plugserve.plugins import get_registry
@@ -80,26 +79,13 @@ def _unavailable(cls: type) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path) -> list[str]:
+def hf_reference(smollm2_path, hf_greedy_generate) -> list[str]:
     """Greedy text from Hugging Face transformers `generate`, fp32, prompt by prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # exactly MAX_TOKENS, like ignore_eos
-    texts = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    return texts
+    ids = hf_greedy_generate([tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS)
+    return [tokenizer.decode(out, skip_special_tokens=True) for out in ids]
 
 
 async def _scenario(server) -> list[str]:

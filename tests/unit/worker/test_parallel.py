@@ -244,6 +244,10 @@ def _rank_main(rank: int, world: int, port: int, weights_path: str, out_path: st
     results = {name: _logits(name, checkpoints[name], parallel) for name in CONFIGS}
     if rank == 0:
         torch.save(results, out_path)
+    # Leave together and tear gloo down explicitly: a rank exiting with its group still
+    # up can abort in gloo's threads ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def test_two_gloo_ranks_give_the_unsharded_logits(tmp_path: Path) -> None:
