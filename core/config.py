@@ -48,8 +48,16 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(2048, ge=2)  # None: the model's own limit
     block_size: int = Field(16, ge=1)
+    # KV pool size on CPU. On CUDA the pool is what gpu_memory_utilization leaves after
+    # a profiling forward pass; num_kv_blocks, when set, overrides both.
     kv_cache_memory: ByteSize = ByteSize(1 << 30)
-    num_kv_blocks: int | None = Field(None, ge=1)  # overrides kv_cache_memory when set
+    num_kv_blocks: int | None = Field(None, ge=1)
+    # CUDA only: the fraction of the device's memory the engine may fill (everything in
+    # use on the device counts, weights and other processes included).
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # CUDA graphs for pure-decode steps; None: on when running on CUDA with an attention
+    # backend that supports them, off otherwise.
+    cuda_graphs: bool | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
     # Engine-core processes behind the one API server, each a full replica of the model.
@@ -76,6 +84,12 @@ class EngineConfig(_Section):
                 f"max_num_seqs ({self.max_num_seqs}): every running request decodes a token "
                 "per step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _graphs_need_cuda(self) -> EngineConfig:
+        if self.cuda_graphs and self.device == "cpu":
+            raise ValueError("cuda_graphs: true needs CUDA, but device is 'cpu'")
         return self
 
     @model_validator(mode="after")
@@ -119,6 +133,12 @@ class StackConfig(_Section):
         for slot in slots or STACK_SLOTS:
             name = getattr(self.stack, slot)
             cls = registry.get(slot, name)
+            # A component that cannot run on this machine (no CUDA, a missing package)
+            # says why, so the error comes now rather than from a dying engine.
+            check = getattr(cls, "unavailable_reason", None)
+            reason = check() if callable(check) else None
+            if reason:
+                raise PluginError(f"{slot} {name!r} cannot run here: {reason}")
             options = self.plugin_options(name)
             options_model = getattr(cls, "Options", None)
             if options_model is not None:

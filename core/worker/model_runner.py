@@ -8,6 +8,11 @@ samples from the parked logits.
 Under tensor parallelism every rank runs this same runner on the same SchedulerOutput,
 so the persistent batches stay identical: rank 0 gathers the logits, samples, and
 broadcasts the sampled ids so that every rank appends the same tokens.
+
+On CUDA: the KV pool is sized from `engine.gpu_memory_utilization` after a profiling
+forward pass, step inputs go through pinned host buffers with non-blocking copies, and
+pure-decode steps replay CUDA graphs (cuda_graphs.py) when the attention backend
+supports them. On CPU none of that runs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from plugserve.config import StackConfig
 from plugserve.engine.scheduler_output import SchedulerOutput
 from plugserve.interfaces import AttentionBatch, AttentionSpec, KVCacheInfo
 from plugserve.plugins import get_registry
+from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
+from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
 from plugserve.worker.model_loader import load_model, resolve_model_path
 from plugserve.worker.model_runner_output import Logprobs, ModelRunnerOutput
@@ -75,6 +82,15 @@ class ModelRunner:
         self.block_size = engine.block_size
         self.sampler = Sampler()
         self._parked: _ParkedLogits | None = None
+        self._staging = (
+            # input ids, positions (one per token), logits indices (one per row)
+            PinnedStaging(
+                engine.max_num_batched_tokens, engine.max_num_batched_tokens, engine.max_num_seqs
+            )
+            if self.device.type == "cuda"
+            else None
+        )
+        self._graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ start-up
 
@@ -120,6 +136,21 @@ class ModelRunner:
         num_blocks = self.parallel.min_int(self._num_kv_blocks())
         self.attention.allocate_kv_cache(num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        if cuda_graphs_enabled(
+            self.config.engine.cuda_graphs,
+            self.device,
+            self.attention,
+            attention_name=name,
+            world_size=self.parallel.world_size,
+        ):
+            self._graphs = DecodeGraphs(
+                self.model,
+                self.attention,
+                max_num_seqs=self.config.engine.max_num_seqs,
+                max_blocks_per_req=max_blocks_per_req,
+                device=self.device,
+            )
+            self._graphs.capture()
         self.input_batch = InputBatch(
             max_num_reqs=self.config.engine.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -139,14 +170,29 @@ class ModelRunner:
         if engine.num_kv_blocks is not None:
             return engine.num_kv_blocks
         per_block = self.attention.kv_cache_bytes_per_block()
-        num_blocks = int(engine.kv_cache_memory) // per_block
+        if self.device.type == "cuda":
+            budget = profile_kv_budget(
+                self.model,
+                self.attention,
+                num_tokens=min(
+                    engine.max_num_batched_tokens, engine.max_num_seqs * self.max_model_len
+                ),
+                max_rows=engine.max_num_seqs,
+                block_size=self.block_size,
+                device=self.device,
+                utilization=engine.gpu_memory_utilization,
+            )
+            setting = f"engine.gpu_memory_utilization ({engine.gpu_memory_utilization})"
+        else:
+            budget = int(engine.kv_cache_memory)
+            setting = f"engine.kv_cache_memory ({budget} bytes)"
+        num_blocks = max(budget, 0) // per_block
         # More blocks than every sequence at full length can use is wasted memory.
         useful = engine.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         num_blocks = min(num_blocks, useful)
         if num_blocks < 2:
             raise ValueError(
-                f"engine.kv_cache_memory ({int(engine.kv_cache_memory)} bytes) holds fewer "
-                f"than 2 KV blocks of {per_block} bytes; raise it"
+                f"{setting} leaves room for fewer than 2 KV blocks of {per_block} bytes; raise it"
             )
         return num_blocks
 
@@ -194,22 +240,25 @@ class ModelRunner:
         )
         seq_lens = (starts + query_lens).astype(np.int32)
         max_blocks = int(batch.num_blocks[rows].max())
-        self.attention.prepare(
-            AttentionBatch(
-                query_start_loc=cu_query,
-                seq_lens=seq_lens,
-                block_table=batch.block_table[rows, :max_blocks],
-                slot_mapping=slot_mapping,
-            )
-        )
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device, non_blocking=True),
-            torch.from_numpy(positions).to(self.device, non_blocking=True),
+        attn_batch = AttentionBatch(
+            query_start_loc=cu_query,
+            seq_lens=seq_lens,
+            block_table=batch.block_table[rows, :max_blocks],
+            slot_mapping=slot_mapping,
         )
         # Only rows that reach the end of their known tokens sample; a prefill chunk that
         # stops short computes no logits at all.
         samples = seq_lens == batch.num_tokens[rows]
-        logits_indices = torch.from_numpy(cu_query[1:][samples] - 1).to(self.device)
+        ids_t, positions_t, logits_indices = self._inputs_to_device(
+            input_ids, positions, (cu_query[1:][samples] - 1).astype(np.int64)
+        )
+        graph_size = self._graphs.padded_size(query_lens) if self._graphs else None
+        if graph_size is not None:
+            assert self._graphs is not None
+            hidden = self._graphs.run(attn_batch, graph_size, ids_t, positions_t)
+        else:
+            self.attention.prepare(attn_batch)
+            hidden = self.model(ids_t, positions_t)
         sample_rows = rows[samples]
         # Skipped (on every rank alike) when no row samples: a collective over empty
         # tensors is pointless and not every backend accepts one.
@@ -218,6 +267,14 @@ class ModelRunner:
             logits=logits, rows=sample_rows, req_ids=[batch.req_ids[r] for r in sample_rows]
         )
         return None
+
+    def _inputs_to_device(
+        self, input_ids: np.ndarray, positions: np.ndarray, logits_indices: np.ndarray
+    ) -> list[torch.Tensor]:
+        if self._staging is not None:
+            return self._staging.to_device((input_ids, positions, logits_indices), self.device)
+        # CPU: the tensors share the arrays' memory, no copy at all.
+        return [torch.from_numpy(a) for a in (input_ids, positions, logits_indices)]
 
     # ------------------------------------------------------------------ phase 8
 

@@ -16,7 +16,7 @@ BUNDLED = {
     "scheduler": {"fcfs", "priority"},
     "kv_allocator": {"paged"},
     "executor": {"uni"},
-    "attention": {"torch"},
+    "attention": {"torch", "flashinfer"},
     "model": {"LlamaForCausalLM"},
 }
 
