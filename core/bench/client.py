@@ -1,20 +1,7 @@
 """`plugserve bench serve`: an online serving benchmark for any OpenAI-compatible server.
 
-A re-implementation of `vllm bench serve` for the one workload plugserve is measured on:
-random-token prompts of an exact length, streaming /v1/completions (or chat), all
-requests created at t=0 (or Poisson arrivals) and capped by --max-concurrency. Its
-definitions, its printed table and its JSON keys are vLLM's, so figures from either
-client can sit side by side:
-
-* TTFT: from sending the request to the first streamed chunk carrying choices;
-* ITL: the gaps between successive such chunks, pooled over all requests;
-* TPOT: per request, (E2EL - TTFT) / (output tokens - 1), for requests of more than one
-  output token;
-* E2EL: from sending the request to its last chunk carrying choices;
-* output tokens: the usage chunk's completion_tokens, else the generated text
-  re-tokenized.
-
-    plugserve bench serve --base-url http://127.0.0.1:8000 --max-concurrency 8 --ignore-eos
+The client side (see plugserve.bench for the definitions): vLLM's flags, the streamed
+request and its timing, the benchmark loop, the result JSON and the CLI entry point.
 """
 
 from __future__ import annotations
@@ -22,28 +9,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
-METRICS = ("ttft", "tpot", "itl", "e2el")
-METRIC_NAMES = {
-    "ttft": ("TTFT", "Time to First Token"),
-    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-    "itl": ("ITL", "Inter-token Latency"),
-    "e2el": ("E2EL", "End-to-end Latency"),
-}
-# Per-request lists that vLLM writes only with --save-detailed.
-DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
+from plugserve.bench.dataset import EMBEDDED_MODEL, get_tokenizer, sample_random_prompts
+from plugserve.bench.metrics import (
+    DETAILED_FIELDS,
+    METRICS,
+    RequestOutput,
+    calculate_metrics,
+    format_result,
+)
+
 HTTP_TIMEOUT_S = 6 * 60 * 60  # vLLM's AIOHTTP_TIMEOUT: a benchmark request never times out
 
 
@@ -127,101 +110,7 @@ def _percentiles(text: str) -> list[float]:
     return values
 
 
-def _p_word(p: float) -> str:
-    return str(int(p)) if int(p) == p else str(p)
-
-
-# --------------------------------------------------------------------------- dataset
-
-
-@lru_cache(maxsize=4)
-def get_tokenizer(name: str | None) -> Any:
-    """A tokenizer folder, or a built-in model name (default: the embedded model)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
-    path: str | Path = name or EMBEDDED_MODEL
-    if not Path(path).expanduser().is_dir():
-        from plugserve.worker.model_loader import BUILTIN_MODELS, resolve_model_path
-
-        if str(path).lower() in BUILTIN_MODELS:
-            path = resolve_model_path(str(path))
-    return AutoTokenizer.from_pretrained(path)
-
-
-def allowed_token_ids(tokenizer: Any) -> np.ndarray:
-    """Every id of the vocabulary but the special and added tokens."""
-    excluded = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-    return np.array([i for i in range(len(tokenizer)) if i not in excluded], dtype=np.int64)
-
-
-def random_prompt(
-    tokenizer: Any,
-    rng: np.random.Generator,
-    allowed: np.ndarray,
-    length: int,
-    *,
-    draws: int = 10,
-    adjustments: int = 10,
-) -> str:
-    """Text that tokenizes (without special tokens) to exactly `length` tokens.
-
-    Random ids decode to text that may re-encode to a different count (merges across
-    the joins); the re-encoded ids are cut or topped up with fresh random ids and
-    checked again. Raises RuntimeError when no attempt lands on the length."""
-    if length < 1:
-        raise ValueError(f"a prompt needs at least one token, got {length}")
-    last = -1
-    for _ in range(draws):
-        ids = rng.choice(allowed, size=length).tolist()
-        for _ in range(adjustments):
-            text = tokenizer.decode(ids)
-            got = tokenizer.encode(text, add_special_tokens=False)
-            last = len(got)
-            if last == length:
-                return text
-            if last > length:
-                ids = got[:length]
-            else:
-                ids = got + rng.choice(allowed, size=length - last).tolist()
-    raise RuntimeError(
-        f"could not build a random prompt of exactly {length} tokens "
-        f"({draws}x{adjustments} attempts, the last re-encoded to {last})"
-    )
-
-
-def sample_random_prompts(
-    tokenizer: Any, num_prompts: int, input_len: int, seed: int
-) -> list[tuple[str, int]]:
-    """`num_prompts` (text, token count) pairs from a numpy RNG seeded with `seed`."""
-    rng = np.random.default_rng(seed)
-    allowed = allowed_token_ids(tokenizer)
-    prompts = []
-    for _ in range(num_prompts):
-        text = random_prompt(tokenizer, rng, allowed, input_len)
-        n = len(tokenizer.encode(text, add_special_tokens=False))
-        if n != input_len:  # random_prompt checked it: this would be a bug
-            raise RuntimeError(f"random prompt has {n} tokens, wanted {input_len}")
-        prompts.append((text, n))
-    return prompts
-
-
 # --------------------------------------------------------------------------- requests
-
-
-@dataclass
-class RequestOutput:
-    """One request's measurements, in seconds (vLLM's RequestFuncOutput)."""
-
-    prompt_len: int = 0
-    success: bool = False
-    generated_text: str = ""
-    output_tokens: int = 0  # from the usage chunk; 0: unknown
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0  # E2EL
-    start_time: float = 0.0  # perf_counter at send
-    error: str = ""
 
 
 def _payload(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
@@ -297,136 +186,6 @@ async def send_request(
         out.success = False
         out.error = f"{type(exc).__name__}: {exc}"
     return out
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def calculate_metrics(
-    outputs: Sequence[RequestOutput],
-    duration: float,
-    percentiles: Sequence[float] = (50.0, 99.0),
-    count_tokens: Callable[[str], int] | None = None,
-) -> dict[str, Any]:
-    """vLLM's calculate_metrics: the aggregate figures under vLLM's JSON keys (ms for
-    latencies). `count_tokens` counts a generated text's tokens for requests whose
-    server sent no usage; without it the number of content chunks is used."""
-    output_lens: list[int] = []
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    itls: list[float] = []
-    e2els: list[float] = []
-    total_input = 0
-    completed = 0
-    for out in outputs:
-        if not out.success:
-            output_lens.append(0)
-            continue
-        n = out.output_tokens
-        if not n:
-            n = count_tokens(out.generated_text) if count_tokens else 1 + len(out.itl)
-        output_lens.append(n)
-        total_input += out.prompt_len
-        if n > 1:
-            tpots.append((out.latency - out.ttft) / (n - 1))
-        itls += out.itl
-        ttfts.append(out.ttft)
-        e2els.append(out.latency)
-        completed += 1
-    total_output = sum(output_lens)
-    result: dict[str, Any] = {
-        "duration": duration,
-        "completed": completed,
-        "failed": len(outputs) - completed,
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "request_throughput": completed / duration,
-        "output_throughput": total_output / duration,
-        "total_token_throughput": (total_input + total_output) / duration,
-    }
-    result.update(_peaks(outputs))
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
-        data = values or [0.0]  # as vLLM: an empty list reports zeros
-        result[f"mean_{name}_ms"] = float(np.mean(data)) * 1000
-        result[f"median_{name}_ms"] = float(np.median(data)) * 1000
-        result[f"std_{name}_ms"] = float(np.std(data)) * 1000
-        for p in percentiles:
-            result[f"p{_p_word(p)}_{name}_ms"] = float(np.percentile(data, p)) * 1000
-    result["input_lens"] = [out.prompt_len for out in outputs]
-    result["output_lens"] = output_lens
-    result["ttfts"] = [out.ttft for out in outputs]
-    result["itls"] = [out.itl for out in outputs]
-    result["generated_texts"] = [out.generated_text for out in outputs]
-    result["errors"] = [out.error for out in outputs]
-    return result
-
-
-def _peaks(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """Peak output tokens in any one-second bucket, and the requests active then (vLLM's
-    max_output_tokens_per_s / max_concurrent_requests)."""
-    done = [o for o in outputs if o.success]
-    if not done:
-        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
-    t0 = min(o.start_time for o in done)
-    t1 = max(o.start_time + o.latency for o in done)
-    buckets = int(np.ceil(t1 - t0)) + 1
-    tokens = np.zeros(buckets)
-    active = np.zeros(buckets)
-    for o in done:
-        t = o.start_time + o.ttft
-        times = [t]
-        for gap in o.itl:
-            t += gap
-            times.append(t)
-        for t in times:
-            b = int(t - t0)
-            if 0 <= b < buckets:
-                tokens[b] += 1
-        first, last = int(o.start_time - t0), int(o.start_time + o.latency - t0)
-        active[first : min(last, buckets - 1) + 1] += 1
-    return {
-        "max_output_tokens_per_s": float(tokens.max()),
-        "max_concurrent_requests": int(active.max()),
-    }
-
-
-def format_result(
-    result: dict[str, Any],
-    percentile_metrics: Sequence[str] = METRICS,
-    percentiles: Sequence[float] = (50.0, 99.0),
-) -> str:
-    """The table `vllm bench serve` prints, line for line."""
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
-
-    def row(label: str, value: Any, fmt: str = "") -> None:
-        lines.append(f"{label:<40} {value:<10{fmt}}")
-
-    row("Successful requests:", result["completed"])
-    row("Failed requests:", result["failed"])
-    if result.get("max_concurrency") is not None:
-        row("Maximum request concurrency:", result["max_concurrency"])
-    rate = result.get("request_rate", "inf")
-    if rate not in ("inf", None) and float(rate) != float("inf"):
-        row("Request rate configured (RPS):", float(rate), ".2f")
-    row("Benchmark duration (s):", result["duration"], ".2f")
-    row("Total input tokens:", result["total_input_tokens"])
-    row("Total generated tokens:", result["total_output_tokens"])
-    row("Request throughput (req/s):", result["request_throughput"], ".2f")
-    row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
-    row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], ".2f")
-    row("Peak concurrent requests:", result["max_concurrent_requests"], ".2f")
-    row("Total Token throughput (tok/s):", result["total_token_throughput"], ".2f")
-    for metric in METRICS:
-        if metric not in percentile_metrics:
-            continue
-        name, header = METRIC_NAMES[metric]
-        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
-        row(f"Mean {name} (ms):", result[f"mean_{metric}_ms"], ".2f")
-        row(f"Median {name} (ms):", result[f"median_{metric}_ms"], ".2f")
-        for p in percentiles:
-            row(f"P{_p_word(p)} {name} (ms):", result[f"p{_p_word(p)}_{metric}_ms"], ".2f")
-    lines.append("=" * 50)
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- the run
@@ -601,7 +360,3 @@ def main(args: argparse.Namespace) -> int:
         print(f"plugserve bench serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(build_parser().parse_args()))
