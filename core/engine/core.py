@@ -6,6 +6,7 @@ never branches on which one it got.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -41,8 +42,20 @@ class EngineCore:
         self.executor: Executor = registry.build(
             "executor", stack.executor, config.plugin_options(stack.executor), config=config
         )
-        self.kv_cache_info: KVCacheInfo = self.executor.initialize()
-        info = self.kv_cache_info
+        info = self.executor.initialize()
+        capacity = info.num_blocks * info.block_size
+        if capacity < info.max_model_len:
+            # A request longer than the whole pool could never be scheduled: it would
+            # wait forever while the loop spins. Cap the context at what the pool holds.
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len %d: capping "
+                "max_model_len at %d (raise kv_cache_memory or num_kv_blocks to avoid this)",
+                capacity,
+                info.max_model_len,
+                capacity,
+            )
+            info = dataclasses.replace(info, max_model_len=capacity)
+        self.kv_cache_info: KVCacheInfo = info
         kv_allocator = registry.build(
             "kv_allocator",
             stack.kv_allocator,

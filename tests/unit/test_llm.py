@@ -165,3 +165,14 @@ def test_observer_hooks_see_steps_and_finished_requests():
     assert len(steps) == 6
     assert steps[0].num_scheduled_tokens == sum(len(llm.tokenizer.encode(p)) for p in PROMPTS[:2])
     assert all(0 < s.forward_time <= s.step_time for s in steps)
+
+
+def test_max_model_len_is_capped_at_what_the_kv_pool_holds():
+    # 4 blocks of 16 tokens: a longer request could never be scheduled.
+    llm = LLM(num_kv_blocks=4, max_num_seqs=2, max_num_batched_tokens=64)
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate({"prompt_token_ids": [100] * 70}, SamplingParams(max_tokens=4))
+    [out] = llm.generate({"prompt_token_ids": [100] * 40}, SamplingParams(max_tokens=100))
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
