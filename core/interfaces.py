@@ -4,6 +4,10 @@ A plugin registers a class for a slot (see hookspecs.py); the core builds it wit
 keyword arguments documented on the Protocol's `__init__` plus, when the class declares
 an `Options` pydantic model, `options=` validated from its block under `plugins:` in
 stack.yaml. The hot path calls these objects directly, never through pluggy.
+
+Any registered class may also define `unavailable_reason()` (a classmethod returning a
+one-line reason, or None when it can run here, e.g. a CUDA-only kernel on a CPU host):
+selecting it then fails at config time with that line, and the test matrix skips it.
 """
 
 from __future__ import annotations
@@ -259,7 +263,9 @@ class KVCacheInfo:
 
 @runtime_checkable
 class Executor(Protocol):
-    """Runs the model for the engine core: in-process, or over worker processes."""
+    """Runs the model for the engine core: in-process, or over worker processes.
+
+    Optional class attribute `max_tensor_parallel_size` (absent: no limit)."""
 
     def __init__(self, *, config: StackConfig) -> None: ...
 
@@ -324,7 +330,11 @@ class AttentionBatch:
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Paged KV cache layout and varlen attention; one instance serves every layer."""
+    """Paged KV cache layout and varlen attention; one instance serves every layer.
+
+    A backend that can run inside CUDA graphs also defines `init_cuda_graphs(sizes,
+    max_blocks_per_req)` and `prepare_graph(batch, padded_size)` (see
+    worker/cuda_graphs.py); without them decode steps run eagerly."""
 
     def __init__(self, *, spec: AttentionSpec) -> None: ...
 
