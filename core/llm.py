@@ -16,6 +16,7 @@ from plugserve.config import StackConfig, load_config
 from plugserve.engine.core import EngineCore
 from plugserve.interfaces import Detokenizer, Renderer
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest
+from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
 from plugserve.sampling_params import SamplingParams
 from plugserve.worker.model_loader import resolve_model_path
@@ -222,21 +223,13 @@ class LLM:
         output = seq.output
         output.token_ids.extend(out.new_token_ids)
         seq.parent.num_cached_tokens = out.num_cached_tokens
-        detok = seq.detokenizer
-        text_ids = out.new_token_ids
-        if out.finish_reason == "stop" and not seq.params.include_stop_str_in_output:
-            text_ids = text_ids[:-1]  # the EOS or stop token is not part of the text
-        detok.update(text_ids)
+        delta = detokenize_output(seq.detokenizer, seq.params, out)
+        output.text += delta.text
         if out.new_logprobs is not None:
             self._append_logprobs(output, out)
-        stopped_by_string = detok.stop_reason is not None and not out.finished
-        if out.finished or stopped_by_string:
-            detok.flush()
-            output.text = detok.output_text
-            if detok.stop_reason is not None:
-                output.finish_reason, output.stop_reason = "stop", detok.stop_reason
-            else:
-                output.finish_reason, output.stop_reason = out.finish_reason, out.stop_reason
+        if delta.finish_reason is not None:
+            output.finish_reason, output.stop_reason = delta.finish_reason, delta.stop_reason
+        stopped_by_string = delta.stopped_by_string
         return stopped_by_string
 
     def _append_logprobs(self, output: CompletionOutput, out: EngineCoreOutput) -> None:

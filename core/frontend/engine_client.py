@@ -35,6 +35,7 @@ from plugserve.messages import (
     pong_decoder,
     ready_decoder,
 )
+from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
 from plugserve.sampling_params import SamplingParams
 from plugserve.worker.model_runner_output import Logprobs
@@ -401,30 +402,20 @@ class AsyncEngineClient:
             self._forget(state)
             state.queue.put_nowait(RequestError(output.error))
             return False
-        detok = state.detokenizer
         state.num_output_tokens += len(output.new_token_ids)
-        text_ids = output.new_token_ids
-        if output.finish_reason == "stop" and not state.params.include_stop_str_in_output:
-            text_ids = text_ids[:-1]  # the EOS or stop token is not part of the text
-        text = detok.update(text_ids)
-        finish_reason, stop_reason = output.finish_reason, output.stop_reason
-        stopped_here = detok.stop_reason is not None and finish_reason is None
-        if detok.stop_reason is not None:
-            finish_reason, stop_reason = "stop", detok.stop_reason
-        elif finish_reason is not None:
-            text += detok.flush()
-        if finish_reason is not None and not stopped_here:
+        delta = detokenize_output(state.detokenizer, state.params, output)
+        if delta.finish_reason is not None and not delta.stopped_by_string:
             self._forget(state)
         state.queue.put_nowait(
             RequestDelta(
-                text=text,
+                text=delta.text,
                 token_ids=output.new_token_ids,
                 logprobs=output.new_logprobs,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
                 num_prompt_tokens=state.num_prompt_tokens,
                 num_output_tokens=state.num_output_tokens,
                 num_cached_tokens=output.num_cached_tokens,
             )
         )
-        return stopped_here
+        return delta.stopped_by_string
