@@ -78,6 +78,7 @@ class EngineCore:
             else None,
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
+        self.last_step: StepStats | None = None
         logger.info(
             "engine ready: %d KV blocks of %d tokens, dtype %s, max_model_len %d",
             info.num_blocks,
@@ -142,18 +143,17 @@ class EngineCore:
             model_output = self.executor.sample_tokens(grammar_output)
         forward_time = time.perf_counter() - forward_started
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        stats = self.scheduler.stats()
+        self.last_step = StepStats(
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage,
+            step_time=time.perf_counter() - started,
+            forward_time=forward_time,
+        )
         if self._observe_steps:
-            stats = self.scheduler.stats()
-            self._registry.hook.engine_step_finished(
-                stats=StepStats(
-                    num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-                    num_running=stats.num_running,
-                    num_waiting=stats.num_waiting,
-                    kv_usage=stats.kv_usage,
-                    step_time=time.perf_counter() - started,
-                    forward_time=forward_time,
-                )
-            )
+            self._registry.hook.engine_step_finished(stats=self.last_step)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def _notify_finished(self, request: Request) -> None:
