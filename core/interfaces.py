@@ -354,7 +354,8 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim]: write k/v into the
         cache at the step's slots, attend causally over each request's cached context, and
-        return [tokens, heads, head_dim]."""
+        return [tokens, heads, head_dim]. The inputs may be strided views (slices of the
+        fused QKV projection); a kernel that needs contiguous memory copies."""
         ...
 
 
@@ -380,3 +381,6 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights under Hugging Face names."""
         ...
+
+    # Optional: `process_weights_after_loading()`, called once after load_weights, to
+    # re-lay out weights for the kernels that will run them (e.g. packing for oneDNN).

@@ -410,6 +410,10 @@ def load_model(
     with _no_param_init(dtype, torch.device(device)):
         model = model_cls(hf_config=hf_config, attention=attention, **extra)
     model.load_weights(iter_weights(model_path))  # type: ignore[operator]
+    # A model may re-lay out its weights for the kernels it will run (packing, fusing).
+    process = getattr(model, "process_weights_after_loading", None)
+    if process is not None:
+        process()
     return model.eval()
 
 

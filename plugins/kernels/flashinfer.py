@@ -235,6 +235,7 @@ class FlashInferAttention:
         # Written before the kernel reads, so a row sees the tokens it adds this step.
         k_cache.view(-1, s.num_kv_heads, s.head_dim).index_copy_(0, step.slots, k.to(s.dtype))
         v_cache.view(-1, s.num_kv_heads, s.head_dim).index_copy_(0, step.slots, v.to(s.dtype))
+        q = q.contiguous()  # q may be a strided view of the fused QKV output
         out = torch.empty_like(q)
         step.wrapper.run(q, (k_cache, v_cache), out=out)
         return out

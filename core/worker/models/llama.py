@@ -23,7 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugserve.interfaces import AttentionBackend
+from plugserve.worker import cpu_linear
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 # Checkpoint tensors that are derived state in HF's own model, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,8 +68,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox/HF (rotate-half) RoPE with cos/sin precomputed for every position, so a step
-    only gathers rows by position."""
+    """Neox/HF (rotate-half) RoPE with cos/sin precomputed for every position.
+
+    `tables(positions)` gathers a step's rows once for all layers; `forward` rotates q and
+    k together. rotate_half(x) * sin equals roll(x, D/2) * sin with the first half of sin
+    negated, exactly (only signs move), which saves the split, negation and concatenation.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
         super().__init__()
@@ -77,19 +84,24 @@ class RotaryEmbedding(nn.Module):
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        sin = emb.sin().float()
+        sin[:, : head_dim // 2] *= -1
+        self.register_buffer("sin", sin, persistent=False)
+        self.half = head_dim // 2
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """cos and signed sin for a step's positions: [T, 1, D] each, in `dtype`."""
+        return (
+            self.cos[positions].to(dtype)[:, None, :],
+            self.sin[positions].to(dtype)[:, None, :],
+        )
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, D] → x rotated by each token's position."""
+        cos, sin = tables
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -112,16 +124,28 @@ def _head_dim(hf_config: Any) -> int:
     )
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be packed once for the CPU kernel (cpu_linear)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = cpu_linear.pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
+
+
 def _empty_linear(
-    in_features: int, out_features: int, bias: bool, cls: type[nn.Linear] = nn.Linear
-) -> nn.Linear:
+    in_features: int, out_features: int, bias: bool, cls: type[Linear] = Linear
+) -> Linear:
     # Every weight is overwritten by load_weights; skip the random initialization.
     return cls(in_features, out_features, bias=bias, device="meta").to_empty(
         device=torch.get_default_device()
     )
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Holds the input columns of this rank's shard; the partial products are summed
     over ranks before the (full, unsharded) bias is added once."""
 
@@ -129,8 +153,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.parallel.all_reduce(F.linear(x, self.weight))
+            return super().forward(x)
+        out = self.parallel.all_reduce(cpu_linear.linear(x, self.weight, None, self.packed))
         return out if self.bias is None else out + self.bias
 
 
@@ -180,6 +204,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = _head_dim(hf_config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.num_qk_heads = self.num_heads + self.num_kv_heads
         # Llama's attention_bias covers q, k, v and o; Qwen2 always has q/k/v bias, no o.
         llama_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = llama_bias or getattr(hf_config, "model_type", "") == "qwen2"
@@ -188,14 +213,14 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.attention = attention  # not a submodule: one backend serves every layer
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, tables: RopeTables) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # q and k rotate as one [T, heads + kv_heads, D] view of the fused output.
+        qk = rotary(
+            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_qk_heads, self.head_dim), tables
+        )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -228,10 +253,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, tables: RopeTables) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, tables)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -269,25 +292,39 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # The LM head holds the same vocabulary rows as this rank's embedding slice.
         embed = self.model.embed_tokens
-        self.lm_head: nn.Linear | None = (
+        self.lm_head: Linear | None = (
             None
             if self.tie_word_embeddings
             else _empty_linear(hf_config.hidden_size, embed.end - embed.start, False)
         )
+        self._packed_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        tables = self.rotary.tables(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(positions, x, self.rotary)
+            x = layer(x, self.rotary, tables)
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] → fp32 logits [N, vocab]. With tensor parallelism each rank
         computes its vocabulary slice and rank 0 gathers them; the others get None."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden_states, weight).float()
+        logits = cpu_linear.linear(hidden_states, weight, None, self._packed_head).float()
         return self.parallel.gather_last_dim(logits, self.config.vocab_size)
+
+    def process_weights_after_loading(self) -> None:
+        """Pack every linear weight for the CPU kernel where that is exact (bf16 on CPU);
+        elsewhere the weights stay as loaded."""
+        weight = self.model.embed_tokens.weight
+        if not cpu_linear.packing_supported(weight.dtype, weight.device):
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:  # tied: the head multiplies by the embedding matrix
+            self._packed_head = cpu_linear.pack_weight(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown
