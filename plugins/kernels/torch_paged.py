@@ -50,6 +50,14 @@ class _Decodes:
 
 
 @dataclass(frozen=True)
+class _LayerCache:
+    k_blocks: torch.Tensor
+    v_blocks: torch.Tensor
+    k_slots: torch.Tensor
+    v_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class _StepPlan:
     num_tokens: int
     slots: torch.Tensor  # [num_tokens] where each token's k/v goes
@@ -86,6 +94,17 @@ class TorchPagedAttention:
             dtype=s.dtype,
             device=self.device,
         )
+        # Per layer: K and V by block [num_blocks, block_size, KVH, D] and by slot
+        # [num_slots, KVH, D]; built once, as a layer's forward is hot.
+        self._layer_caches = [
+            _LayerCache(
+                k_blocks=self.kv_cache[layer, 0],
+                v_blocks=self.kv_cache[layer, 1],
+                k_slots=self.kv_cache[layer, 0].view(-1, s.num_kv_heads, s.head_dim),
+                v_slots=self.kv_cache[layer, 1].view(-1, s.num_kv_heads, s.head_dim),
+            )
+            for layer in range(s.num_layers)
+        ]
 
     # ------------------------------------------------------------------ per step
 
@@ -164,26 +183,25 @@ class TorchPagedAttention:
             raise RuntimeError("allocate_kv_cache() and prepare() must run before forward()")
         if q.shape[0] != plan.num_tokens:
             raise ValueError(f"got {q.shape[0]} tokens, the prepared batch has {plan.num_tokens}")
-        s = self.spec
-        k_cache = self.kv_cache[layer_idx, 0].view(-1, s.num_kv_heads, s.head_dim)
-        v_cache = self.kv_cache[layer_idx, 1].view(-1, s.num_kv_heads, s.head_dim)
+        cache = self._layer_caches[layer_idx]
         # Written before any read, so a row sees the tokens every row adds this step.
-        k_cache.index_copy_(0, plan.slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, plan.slots, v.to(v_cache.dtype))
+        # (The cache holds the model's dtype: q, k and v need no casts.)
+        cache.k_slots.index_copy_(0, plan.slots, k)
+        cache.v_slots.index_copy_(0, plan.slots, v)
 
         if plan.decodes is not None and plan.decodes.token_index is None:
-            return self._decode(layer_idx, q, plan.decodes)
+            return self._decode(cache, q, plan.decodes)
         out = torch.empty_like(q)
         if plan.decodes is not None:
             d = plan.decodes
-            out[d.token_index] = self._decode(layer_idx, q[d.token_index], d)
+            out[d.token_index] = self._decode(cache, q[d.token_index], d)
         for p in plan.prefills:
             if p.block_ids is None:
                 keys, values = k[p.start : p.end], v[p.start : p.end]
             else:
                 seq_len = p.mask.shape[1]
-                keys = self._gather(layer_idx, 0, p.block_ids)[:seq_len].to(q.dtype)
-                values = self._gather(layer_idx, 1, p.block_ids)[:seq_len].to(q.dtype)
+                keys = self._gather(cache.k_blocks, p.block_ids)[:seq_len]
+                values = self._gather(cache.v_blocks, p.block_ids)[:seq_len]
             o = self._sdpa(
                 q[p.start : p.end].transpose(0, 1)[None],
                 keys.transpose(0, 1)[None],
@@ -193,33 +211,29 @@ class TorchPagedAttention:
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, layer_idx: int, q: torch.Tensor, d: _Decodes) -> torch.Tensor:
+    def _decode(self, cache: _LayerCache, q: torch.Tensor, d: _Decodes) -> torch.Tensor:
         """q [B, H, D], one query per row → [B, H, D]."""
         s = self.spec
-        assert self.kv_cache is not None
         rows = q.shape[0]
-        group = s.num_heads // s.num_kv_heads
         context = d.num_blocks * s.block_size
 
-        def gather(kv: int) -> torch.Tensor:  # → [B, KVH, L, D]
-            tokens = self._gather(layer_idx, kv, d.block_ids).to(q.dtype)
+        def gather(blocks: torch.Tensor) -> torch.Tensor:  # → [B, KVH, L, D]
+            tokens = self._gather(blocks, d.block_ids)
             return tokens.view(rows, context, s.num_kv_heads, s.head_dim).transpose(1, 2)
 
         o = F.scaled_dot_product_attention(
-            q.view(rows, s.num_kv_heads, group, s.head_dim),
-            gather(0),
-            gather(1),
+            q.view(rows, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim),
+            gather(cache.k_blocks),
+            gather(cache.v_blocks),
             attn_mask=d.bias,
             scale=self.scale,
         )
         return o.reshape(rows, s.num_heads, s.head_dim)
 
-    def _gather(self, layer_idx: int, kv: int, block_ids: torch.Tensor) -> torch.Tensor:
+    def _gather(self, blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """The tokens of the given blocks, in order: [len(block_ids) * block_size, KVH, D]."""
-        assert self.kv_cache is not None
         s = self.spec
-        blocks = self.kv_cache[layer_idx, kv].index_select(0, block_ids)
-        return blocks.view(-1, s.num_kv_heads, s.head_dim)
+        return blocks.index_select(0, block_ids).view(-1, s.num_kv_heads, s.head_dim)
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

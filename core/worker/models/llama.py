@@ -111,11 +111,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalized in fp32 and cast back before the weight, as HF's LlamaRMSNorm does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Normalized in fp32 and cast back before the weight, as HF's LlamaRMSNorm does
+        # (F.rms_norm in fp32 without a weight is bit-identical to its formula).
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def _head_dim(hf_config: Any) -> int:
