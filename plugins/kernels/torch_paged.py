@@ -7,24 +7,29 @@ precomputes every index and mask the layers share; `forward` then writes the ste
 and runs scaled_dot_product_attention: one batched call for all single-token rows
 (decodes) and one call per multi-token row (prefill chunks, few per step).
 
-Decode rows gather their context a whole block at a time with index_select (several
-times faster on CPU than gathering slot by slot with advanced indexing), and fold each
-KV head's group of query heads into the query-length dimension: one [G, L] attention per
-(row, KV head) instead of expanding K/V to every query head.
+Decode rows on CPU go through a small C++ kernel (cpu_decode_attention.cpp) that reads
+K/V in place from the paged cache. Elsewhere, or where it cannot be built, they gather
+their context a whole block at a time with index_select (several times faster on CPU
+than slot by slot with advanced indexing) and fold each KV head's group of query heads
+into the query-length dimension: one [G, L] SDPA per (row, KV head).
+Option `decode_kernel`: auto (the C++ kernel on CPU when it builds), native, sdpa.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+import pydantic
 import torch
 import torch.nn.functional as F
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
 from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve_plugins.kernels import cpu_decode_attention
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,10 @@ class _Decodes:
     """All single-token rows, attended in one padded call."""
 
     token_index: torch.Tensor | None  # [B] flat token of each row; None: all tokens, in order
-    block_ids: torch.Tensor  # [B * max_blocks] each row's blocks, padded with valid ids
-    num_blocks: int  # max_blocks
-    bias: torch.Tensor  # [B, 1, 1, max_blocks * block_size]: 0 in the context, -inf past it
+    block_table: torch.Tensor  # [B, max_blocks] int64, padded with valid ids
+    seq_lens: torch.Tensor  # [B] int64
+    # SDPA only: [B, 1, 1, max_blocks * block_size], 0 in the context, -inf past it.
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,11 @@ class _StepPlan:
 class TorchPagedAttention:
     """interfaces.AttentionBackend with paged KV in torch tensors and SDPA."""
 
-    def __init__(self, *, spec: AttentionSpec) -> None:
+    class Options(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        decode_kernel: Literal["auto", "native", "sdpa"] = "auto"
+
+    def __init__(self, *, spec: AttentionSpec, options: Options | None = None) -> None:
         if spec.num_heads % spec.num_kv_heads:
             raise ValueError(
                 f"num_heads ({spec.num_heads}) must be a multiple of "
@@ -76,9 +86,22 @@ class TorchPagedAttention:
             )
         self.spec = spec
         self.device = torch.device(spec.device)
+        self.native_decode = self._use_native_decode((options or self.Options()).decode_kernel)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.kv_cache: torch.Tensor | None = None
         self._plan: _StepPlan | None = None
+
+    def _use_native_decode(self, choice: str) -> bool:
+        if choice == "sdpa":
+            return False
+        usable = self.device.type == "cpu" and self.spec.dtype in (torch.float32, torch.bfloat16)
+        if choice == "native":
+            if not usable:
+                raise ValueError("decode_kernel 'native' runs on CPU in float32 or bfloat16 only")
+            if not cpu_decode_attention.load():
+                raise ValueError("decode_kernel 'native' could not be built (see the log)")
+            return True
+        return usable and cpu_decode_attention.load()
 
     def kv_cache_bytes_per_block(self) -> int:
         s = self.spec
@@ -150,17 +173,20 @@ class TorchPagedAttention:
         bs = self.spec.block_size
         # Built on the host: reading sizes off the device would sync every step.
         num_blocks = int(-(-seq_lens.max() // bs))
-        block_ids = np.ascontiguousarray(block_table[:, :num_blocks], dtype=np.int64)
+        blocks = np.ascontiguousarray(block_table[:, :num_blocks], dtype=np.int64)
         # Entries past a row's last block may be stale; any valid id will do (masked).
         used = -(-seq_lens // bs)
-        block_ids[np.arange(num_blocks)[None, :] >= used[:, None]] = 0
-        positions = np.arange(num_blocks * bs)[None, :]
-        bias = np.where(positions < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
+        blocks[np.arange(num_blocks)[None, :] >= used[:, None]] = 0
+        bias = None
+        if not self.native_decode:
+            positions = np.arange(num_blocks * bs)[None, :]
+            mask = np.where(positions < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
+            bias = self._to_device(mask).to(self.spec.dtype)[:, None, None, :]
         return _Decodes(
             token_index=None if all_rows else self._to_device(token_index),
-            block_ids=self._to_device(block_ids.reshape(-1)),
-            num_blocks=num_blocks,
-            bias=self._to_device(bias).to(self.spec.dtype)[:, None, None, :],
+            block_table=self._to_device(blocks),
+            seq_lens=self._to_device(seq_lens.astype(np.int64)),
+            bias=bias,
         )
 
     def _plan_prefill(self, start: int, end: int, seq_len: int, block_row: np.ndarray) -> _Prefill:
@@ -213,12 +239,17 @@ class TorchPagedAttention:
 
     def _decode(self, cache: _LayerCache, q: torch.Tensor, d: _Decodes) -> torch.Tensor:
         """q [B, H, D], one query per row → [B, H, D]."""
+        if d.bias is None:
+            return cpu_decode_attention.decode_attention(
+                q, cache.k_blocks, cache.v_blocks, d.block_table, d.seq_lens, self.scale
+            )
         s = self.spec
-        rows = q.shape[0]
-        context = d.num_blocks * s.block_size
+        rows, num_blocks = d.block_table.shape
+        context = num_blocks * s.block_size
+        block_ids = d.block_table.view(-1)
 
         def gather(blocks: torch.Tensor) -> torch.Tensor:  # → [B, KVH, L, D]
-            tokens = self._gather(blocks, d.block_ids)
+            tokens = self._gather(blocks, block_ids)
             return tokens.view(rows, context, s.num_kv_heads, s.head_dim).transpose(1, 2)
 
         o = F.scaled_dot_product_attention(

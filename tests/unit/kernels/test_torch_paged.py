@@ -111,11 +111,58 @@ def run_step(
         assert torch.equal(cache[1, slots], v)
 
 
-@pytest.fixture
-def backend() -> TorchPagedAttention:
-    backend = TorchPagedAttention(spec=SPEC)
+@pytest.fixture(params=["native", "sdpa"])
+def backend(request: pytest.FixtureRequest) -> TorchPagedAttention:
+    """Both decode paths: the C++ kernel reading the paged cache, and block gather + SDPA."""
+    options = TorchPagedAttention.Options(decode_kernel=request.param)
+    backend = TorchPagedAttention(spec=SPEC, options=options)
     backend.allocate_kv_cache(NUM_BLOCKS)
     return backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 3, 40])
+def test_native_decode_kernel_matches_sdpa_at_model_shapes(
+    dtype: torch.dtype, num_rows: int
+) -> None:
+    # SmolLM2's heads (9 query, 3 KV, dim 64); few rows split work by KV head, many by row.
+    spec = AttentionSpec(
+        num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+        dtype=dtype, device=torch.device("cpu"),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(num_rows)
+    seq_lens = torch.randint(1, 300, (num_rows,), generator=generator).numpy()
+    num_blocks = int(sum(-(-seq_lens // 16))) + 1
+    block_table = np.zeros((num_rows, int(-(-seq_lens.max() // 16))), dtype=np.int32)
+    pool = torch.randperm(num_blocks, generator=generator).tolist()
+    for row, length in enumerate(seq_lens):
+        used = -(-length // 16)
+        block_table[row, :used], pool = pool[:used], pool[used:]
+    positions = [np.arange(n - 1, n) for n in seq_lens]
+    batch = AttentionBatch(
+        query_start_loc=np.arange(num_rows + 1, dtype=np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=block_table,
+        slot_mapping=np.concatenate(
+            [block_table[r, p // 16] * 16 + p % 16 for r, p in enumerate(positions)]
+        ),
+    )
+    cache = torch.randn(1, 2, num_blocks, 16, 3, 64, generator=generator).to(dtype)
+    q = torch.randn(num_rows, 9, 64, generator=generator).to(dtype)
+    k = torch.randn(num_rows, 3, 64, generator=generator).to(dtype)
+    v = torch.randn(num_rows, 3, 64, generator=generator).to(dtype)
+    outputs = []
+    for kernel in ("native", "sdpa"):
+        backend = TorchPagedAttention(
+            spec=spec, options=TorchPagedAttention.Options(decode_kernel=kernel)
+        )
+        backend.allocate_kv_cache(num_blocks)
+        assert backend.kv_cache is not None
+        backend.kv_cache.copy_(cache)
+        backend.prepare(batch)
+        outputs.append(backend.forward(0, q, k, v).float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outputs[0], outputs[1], atol=tolerance, rtol=tolerance)
 
 
 def test_mixed_batch_matches_dense_attention(backend: TorchPagedAttention) -> None:

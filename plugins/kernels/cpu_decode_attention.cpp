@@ -1,0 +1,201 @@
+// Paged decode attention for CPUs: one query token per row, read straight from the
+// block-paged KV cache (no gathered copy of the context), GQA by KV head.
+//
+// Registered as torch.ops.plugserve_cpu.decode_attention; built and loaded by
+// cpu_decode_attention.py. Work is split over (row, KV head) pairs with ATen's thread
+// pool, so it shares the threads torch already runs on.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+#ifdef __AVX512F__
+// 16 consecutive elements as fp32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// q_g . k over head_dim for each of `group` queries (qf holds them in fp32).
+template <typename T>
+inline void dots(const float* qf, const T* k, int64_t group, int64_t head_dim, float* out,
+                 int64_t out_stride) {
+#ifdef __AVX512F__
+  if (head_dim % 16 == 0 && head_dim <= 256) {
+    __m512 kv[16];
+    const int64_t chunks = head_dim / 16;
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * head_dim), kv[0]);
+      for (int64_t c = 1; c < chunks; ++c)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * head_dim + c * 16), kv[c], acc);
+      out[g * out_stride] = _mm512_reduce_add_ps(acc);
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) dot += qf[g * head_dim + d] * to_float(k[d]);
+    out[g * out_stride] = dot;
+  }
+}
+
+// acc_g += p[g] * v over head_dim for each of `group` queries.
+template <typename T>
+inline void axpys(const float* p, int64_t p_stride, const T* v, int64_t group, int64_t head_dim,
+                  float* acc) {
+#ifdef __AVX512F__
+  if (head_dim % 16 == 0) {
+    for (int64_t c = 0; c < head_dim; c += 16) {
+      const __m512 vv = load16(v + c);
+      for (int64_t g = 0; g < group; ++g) {
+        float* a = acc + g * head_dim + c;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride]), vv, _mm512_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p[g * p_stride] * to_float(v[d]);
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
+                           const at::Tensor& v_blocks, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_blocks.size(1), kv_heads = k_blocks.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_blocks.data_ptr<T>();
+  const T* v_ptr = v_blocks.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  // Strides in elements: q/out [rows, heads, D] contiguous per head; the cache
+  // [blocks, block_size, kv_heads, D] contiguous.
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+  const float fscale = static_cast<float>(scale);
+
+  // A work item is a row and a range of its KV heads: all of them when there are
+  // enough rows to share among the threads (each token's K/V row of every head is then
+  // one contiguous read), one head each when there are few rows.
+  const int64_t split = rows >= 4 * at::get_num_threads() ? 1 : kv_heads;
+  const int64_t heads_per_item = kv_heads / split;
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+
+  at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / split, first_kvh = (item % split) * heads_per_item;
+      const int64_t first_head = first_kvh * group, num_heads = heads_per_item * group;
+      const int64_t len = lens[row];
+      const int64_t* row_table = table + row * max_blocks;
+      scores.assign(num_heads * len, 0.0f);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const T* src = q_ptr + row * q_row + (first_head + h) * q_head;
+        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(src[d]) * fscale;
+      }
+      auto token = [&](const T* base, int64_t t) {
+        return base + row_table[t / block_size] * block_stride + (t % block_size) * token_stride +
+               first_kvh * head_dim;
+      };
+      // Pass 1: scores[h, t] = q_h . k_t over the row's context.
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + 8 < len) prefetch(token(k_ptr, t + 8), row_bytes);
+        const T* k = token(k_ptr, t);
+        for (int64_t j = 0; j < heads_per_item; ++j)
+          dots(qf.data() + j * group * head_dim, k + j * head_dim, group, head_dim,
+               scores.data() + j * group * len + t, len);
+      }
+      // Softmax per query head, in fp32.
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * len;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, s[t]);
+        float total = 0.0f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - peak);
+          total += s[t];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      // Pass 2: out_h = sum_t p[h, t] * v_t.
+      std::fill(acc.begin(), acc.begin() + num_heads * head_dim, 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + 8 < len) prefetch(token(v_ptr, t + 8), row_bytes);
+        const T* v = token(v_ptr, t);
+        for (int64_t j = 0; j < heads_per_item; ++j)
+          axpys(scores.data() + j * group * len + t, len, v + j * head_dim, group, head_dim,
+                acc.data() + j * group * head_dim);
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* dst = out_ptr + (row * heads + first_head + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[h * head_dim + d]);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_blocks,
+                            const at::Tensor& v_blocks, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim], last dim dense");
+  TORCH_CHECK(k_blocks.is_contiguous() && v_blocks.is_contiguous(), "KV blocks must be contiguous");
+  TORCH_CHECK(k_blocks.scalar_type() == q.scalar_type() && v_blocks.scalar_type() == q.scalar_type(),
+              "q and the KV cache must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous(),
+              "block_table must be contiguous int64");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int64");
+  TORCH_CHECK(q.size(1) % k_blocks.size(2) == 0, "heads must be a multiple of kv_heads");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<c10::BFloat16>(out, q, k_blocks, v_blocks, block_table, seq_lens, scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention supports float32 and bfloat16");
+    decode_attention_impl<float>(out, q, k_blocks, v_blocks, block_table, seq_lens, scale);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(plugserve_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_table, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(plugserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
