@@ -29,6 +29,10 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
     served_model_name: str | None = None
+    # API-server processes sharing host:port and the engine cores (vLLM's
+    # --api-server-count). 1: the API server runs in the launching process; N > 1: the
+    # launching process supervises ApiServer_0 … ApiServer_{N-1}.
+    api_server_count: int = Field(1, ge=1)
 
 
 class StackSelection(_Section):

@@ -4,6 +4,10 @@ The input thread receives frames, decodes them and queues them; the output threa
 encodes outputs and sends them. The busy loop never touches the transport: it drains
 the input queue, steps the engine and queues outputs, and blocks on the input queue
 when there is nothing to do, so an idle engine burns no core.
+
+Several API servers (clients) may share the engine. The channel says which client each
+message came from; the busy loop remembers which client sent each request and answers
+every output, PONG and refusal to that client only. The handshake and DEAD go to all.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from plugserve.logging_utils import configure_process_logging
 from plugserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineDead,
     EngineReady,
     OutputType,
     Pong,
     RequestType,
+    SchedulerStats,
     abort_decoder,
     encoder,
     int_decoder,
@@ -41,6 +47,10 @@ from plugserve.plugins import get_registry
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_BROADCAST = -1  # an output item for every client (DEAD)
+
+# (message type, decoded payload, the client it came from)
+_Input = tuple[bytes, Any, int]
 
 
 def engine_process_name(engine_index: int, data_parallel_size: int) -> str:
@@ -63,6 +73,8 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     # the whole group must not kill the engine mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
+    inputs: queue.Queue[_Input] = queue.Queue()
+    _shut_down_on_sigterm(inputs)
     if dp_size > 1 and config.engine.num_threads is None:
         # Replicas share the host's cores rather than all fighting for every one.
         config.engine.num_threads = max(1, (os.cpu_count() or 1) // dp_size)
@@ -90,7 +102,8 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
         pid=os.getpid(),
     )
     channel.send_ready([OutputType.READY, encoder.encode(ready)])
-    EngineCoreProc(engine, channel, engine_index).run()
+    num_clients = config.server.api_server_count
+    EngineCoreProc(engine, channel, engine_index, num_clients, inputs).run()
 
 
 def _exit_with_parent() -> None:
@@ -108,17 +121,48 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="ParentWatch", daemon=True).start()
 
 
+def _shut_down_on_sigterm(inputs: queue.Queue[_Input]) -> None:
+    """SIGTERM (how a launcher of several API servers stops the engines it owns) is a
+    SHUTDOWN message: the busy loop ends after its step and the engine exits 0. The
+    handler itself does nothing, since it may interrupt the main thread anywhere (inside
+    a queue's lock, say); the signal's wake-up byte is what a thread acts on."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
+    signal.set_wakeup_fd(write_fd)
+
+    def watch() -> None:
+        while os.read(read_fd, 1)[0] != signal.SIGTERM:
+            pass
+        logger.info("SIGTERM: shutting down")
+        inputs.put((RequestType.SHUTDOWN, None, 0))
+
+    threading.Thread(target=watch, name="SignalWatch", daemon=True).start()
+
+
 def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 class EngineCoreProc:
-    def __init__(self, engine: EngineCore, channel: EngineChannel, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        channel: EngineChannel,
+        engine_index: int = 0,
+        num_clients: int = 1,
+        input_queue: queue.Queue[_Input] | None = None,
+    ) -> None:
         self.engine = engine
         self.engine_index = engine_index
         self.channel = channel
-        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.num_clients = num_clients
+        self.input_queue: queue.Queue[_Input] = input_queue or queue.Queue()
+        # (message type, message, client or _BROADCAST)
         self.output_queue: queue.Queue[Any] = queue.Queue()
+        # The client (API server) that sent each unfinished request: its outputs go back
+        # there. Only the busy loop touches it.
+        self._client_of: dict[str, int] = {}
         self._running = True
 
     def run(self) -> None:
@@ -134,7 +178,7 @@ class EngineCoreProc:
         except BaseException as exc:
             logger.exception("engine core died")
             dead = EngineDead(engine_index=self.engine_index, error=_one_line(exc))
-            self.output_queue.put((OutputType.DEAD, dead))
+            self.output_queue.put((OutputType.DEAD, dead, _BROADCAST))
             exit_code = 1
         finally:
             self.output_queue.put(_STOP)
@@ -167,46 +211,72 @@ class EngineCoreProc:
             except queue.Empty:
                 return
 
-    def _handle(self, kind: bytes, payload: Any) -> None:
+    def _handle(self, kind: bytes, payload: Any, client: int) -> None:
         if kind == RequestType.ADD:
-            try:
-                self.engine.add_request(payload)
-            except Exception as exc:
-                # Confined to this request: it finishes with the error, the rest go on.
-                logger.warning("request %s refused: %s", payload.request_id, exc)
-                self._emit(
-                    [
-                        EngineCoreOutput(
-                            request_id=payload.request_id,
-                            new_token_ids=[],
-                            finish_reason="error",
-                            error=_one_line(exc),
-                        )
-                    ]
-                )
+            self._add(payload, client)
         elif kind == RequestType.ABORT:
-            # Aborts come from the client, which already finished the request: no output.
-            self.engine.abort_requests(payload)
+            # Aborts come from the client, which already finished the request: no
+            # output. A client aborts only its own requests.
+            mine = [rid for rid in payload if self._client_of.get(rid) == client]
+            for request_id in mine:
+                del self._client_of[request_id]
+            self.engine.abort_requests(mine)
         elif kind == RequestType.PING:
             # A worker that died while the engine was idle fails the ping, not a request.
             self.engine.executor.check_health()
             pong = Pong(payload, self.engine_index, self.engine.scheduler.stats())
-            self.output_queue.put((OutputType.PONG, pong))
+            self.output_queue.put((OutputType.PONG, pong, client))
         elif kind == RequestType.SHUTDOWN:
             self._running = False
         elif kind == b"__error__":
             raise payload
 
-    def _emit(self, outputs: list[EngineCoreOutput]) -> None:
-        stats = self.engine.scheduler.stats()
-        self.output_queue.put(
-            (
-                OutputType.OUTPUTS,
-                EngineCoreOutputs(
-                    outputs=outputs, scheduler_stats=stats, engine_index=self.engine_index
-                ),
-            )
+    def _add(self, request: EngineCoreRequest, client: int) -> None:
+        request_id = request.request_id
+        if request_id in self._client_of:
+            # Another API server's request has this id (ids are random, so this is a
+            # bug or a collision): refusing it keeps that request's outputs where they go.
+            self._refuse(request_id, client, f"request id {request_id!r} is already in use")
+            return
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:
+            # Confined to this request: it finishes with the error, the rest go on.
+            logger.warning("request %s refused: %s", request_id, exc)
+            self._refuse(request_id, client, _one_line(exc))
+            return
+        self._client_of[request_id] = client
+
+    def _refuse(self, request_id: str, client: int, error: str) -> None:
+        refusal = EngineCoreOutput(
+            request_id=request_id, new_token_ids=[], finish_reason="error", error=error
         )
+        self._send_outputs(client, [refusal], self.engine.scheduler.stats())
+
+    def _emit(self, outputs: list[EngineCoreOutput]) -> None:
+        """Queue one step's outputs, one message per client that has some."""
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for output in outputs:
+            request_id = output.request_id
+            if output.finished:
+                client = self._client_of.pop(request_id, None)
+            else:
+                client = self._client_of.get(request_id)
+            if client is None:
+                logger.warning("output for request %s, which no client sent", request_id)
+                continue
+            by_client.setdefault(client, []).append(output)
+        stats = self.engine.scheduler.stats()
+        for client, client_outputs in by_client.items():
+            self._send_outputs(client, client_outputs, stats)
+
+    def _send_outputs(
+        self, client: int, outputs: list[EngineCoreOutput], stats: SchedulerStats
+    ) -> None:
+        batch = EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=stats, engine_index=self.engine_index
+        )
+        self.output_queue.put((OutputType.OUTPUTS, batch, client))
 
     # ------------------------------------------------------------------ IO threads
 
@@ -218,29 +288,33 @@ class EngineCoreProc:
         }
         try:
             while True:
-                frames = self.channel.recv(timeout=None)
-                if frames is None:
+                received = self.channel.recv(timeout=None)
+                if received is None:
                     continue
+                client, frames = received
                 kind = bytes(frames[0])
                 decoder = decoders.get(kind)
                 payload = decoder.decode(frames[1]) if decoder is not None else None
-                self.input_queue.put((kind, payload))
+                self.input_queue.put((kind, payload, client))
                 if kind == RequestType.SHUTDOWN:
                     return
         except Exception as exc:  # the busy loop must learn that its inputs are gone
-            self.input_queue.put((b"__error__", exc))
+            self.input_queue.put((b"__error__", exc, 0))
 
     def _output_thread(self) -> None:
         while True:
             item = self.output_queue.get()
             if item is _STOP:
                 return
-            kind, message = item
+            kind, message, client = item
+            frames = [kind, encoder.encode(message)]
+            clients = range(self.num_clients) if client == _BROADCAST else (client,)
             try:
-                self.channel.send([kind, encoder.encode(message)])
+                for each in clients:
+                    self.channel.send(frames, each)
             except Exception as exc:
                 # Outputs can no longer leave: the busy loop must fail loudly (the
                 # frontend sees the process exit) rather than generate into the void.
                 logger.exception("engine output could not be sent")
-                self.input_queue.put((b"__error__", exc))
+                self.input_queue.put((b"__error__", exc, 0))
                 return

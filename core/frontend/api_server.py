@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from plugserve.frontend.serving import InvalidRequest, ModelNotFound, OpenAIServ
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0
+API_SERVER_HEADER = "x-plugserve-api-server"
 T = TypeVar("T")
 
 
@@ -45,7 +47,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {err['msg']}" if param else err["msg"]), param
 
 
-def build_app(client: AsyncEngineClient, serving: OpenAIServing, api_key: str | None) -> FastAPI:
+def build_app(
+    client: AsyncEngineClient,
+    serving: OpenAIServing,
+    api_key: str | None,
+    server_name: str = "ApiServer",
+) -> FastAPI:
+    """The app of one API server, `server_name` (its process name): every response says
+    which API server process answered, in x-plugserve-api-server ("ApiServer_1 pid=42"),
+    since several may share the port."""
+    identity = f"{server_name} pid={os.getpid()}"
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -63,14 +75,17 @@ def build_app(client: AsyncEngineClient, serving: OpenAIServing, api_key: str | 
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
+    async def _auth_and_identify(request: Request, call_next):
         if (
             api_key
             and request.url.path.startswith("/v1/")
             and request.headers.get("authorization") != f"Bearer {api_key}"
         ):
-            return error_response(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
+            response = error_response(401, "invalid or missing API key", "authentication_error")
+        else:
+            response = await call_next(request)
+        response.headers[API_SERVER_HEADER] = identity
+        return response
 
     async def run(
         request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool

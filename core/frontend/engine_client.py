@@ -1,10 +1,12 @@
-"""AsyncEngineClient: the API server's handle on the engine-core process.
+"""AsyncEngineClient: the API server's handle on the engine-core processes.
 
-It spawns the engine, waits for its handshake, and then runs one output-handler task
-for every request: engine outputs are detokenized in chunks (yielding to the event loop
-between chunks), stop strings are checked here and sent back as aborts, and each
-request's deltas land on that request's own queue. A request's state is registered
-before the request is sent, so no output can arrive for an unknown request.
+It opens this API server's channel to every engine, has the engines started (spawned
+here with one API server, by the launcher with several: see engines.py), waits for
+their handshakes, and then runs one output-handler task for every request: engine
+outputs are detokenized in chunks (yielding to the event loop between chunks), stop
+strings are checked here and sent back as aborts, and each request's deltas land on
+that request's own queue. A request's state is registered before the request is sent,
+so no output can arrive for an unknown request.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from plugserve.config import StackConfig
-from plugserve.engine.engine_proc import engine_process_name, run_engine_core
+from plugserve.frontend.engines import EngineSupervision
 from plugserve.interfaces import ClientChannel, Detokenizer
 from plugserve.messages import (
     EngineCoreOutput,
@@ -43,6 +44,7 @@ from plugserve.worker.model_runner_output import Logprobs
 logger = logging.getLogger(__name__)
 
 OUTPUT_CHUNK_SIZE = 64  # outputs processed before yielding to the event loop
+LAST_WORDS_TIMEOUT_S = 1.0  # for an exited engine's DEAD message to arrive while starting
 
 
 class EngineDeadError(RuntimeError):
@@ -90,12 +92,20 @@ class AsyncEngineClient:
         *,
         tokenizer: Any,
         eos_token_id: int | None,
+        addresses: dict[str, str],
+        engines: EngineSupervision,
+        client_index: int = 0,
         on_engine_dead: Callable[[str], None] | None = None,
     ) -> None:
+        """`addresses` join the engines to every API server (`transport_addresses`);
+        this one is client number `client_index`."""
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.on_engine_dead = on_engine_dead
+        self.client_index = client_index
+        self._addresses = addresses
+        self._engines = engines
         registry = get_registry(config.disabled_plugins)
         stack = config.stack
         self._transport = registry.build(
@@ -110,42 +120,30 @@ class AsyncEngineClient:
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._nonces = itertools.count()
         self._channel: ClientChannel | None = None
-        self._processes: list[multiprocessing.process.BaseProcess] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._engines_gone: asyncio.Future[str] | None = None
         self.readies: list[EngineReady] = []
         self._stats = [SchedulerStats() for _ in range(self.num_engines)]
         self.dead_reason: str | None = None
+        self._shut_down = False
 
     # ------------------------------------------------------------------ life cycle
 
     async def start(self, timeout: float = 600.0) -> EngineReady:
-        """Spawn the engine cores and wait for every handshake; raise EngineDeadError with
-        an engine's own error if one dies while starting."""
-        addresses = self._transport.addresses(self.num_engines)
-        self._channel = self._transport.client(addresses)
-        ctx = multiprocessing.get_context("spawn")
-        for index in range(self.num_engines):
-            process = ctx.Process(
-                target=run_engine_core,
-                args=(self.config.model_dump_json(), addresses, index),
-                name=engine_process_name(index, self.num_engines),
-            )
-            process.start()
-            self._processes.append(process)
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        for process in self._processes:
-            loop.add_reader(process.sentinel, lambda: exited.done() or exited.set_result(None))
+        """Open the channel, have the engines started and wait for every handshake;
+        raise EngineDeadError with an engine's own error if one dies while starting."""
+        self._channel = self._transport.client(self._addresses, self.client_index)
+        self._engines_gone = asyncio.get_running_loop().create_future()
+        self._engines.start()
+        self._engines.watch(self._on_engines_gone)
         try:
             for _ in range(self.num_engines):
-                self.readies.append(await self._next_handshake(exited, timeout))
-        except EngineDeadError:
-            await self._stop_processes()
+                self.readies.append(await self._next_handshake(timeout))
+        except EngineDeadError as exc:
+            self.dead_reason = str(exc)  # nothing to shut down in order
+            await self._engines.stop(asked=False)
             raise
         self.readies.sort(key=lambda r: r.engine_index)
-        for process in self._processes:
-            loop.remove_reader(process.sentinel)
-            loop.add_reader(process.sentinel, self._on_process_exit)
         self._tasks.append(asyncio.create_task(self._output_handler(), name="output-handler"))
         for ready in self.readies:
             logger.info(
@@ -159,21 +157,28 @@ class AsyncEngineClient:
             )
         return self.readies[0]
 
-    async def _next_handshake(self, exited: asyncio.Future[None], timeout: float) -> EngineReady:
-        assert self._channel is not None
+    def _on_engines_gone(self, reason: str) -> None:
+        assert self._engines_gone is not None
+        if not self._engines_gone.done():
+            self._engines_gone.set_result(reason)
+        if len(self.readies) == self.num_engines:  # started: requests may be in flight
+            self._mark_dead(reason)
+
+    async def _next_handshake(self, timeout: float) -> EngineReady:
+        assert self._channel is not None and self._engines_gone is not None
         ready_task = asyncio.ensure_future(self._channel.wait_ready(timeout))
         done, _ = await asyncio.wait(
-            {ready_task, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            {ready_task, self._engines_gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
+        if ready_task not in done and self._engines_gone.done():
+            # An engine that fails while loading says why (DEAD) before it exits; its
+            # sentinel may still wake us first.
+            done, _ = await asyncio.wait({ready_task}, timeout=LAST_WORDS_TIMEOUT_S)
         if ready_task not in done:
             ready_task.cancel()
-            codes = [p.exitcode for p in self._processes if p.exitcode is not None]
-            reason = (
-                f"exited while starting (exit code {codes[0]})"
-                if exited.done() and codes
-                else f"did not start within {timeout:.0f} s"
-            )
-            raise EngineDeadError(f"the engine core {reason}")
+            if self._engines_gone.done():
+                raise EngineDeadError(f"while starting, {self._engines_gone.result()}")
+            raise EngineDeadError(f"the engine core did not start within {timeout:.0f} s")
         kind, payload = ready_task.result()
         if bytes(kind) == OutputType.DEAD:
             raise EngineDeadError(
@@ -203,48 +208,26 @@ class AsyncEngineClient:
         return total
 
     async def shutdown(self) -> None:
+        """Stop listening; stop the engines if this client owns them. Idempotent (the
+        app's lifespan and the launcher both call it)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         for task in self._tasks:
             task.cancel()
-        if self.dead_reason is None:
-            for index, process in enumerate(self._processes):
-                if process.is_alive():
-                    with contextlib.suppress(Exception):  # it is going away either way
-                        await asyncio.wait_for(self._send([RequestType.SHUTDOWN, b""], index), 2)
-        await self._stop_processes()
+        owns = self._engines.owns_engines
+        asked = owns and self.dead_reason is None and self._channel is not None
+        if asked:
+            for index in sorted(ready.engine_index for ready in self.readies):
+                with contextlib.suppress(Exception):  # it is going away either way
+                    await asyncio.wait_for(self._send([RequestType.SHUTDOWN, b""], index), 2)
+        await self._engines.stop(asked=asked)
         if self._channel is not None:
             self._channel.close()
-
-    async def _stop_processes(self) -> None:
-        loop = asyncio.get_running_loop()
-        for process in self._processes:
-            loop.remove_reader(process.sentinel)
-        for process in self._processes:
-            for stop in (None, process.terminate, process.kill):
-                if stop is not None:
-                    stop()
-                await loop.run_in_executor(None, process.join, 5)
-                if not process.is_alive():
-                    break
-
-    @property
-    def engine_pids(self) -> list[int]:
-        return [p.pid for p in self._processes if p.pid is not None]
 
     @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
-
-    def _on_process_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        for index, process in enumerate(self._processes):
-            if not process.is_alive():
-                loop.remove_reader(process.sentinel)
-                process.join(0)
-                name = engine_process_name(index, self.num_engines)
-                self._mark_dead(
-                    f"the engine core {name} exited unexpectedly (exit code {process.exitcode})"
-                )
-                return
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -1,8 +1,13 @@
-"""`plugserve serve`: the API server in this process, the engine core in a child.
+"""`plugserve serve`: the API server(s) and the engine core(s).
 
-The engine starts first; the HTTP port opens once it has answered its handshake. If
-the engine dies, in-flight requests fail, the server stops and the process exits 1.
-SIGINT (Ctrl-C) or SIGTERM stops the server in order, engine included, and exits 0.
+With one API server (`server.api_server_count: 1`, the default) the API server runs in
+this process and spawns the engine cores. With more, this process is the launcher of
+supervisor.py, and each API server runs `run_api_server` in a child process of its own.
+
+An API server's engine client opens its channel and waits for every engine's handshake;
+only then does the API server accept requests. If an engine dies, in-flight requests
+fail, the server stops and the process exits 1. SIGINT (Ctrl-C) or SIGTERM stops the
+server in order, engines included, and exits 0.
 """
 
 from __future__ import annotations
@@ -11,13 +16,16 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import uvicorn
 
 from plugserve.config import StackConfig
 from plugserve.frontend.api_server import build_app
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from plugserve.frontend.engines import EngineSupervision, SpawnedEngines, transport_addresses
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.logging_utils import configure_process_logging
 from plugserve.plugins import get_registry
@@ -25,38 +33,86 @@ from plugserve.worker.model_loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-PROCESS_TITLE = "plugserve::ApiServer"
+SINGLE_API_SERVER_NAME = "ApiServer"
+
+
+def name_process(name: str) -> None:
+    """Log lines and the process title (ps, top) say `name`."""
+    configure_process_logging(name)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"plugserve::{name}")
+    except ImportError:  # the title is a convenience for ps and top
+        pass
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(config: StackConfig) -> int:
+    if config.server.api_server_count > 1:
+        from plugserve.frontend.supervisor import serve_with_api_servers
+
+        return serve_with_api_servers(config)
+    name_process(SINGLE_API_SERVER_NAME)
+    addresses = transport_addresses(config)
+    setup = ApiServerSetup(
+        name=SINGLE_API_SERVER_NAME,
+        client_index=0,
+        addresses=addresses,
+        engines=SpawnedEngines(config, addresses),
+    )
+    return asyncio.run(run_api_server(config, setup))
+
+
+@dataclass
+class ApiServerSetup:
+    """What sets one API server apart from its siblings."""
+
+    name: str  # process and log name, also in every response's x-plugserve-api-server
+    client_index: int  # its channel to the engines
+    addresses: dict[str, str]  # the transport's, for every API server and engine
+    engines: EngineSupervision
+    # Listening sockets handed over by the launcher; None: bind server.host:port here.
+    sockets: list[socket.socket] | None = None
+    stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
+    on_serving: Callable[[], None] | None = None  # once it accepts requests
 
 
 class _Server(uvicorn.Server):
     """uvicorn re-raises a captured SIGINT or SIGTERM once it has shut down, which ends
-    the process before the launcher has stopped the engine (SIGTERM) or prints a
-    KeyboardInterrupt traceback (SIGINT, Ctrl-C). Here a signal asks the server to stop:
-    it shuts down in order and exits 0. A second SIGINT still forces the exit."""
+    the process before the engines have been stopped (SIGTERM) or prints a
+    KeyboardInterrupt traceback (SIGINT, Ctrl-C). Here a stop signal asks the server to
+    stop: it shuts down in order and exits 0. A second SIGINT still forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, setup: ApiServerSetup) -> None:
+        super().__init__(config)
+        self.setup = setup
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        handled = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        handlers = {sig: signal.signal(sig, self.handle_exit) for sig in self.setup.stop_signals}
         try:
             yield
         finally:
-            for sig, handler in previous.items():
+            for sig, handler in handlers.items():
                 signal.signal(sig, handler)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if not self.started:
+            return
+        if sockets is not None:  # uvicorn only announces the sockets it binds itself
+            url = http_url(self.config.host, self.config.port)
+            logger.info("%s accepting requests on %s", self.setup.name, url)
+        if self.setup.on_serving is not None:
+            self.setup.on_serving()
 
-def serve(config: StackConfig) -> int:
-    configure_process_logging("ApiServer")
-    try:
-        import setproctitle
 
-        setproctitle.setproctitle(PROCESS_TITLE)
-    except ImportError:  # the title is a convenience for ps and top
-        pass
-    return asyncio.run(_serve(config))
-
-
-async def _serve(config: StackConfig) -> int:
+async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
+    """Serve until stopped; the process's exit code."""
     registry = get_registry(config.disabled_plugins)
     # Resolving here first converts a GGUF once, before the engine needs it too.
     model_path = str(resolve_model_path(config.model))
@@ -77,15 +133,20 @@ async def _serve(config: StackConfig) -> int:
         config,
         tokenizer=renderer.tokenizer,
         eos_token_id=renderer.eos_token_id,
+        addresses=setup.addresses,
+        engines=setup.engines,
+        client_index=setup.client_index,
         on_engine_dead=on_engine_dead,
     )
     try:
         await client.start()
     except EngineDeadError as exc:
         logger.error("%s", exc)
+        await client.shutdown()
         return 1
     model_name = config.server.served_model_name or config.model
-    app = build_app(client, OpenAIServing(client, renderer, model_name), config.server.api_key)
+    serving = OpenAIServing(client, renderer, model_name)
+    app = build_app(client, serving, config.server.api_key, server_name=setup.name)
     server = _Server(
         uvicorn.Config(
             app,
@@ -94,11 +155,14 @@ async def _serve(config: StackConfig) -> int:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=5,
-        )
+        ),
+        setup,
     )
-    logger.info("serving %s on http://%s:%d", model_name, config.server.host, config.server.port)
+    if setup.sockets is None:
+        url = http_url(config.server.host, config.server.port)
+        logger.info("serving %s on %s", model_name, url)
     try:
-        await server.serve()
+        await server.serve(sockets=setup.sockets)
     finally:
         await client.shutdown()
     if not server.started and exit_code == 0:

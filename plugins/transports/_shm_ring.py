@@ -276,13 +276,13 @@ class Doorbell:
     byte after publishing, the reader waits for it to become readable. Opening it
     read-write never blocks and never fails for want of a peer (Linux and macOS).
 
-    A blocking reader waits with `wait`; asyncio readers `watch` it with a future, which
-    is completed when the FIFO becomes readable. Several futures may watch one bell (it
-    is registered with their loop once), and one future may watch several bells."""
+    A blocking reader waits for any of its bells with a BellWaiter; asyncio readers
+    `watch` it with a future, which is completed when the FIFO becomes readable. Several
+    futures may watch one bell (it is registered with their loop once), and one future
+    may watch several bells."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-        self._poll: select.poll | None = None
         self._watchers: set[asyncio.Future[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watched_fd = -1  # the fd registered with _loop, while it is
@@ -299,13 +299,6 @@ class Doorbell:
                 pass
         except BlockingIOError:
             pass
-
-    def wait(self, timeout: float | None) -> None:
-        """Block until rung (or timeout seconds); the caller re-checks its ring."""
-        if self._poll is None:
-            self._poll = select.poll()
-            self._poll.register(self.fd, select.POLLIN)
-        self._poll.poll(None if timeout is None else math.ceil(timeout * 1000))
 
     def watch(self, waiter: asyncio.Future[None]) -> None:
         """Complete `waiter` once the FIFO is readable (call `unwatch` when done)."""
@@ -340,6 +333,19 @@ class Doorbell:
             self._watched_fd = -1
         os.close(self.fd)
         self.fd = -1
+
+
+class BellWaiter:
+    """Blocks one thread until any of several doorbells rings (or a timeout); the caller
+    then re-checks its rings."""
+
+    def __init__(self, bells: list[Doorbell]) -> None:
+        self._poll = select.poll()
+        for bell in bells:
+            self._poll.register(bell.fd, select.POLLIN)
+
+    def wait(self, timeout: float | None) -> None:
+        self._poll.poll(None if timeout is None else math.ceil(timeout * 1000))
 
 
 def set_done(future: asyncio.Future[None]) -> None:

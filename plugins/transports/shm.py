@@ -1,36 +1,39 @@
 """Shared-memory transport: single-producer/single-consumer byte rings, no sockets.
 
-Every engine core has two rings of its own: `input` carries requests from the API server
-to that engine, `output` carries its outputs back. With N engines behind one client
-(data parallelism) that makes 2N rings: `send(frames, engine)` writes that engine's
-input ring, and `recv()` reads all N output rings, round robin over those that hold a
-message, so a busy engine cannot starve the others. Each ring lives in its own POSIX
-shared-memory segment; a named FIFO per ring is its doorbell, so an idle reader sleeps
-in the kernel (poll in the engine, event-loop reader callbacks on the N output FIFOs in
-the API server) instead of spinning. The ring itself (layout, memory ordering, why no
-wake-up is lost) is in _shm_ring.py.
+Every (client, engine) pair has two rings of its own: `input` carries requests from that
+client (API server) to that engine, `output` carries the engine's outputs back to that
+client. With C clients and N engines (several API servers, data parallelism) that makes
+2CN rings. A client's `send(frames, engine)` writes its input ring to that engine, and
+its `recv()` reads its N output rings, round robin over those that hold a message, so a
+busy engine cannot starve the others; an engine reads its C input rings the same way
+and `send(frames, client)` writes that client's output ring. Each ring lives in its own
+POSIX shared-memory segment; a named FIFO per ring is its doorbell, so an idle reader
+sleeps in the kernel (poll in the engine, event-loop reader callbacks on the output
+FIFOs in the API server) instead of spinning. The ring itself (layout, memory ordering,
+why no wake-up is lost) is in _shm_ring.py.
 
-Handshakes. An engine's first message on its output ring is its handshake. `wait_ready`
-takes the next one from the engines that have not been heard from; `recv` reads only
-the rings of engines whose handshake has been taken, so, as with zmq, it never returns
-a handshake and `wait_ready` never returns an output.
+Handshakes. An engine's first message on each of its output rings is its handshake.
+`wait_ready` takes the next one from the engines that have not been heard from; `recv`
+reads only the rings of engines whose handshake has been taken, so, as with zmq, it
+never returns a handshake and `wait_ready` never returns an output.
 
-Who owns what. `addresses(num_engines)` only picks names: one random token, from which
-every segment and FIFO name is derived with the engine's index, the number of engines
-and a folder path. It creates nothing, so an address that is never opened leaks nothing.
-The client (the API server's end, opened before the engines are spawned) creates the
-folder (mode 0700), two FIFOs in it and two segments per engine, and its `close()`
-unlinks them all. An engine attaches its own two rings, waiting up to `_ATTACH_TIMEOUT`
-seconds for the client to create them, and its `close()` only unmaps. The client
-registers its segments with multiprocessing's resource tracker, as SharedMemory does, so
-they are still unlinked if the API server is killed; an engine attaches without
-registering (SharedMemory would register on Python < 3.13, and a spawned child shares
-its parent's tracker, so the child would drop the parent's registration or, in a
-process with its own tracker, unlink the segment under the client's feet when it exits).
-Segments are reserved with posix_fallocate where available (2 x N x ring_bytes of
-/dev/shm taken up front), so a /dev/shm too small for the rings fails when the client
-opens, not later with SIGBUS. An API server killed with SIGKILL leaves its FIFO folder
-in the temp dir (the tracker only knows segments); it is empty but for the FIFOs.
+Who owns what. `addresses(num_engines, num_clients)` only picks names: one random token,
+from which every segment and FIFO name is derived with the client's and the engine's
+index, the numbers of each and one folder path per client. It creates nothing, so an
+address that is never opened leaks nothing. Each client (an API server's end, opened
+before or while the engines start) creates its folder (mode 0700), two FIFOs in it and
+two segments per engine, and its `close()` unlinks them all. An engine attaches its two
+rings of every client, waiting up to `_ATTACH_TIMEOUT` seconds for the clients to create
+them, and its `close()` only unmaps. A client registers its segments with
+multiprocessing's resource tracker, as SharedMemory does, so they are still unlinked if
+the API server is killed; an engine attaches without registering (SharedMemory would
+register on Python < 3.13, and a spawned child shares its parent's tracker, so the child
+would drop the parent's registration or, in a process with its own tracker, unlink the
+segment under the client's feet when it exits). Segments are reserved with
+posix_fallocate where available (2 x N x ring_bytes of /dev/shm per client taken up
+front), so a /dev/shm too small for the rings fails when the client opens, not later
+with SIGBUS. An API server killed with SIGKILL leaves its FIFO folder in the temp dir
+(the tracker only knows segments); it is empty but for the FIFOs.
 
 Sizes and back-pressure. A message larger than a ring raises ValueError before anything
 is written (the channel stays usable); raise `plugins: {shm: {ring_bytes: ...}}` in
@@ -41,10 +44,9 @@ held-back messages keep their order and a full ring holds back only its own engi
 full ring is the exception (16 MiB by default), so polling for space costs nothing
 measurable and needs no second doorbell.
 
-Limits. One client per address set (each ring is single-producer, single-consumer:
-several API servers need one address set each). The transport does not notice a dead
-peer; the frontend watches the engines' process sentinels, as with zmq. POSIX only
-(FIFOs, shm_open).
+Limits. Each ring is single-producer, single-consumer: one channel per client index and
+per engine index. The transport does not notice a dead peer; the frontend watches the
+engines' process sentinels, as with zmq. POSIX only (FIFOs, shm_open).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import pydantic
 from plugserve import hookimpl
 from plugserve.interfaces import Frames
 
-from ._shm_ring import Doorbell, Record, Ring, Segment, running_loop, set_done
+from ._shm_ring import BellWaiter, Doorbell, Record, Ring, Segment, running_loop, set_done
 
 MIN_RING_BYTES = 4096
 MAX_RING_BYTES = 1 << 40
@@ -85,32 +87,43 @@ class ShmTransport:
     def __init__(self, *, options: Options | None = None) -> None:
         self.options = options or self.Options()
 
-    def addresses(self, num_engines: int = 1) -> dict[str, str]:
-        if num_engines < 1:
-            raise ValueError(f"num_engines must be at least 1, not {num_engines}")
+    def addresses(self, num_engines: int = 1, num_clients: int = 1) -> dict[str, str]:
+        if num_engines < 1 or num_clients < 1:
+            raise ValueError(
+                f"need at least one engine and one client, not {num_engines} and {num_clients}"
+            )
         token = secrets.token_hex(6)
         return {
             "name": f"{_NAME_PREFIX}{token}",
             "engines": str(num_engines),
+            "clients": str(num_clients),
             "folder": os.path.join(tempfile.gettempdir(), f"plugserve-shm-{token}"),
         }
 
-    def client(self, addresses: dict[str, str]) -> ShmClientChannel:
-        return ShmClientChannel(addresses, self.options.ring_bytes)
+    def client(self, addresses: dict[str, str], client: int = 0) -> ShmClientChannel:
+        return ShmClientChannel(addresses, self.options.ring_bytes, client)
 
     def engine(self, addresses: dict[str, str], engine: int = 0) -> ShmEngineChannel:
         return ShmEngineChannel(addresses, engine)
 
 
-class _Names:
-    """Engine number `engine`'s two segments and their FIFOs."""
+def client_folder(addresses: dict[str, str], client: int) -> str:
+    """Where client number `client` keeps its FIFOs."""
+    return f"{addresses['folder']}-{client}"
 
-    def __init__(self, addresses: dict[str, str], engine: int) -> None:
-        num_engines = int(addresses["engines"])
+
+class _Names:
+    """The two segments between client number `client` and engine number `engine`, and
+    their FIFOs."""
+
+    def __init__(self, addresses: dict[str, str], engine: int, client: int = 0) -> None:
+        num_engines, num_clients = int(addresses["engines"]), int(addresses["clients"])
         if not 0 <= engine < num_engines:
             raise IndexError(f"no engine {engine}: these addresses are for {num_engines}")
-        name, folder = addresses["name"], addresses["folder"]
-        self.input, self.output = f"{name}_{engine}i", f"{name}_{engine}o"
+        if not 0 <= client < num_clients:
+            raise IndexError(f"no client {client}: these addresses are for {num_clients}")
+        name, folder = addresses["name"], client_folder(addresses, client)
+        self.input, self.output = f"{name}_{client}_{engine}i", f"{name}_{client}_{engine}o"
         self.input_bell = os.path.join(folder, f"input-{engine}.bell")
         self.output_bell = os.path.join(folder, f"output-{engine}.bell")
 
@@ -141,7 +154,7 @@ class ShmClientChannel:
     """The API server's end: creates everything, writes the engines' `input` rings and
     reads their `output` rings."""
 
-    def __init__(self, addresses: dict[str, str], ring_bytes: int) -> None:
+    def __init__(self, addresses: dict[str, str], ring_bytes: int, client: int = 0) -> None:
         self._folder: str | None = None
         self._segments: list[Segment] = []
         self._bells: list[Doorbell] = []
@@ -152,16 +165,16 @@ class ShmClientChannel:
         self._next = 0  # the engine whose output ring is looked at first: round robin
         self._taken_in_a_row = 0
         try:
-            num_engines = int(addresses["engines"])
-            os.mkdir(addresses["folder"], 0o700)  # fails if it exists: fresh addresses only
-            self._folder = addresses["folder"]
-            for engine in range(num_engines):
-                names = _Names(addresses, engine)
+            names = [_Names(addresses, e, client) for e in range(int(addresses["engines"]))]
+            folder = client_folder(addresses, client)
+            os.mkdir(folder, 0o700)  # fails if it exists: fresh addresses only
+            self._folder = folder
+            for engine_names in names:
                 # The FIFOs first: an engine attaches once its segments are initialised.
-                for path in (names.input_bell, names.output_bell):
+                for path in (engine_names.input_bell, engine_names.output_bell):
                     os.mkfifo(path, 0o600)
                     self._bells.append(Doorbell(path))
-                for name in (names.input, names.output):
+                for name in (engine_names.input, engine_names.output):
                     self._segments.append(Ring.create(name, ring_bytes))
                     self._rings.append(Ring(self._segments[-1]))
                 self._links.append(_EngineLink(*self._rings[-2:], *self._bells[-2:]))
@@ -300,9 +313,18 @@ class ShmClientChannel:
 # --------------------------------------------------------------------------- an engine
 
 
+class _ClientLink:
+    """An engine's side of one client: the input ring it reads, the output ring it
+    writes, and their doorbells."""
+
+    def __init__(self, input: Ring, output: Ring, input_bell: Doorbell, output_bell: Doorbell):
+        self.input, self.output = input, output
+        self.input_bell, self.output_bell = input_bell, output_bell
+
+
 class ShmEngineChannel:
-    """An engine core's end: attaches its two rings, reads `input` (one thread), writes
-    `output`."""
+    """An engine core's end: attaches its two rings of every client, reads the `input`
+    rings (one thread), writes the `output` rings."""
 
     def __init__(
         self,
@@ -314,59 +336,79 @@ class ShmEngineChannel:
         self._segments: list[Segment] = []
         self._bells: list[Doorbell] = []
         self._rings: list[Ring] = []
+        self._links: list[_ClientLink] = []
         self._closed = False
         self._send_lock = threading.Lock()
+        self._next = 0  # the client whose input ring is looked at first: round robin
         try:
-            names = _Names(addresses, engine)
             deadline = time.monotonic() + attach_timeout
-            for name in (names.input, names.output):
-                while (segment := Segment.attach(name)) is None:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"shared memory {name!r} was not created within {attach_timeout} s "
-                            "(the API server opens the client end first)"
-                        )
-                    time.sleep(0.01)
-                self._segments.append(segment)
-            # The client made the FIFOs before the segments: they exist by now.
-            self._input_bell = Doorbell(names.input_bell)
-            self._output_bell = Doorbell(names.output_bell)
-            self._bells += [self._input_bell, self._output_bell]
-            self._input = Ring(self._segments[0])
-            self._output = Ring(self._segments[1])
-            self._rings += [self._input, self._output]
+            for client in range(int(addresses["clients"])):
+                self._attach(_Names(addresses, engine, client), deadline, attach_timeout)
+            self._input_bells = BellWaiter([link.input_bell for link in self._links])
         except BaseException:
             self.close()
             raise
 
-    def send_ready(self, frames: Frames) -> None:
-        self.send(frames)  # the first message on the output ring is the handshake
+    def _attach(self, names: _Names, deadline: float, attach_timeout: float) -> None:
+        for name in (names.input, names.output):
+            while (segment := Segment.attach(name)) is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"shared memory {name!r} was not created within {attach_timeout} s "
+                        "(each API server opens its client end when it starts)"
+                    )
+                time.sleep(0.01)
+            self._segments.append(segment)
+        # The client made the FIFOs before the segments: they exist by now.
+        bells = [Doorbell(names.input_bell), Doorbell(names.output_bell)]
+        self._bells += bells
+        rings = [Ring(segment) for segment in self._segments[-2:]]
+        self._rings += rings
+        self._links.append(_ClientLink(*rings, *bells))
 
-    def recv(self, timeout: float | None = None) -> Frames | None:
+    def send_ready(self, frames: Frames) -> None:
+        # The first message on each output ring is the handshake.
+        for client in range(len(self._links)):
+            self.send(frames, client)
+
+    def recv(self, timeout: float | None = None) -> tuple[int, Frames] | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            frames = self._input.try_read()
-            if frames is not None:
-                return frames
-            self._input_bell.drain()
-            frames = self._input.try_read()  # after the drain: no lost wake-up
-            if frames is not None:
-                return frames
+            received = self._poll()
+            if received is not None:
+                return received
+            for link in self._links:
+                link.input_bell.drain()
+            received = self._poll()  # after the drain: no lost wake-up
+            if received is not None:
+                return received
             remaining = None
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-            self._input_bell.wait(remaining)
+            self._input_bells.wait(remaining)
 
-    def send(self, frames: Frames) -> None:
-        record = Record(frames, self._output.capacity)
+    def _poll(self) -> tuple[int, Frames] | None:
+        """The next message on an input ring, round robin over the clients."""
+        count = len(self._links)
+        for step in range(count):
+            client = (self._next + step) % count
+            frames = self._links[client].input.try_read()
+            if frames is not None:
+                self._next = (client + 1) % count
+                return client, frames
+        return None
+
+    def send(self, frames: Frames, client: int = 0) -> None:
+        link = self._links[client]
+        record = Record(frames, link.output.capacity)
         with self._send_lock:
             delay = _MIN_BACKOFF
-            while not self._output.try_write(record):  # full: the API server is behind
+            while not link.output.try_write(record):  # full: the API server is behind
                 time.sleep(delay)
                 delay = min(delay * 2, _MAX_BACKOFF)
-        self._output_bell.ring()
+        link.output_bell.ring()
 
     def close(self) -> None:
         if self._closed:

@@ -1,14 +1,22 @@
 """ZeroMQ transport: ROUTER/DEALER for requests, PUSH/PULL for outputs.
 
-The API server binds both sockets; each engine connects. The engine's DEALER carries a
-routing identity and speaks first (the ready handshake), which is how the ROUTER learns
-whom to address, and what lets several engines share one client socket. Receives are
-zero-copy: frames come back as memoryviews over ZeroMQ's buffers.
+Every client (API server) binds a ROUTER and a PULL socket of its own; every engine
+connects a DEALER and a PUSH socket to each client. An engine's DEALERs carry its
+routing identity and speak first (the ready handshake, sent to every client), which is
+how each ROUTER learns whom to address, and what lets several engines share one client
+socket. The engine tells its clients apart by the DEALER a request came in on, and
+answers on the PUSH socket of that client. Receives are zero-copy: frames come back as
+memoryviews over ZeroMQ's buffers.
+
+With ipc, each client's two sockets live in a private folder (mode 0700) that the client
+creates when it opens and removes when it closes; `addresses()` only picks its path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -36,22 +44,28 @@ class ZmqTransport:
     def __init__(self, *, options: Options | None = None) -> None:
         self.options = options or self.Options()
 
-    def addresses(self, num_engines: int = 1) -> dict[str, str]:
-        # One ROUTER and one PULL serve every engine: identities route the requests.
-        if self.options.protocol == "tcp":
-            return {
-                "input": f"tcp://127.0.0.1:{_free_port()}",
-                "output": f"tcp://127.0.0.1:{_free_port()}",
-            }
-        folder = tempfile.mkdtemp(prefix="plugserve-zmq-")
-        return {
-            "input": f"ipc://{folder}/input",
-            "output": f"ipc://{folder}/output",
-            "folder": folder,
-        }
+    def addresses(self, num_engines: int = 1, num_clients: int = 1) -> dict[str, str]:
+        # Per client one ROUTER and one PULL serve every engine: identities route the
+        # requests, so the number of engines needs no addresses of its own.
+        if num_engines < 1 or num_clients < 1:
+            raise ValueError(
+                f"need at least one engine and one client, not {num_engines}, {num_clients}"
+            )
+        addresses = {"clients": str(num_clients)}
+        token = secrets.token_hex(6)
+        for client in range(num_clients):
+            if self.options.protocol == "tcp":
+                addresses[f"input_{client}"] = f"tcp://127.0.0.1:{_free_port()}"
+                addresses[f"output_{client}"] = f"tcp://127.0.0.1:{_free_port()}"
+            else:
+                folder = os.path.join(tempfile.gettempdir(), f"plugserve-zmq-{token}-{client}")
+                addresses[f"folder_{client}"] = folder
+                addresses[f"input_{client}"] = f"ipc://{folder}/input"
+                addresses[f"output_{client}"] = f"ipc://{folder}/output"
+        return addresses
 
-    def client(self, addresses: dict[str, str]) -> ZmqClientChannel:
-        return ZmqClientChannel(addresses)
+    def client(self, addresses: dict[str, str], client: int = 0) -> ZmqClientChannel:
+        return ZmqClientChannel(addresses, client)
 
     def engine(self, addresses: dict[str, str], engine: int = 0) -> ZmqEngineChannel:
         return ZmqEngineChannel(addresses, engine)
@@ -63,22 +77,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _num_clients(addresses: dict[str, str]) -> int:
+    return int(addresses["clients"])
+
+
 class ZmqClientChannel:
-    def __init__(self, addresses: dict[str, str]) -> None:
-        self._folder = addresses.get("folder")
+    def __init__(self, addresses: dict[str, str], client: int = 0) -> None:
+        if not 0 <= client < _num_clients(addresses):
+            raise IndexError(
+                f"no client {client}: these addresses are for {_num_clients(addresses)}"
+            )
+        self._folder = addresses.get(f"folder_{client}")
+        if self._folder is not None:
+            os.mkdir(self._folder, 0o700)  # fails if it exists: fresh addresses only
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.LINGER, 0)
         # A request for an engine that is gone must fail loudly, not vanish.
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._input.bind(addresses["input"])
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(addresses["output"])
+        try:
+            self._input.bind(addresses[f"input_{client}"])
+            self._output.bind(addresses[f"output_{client}"])
+        except BaseException:
+            self.close()
+            raise
         self._ready: set[bytes] = set()
 
     async def wait_ready(self, timeout: float) -> Frames:
-
         try:
             identity, *frames = await asyncio.wait_for(self._input.recv_multipart(), timeout)
         except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before 3.11
@@ -105,34 +132,48 @@ class ZmqClientChannel:
 
 
 class ZmqEngineChannel:
+    """One DEALER (requests in) and one PUSH socket (outputs out) per client."""
+
     def __init__(self, addresses: dict[str, str], engine: int) -> None:
         self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.DEALER)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.IDENTITY, _identity(engine))
-        self._input.connect(addresses["input"])
-        self._output = self._ctx.socket(zmq.PUSH)
-        self._output.setsockopt(zmq.LINGER, 2000)  # let the last outputs (DEAD) leave
-        self._output.connect(addresses["output"])
+        self._inputs: list[zmq.Socket] = []
+        self._outputs: list[zmq.Socket] = []
         self._poller = zmq.Poller()
-        self._poller.register(self._input, zmq.POLLIN)
+        for client in range(_num_clients(addresses)):
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.IDENTITY, _identity(engine))
+            dealer.connect(addresses[f"input_{client}"])
+            self._inputs.append(dealer)
+            self._poller.register(dealer, zmq.POLLIN)
+            push = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 2000)  # let the last outputs (DEAD) leave
+            push.connect(addresses[f"output_{client}"])
+            self._outputs.append(push)
+        self._next = 0  # the client looked at first: round robin
 
     def send_ready(self, frames: Frames) -> None:
-        self._input.send_multipart(frames)
+        for dealer in self._inputs:
+            dealer.send_multipart(frames)
 
-    def recv(self, timeout: float | None = None) -> Frames | None:
+    def recv(self, timeout: float | None = None) -> tuple[int, Frames] | None:
         wait_ms = None if timeout is None else int(timeout * 1000)
-        if not self._poller.poll(wait_ms):
-            return None
-        frames = self._input.recv_multipart(copy=False)
-        return [frame.buffer for frame in frames]
+        readable = dict(self._poller.poll(wait_ms))
+        count = len(self._inputs)
+        for step in range(count):
+            client = (self._next + step) % count
+            if self._inputs[client] in readable:
+                self._next = (client + 1) % count
+                frames = self._inputs[client].recv_multipart(copy=False)
+                return client, [frame.buffer for frame in frames]
+        return None
 
-    def send(self, frames: Frames) -> None:
-        self._output.send_multipart(frames, copy=False)
+    def send(self, frames: Frames, client: int = 0) -> None:
+        self._outputs[client].send_multipart(frames, copy=False)
 
     def close(self) -> None:
-        self._input.close()
-        self._output.close()
+        for sock in (*self._inputs, *self._outputs):
+            sock.close()
         self._ctx.term()
 
 

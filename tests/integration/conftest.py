@@ -42,6 +42,10 @@ STOP_TIMEOUT_S = 30.0
 
 ENGINE_TITLE = "plugserve::EngineCore"
 API_SERVER_TITLE = "plugserve::ApiServer"
+# With --api-server-count N > 1: the launcher and its children ApiServer_0 … ApiServer_{N-1}.
+LAUNCHER_TITLE = "plugserve::Launcher"
+API_SERVER_CHILD_TITLE = "plugserve::ApiServer_"
+API_SERVER_HEADER = "x-plugserve-api-server"  # which API-server process answered
 
 
 # --------------------------------------------------------------------------- helpers
@@ -101,6 +105,10 @@ def pid_alive(pid: int) -> bool:
 
 def is_engine(pid: int) -> bool:
     return pid_alive(pid) and ENGINE_TITLE in process_cmdline(pid)
+
+
+def is_api_server_child(pid: int) -> bool:
+    return pid_alive(pid) and API_SERVER_CHILD_TITLE in process_cmdline(pid)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -164,6 +172,7 @@ class ServerProcess:
             )
         self.pid = self.popen.pid
         self._engine_pids: list[int] = []
+        self._api_server_pids: list[int] = []
 
     # ------------------------------------------------------------------ life cycle
 
@@ -181,14 +190,16 @@ class ServerProcess:
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(self.url("/health"), timeout=10).status_code == 200:
                         self._engine_pids = self.engine_pids()
+                        self._api_server_pids = self.api_server_pids()
                         return
             time.sleep(0.25)
         raise TimeoutError(f"no healthy server within {timeout:.0f} s:\n" + self.log_tail())
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, then SIGKILL; returns the exit code. Fails if the server did not exit
-        on SIGTERM or left its engine process behind."""
+        on SIGTERM or left its engine or API-server processes behind."""
         engines = self._engine_pids
+        api_servers = self._api_server_pids
         killed = False
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -198,20 +209,25 @@ class ServerProcess:
                 killed = True
                 self.popen.kill()
                 self.popen.wait(10)
-        gone = wait_until(lambda: not any(is_engine(pid) for pid in engines), 10)
-        orphans = [] if gone else [pid for pid in engines if is_engine(pid)]
-        for pid in orphans:
+
+        def orphans() -> list[int]:
+            return [pid for pid in engines if is_engine(pid)] + [
+                pid for pid in api_servers if is_api_server_child(pid)
+            ]
+
+        left = [] if wait_until(lambda: not orphans(), 10) else orphans()
+        for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         assert not killed, f"the server ignored SIGTERM for {timeout:.0f} s:\n{self.log_tail()}"
-        assert not orphans, f"engines {orphans} outlived their server:\n{self.log_tail()}"
+        assert not left, f"processes {left} outlived their server:\n{self.log_tail()}"
         return self.popen.returncode
 
     def kill_all(self) -> None:
         """Last resort for a test that failed half-way: nothing may outlive the test.
         (Pids are checked by title or through Popen, never reused blindly.)"""
-        for pid in self._engine_pids:
-            if ENGINE_TITLE in process_cmdline(pid):
+        for pid in self._engine_pids + self._api_server_pids:
+            if is_engine(pid) or is_api_server_child(pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
         if self.popen.poll() is None:
@@ -235,6 +251,16 @@ class ServerProcess:
         if self._engine_pids:
             return self._engine_pids
         return [c for c in children_of(self.pid) if ENGINE_TITLE in process_cmdline(c)]
+
+    def api_server_pids(self) -> list[int]:
+        """With --api-server-count N > 1, the children titled plugserve::ApiServer_<i>,
+        in index order; [] for a server that is its own (only) API server."""
+        if self._api_server_pids:
+            return self._api_server_pids
+        children = [
+            c for c in children_of(self.pid) if API_SERVER_CHILD_TITLE in process_cmdline(c)
+        ]
+        return sorted(children, key=lambda pid: process_cmdline(pid).split()[0])
 
     def engine_pid(self) -> int:
         """The engine of a server with one engine."""

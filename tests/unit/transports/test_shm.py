@@ -1,4 +1,4 @@
-"""The shm transport: shared-memory rings with FIFO doorbells, two per engine.
+"""The shm transport: shared-memory rings with FIFO doorbells, two per client and engine.
 
 The contract every transport honours (handshake, order, timeouts, idle waits that do not
 spin, several engines behind one client) is in test_transport_contract.py, shm
@@ -35,6 +35,7 @@ from plugserve_plugins.transports.shm import (
     ShmEngineChannel,
     ShmTransport,
     _Names,
+    client_folder,
 )
 
 SMALL_RING = 4096
@@ -43,11 +44,12 @@ HEADER = 16  # u64 record length + u64 frame count, then u64 per frame
 
 def left_behind(addresses: dict[str, str]) -> list[str]:
     """What the transport created for these addresses and still exists: segments, whose
-    names all start with the address's name, and the FIFO folder."""
+    names all start with the address's name, and the clients' FIFO folders."""
     prefix = addresses["name"] + "_"
     paths = [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    if os.path.exists(addresses["folder"]):
-        paths.append(addresses["folder"])
+    for client in range(int(addresses["clients"])):
+        if os.path.exists(client_folder(addresses, client)):
+            paths.append(client_folder(addresses, client))
     return sorted(paths)
 
 
@@ -68,11 +70,14 @@ def test_addresses_are_fresh_names_and_create_nothing():
     first, second = transport.addresses(), transport.addresses(4)
     assert first["name"] != second["name"] and first["folder"] != second["folder"]
     assert first["engines"] == "1" and second["engines"] == "4"
-    names = _Names(transport.addresses(1000), 999)
+    assert first["clients"] == "1" and transport.addresses(1, 3)["clients"] == "3"
+    names = _Names(transport.addresses(1000, 100), 999, 99)
     assert len("/" + names.input) <= 31 and len("/" + names.output) <= 31  # macOS's limit
     assert left_behind(first) == [] and left_behind(second) == []
     with pytest.raises(ValueError):
         transport.addresses(0)
+    with pytest.raises(ValueError):
+        transport.addresses(1, 0)
 
 
 # --------------------------------------------------------------------------- the ring
@@ -248,12 +253,12 @@ def test_a_full_request_ring_holds_back_only_its_own_engine():
                 break
             sent += 1
         await asyncio.wait_for(client.send([b"to 1"], 1), 1)  # engine 1's ring has room
-        assert engine1.recv(timeout=1) == [b"to 1"]
+        assert engine1.recv(timeout=1) == (0, [b"to 1"])
         assert not held_back.done()
         for i in range(sent):  # engine 0 reads: the held-back send goes through
-            assert engine0.recv(timeout=1) == [b"%d" % i, payload]
+            assert engine0.recv(timeout=1) == (0, [b"%d" % i, payload])
         await asyncio.wait_for(held_back, 1)
-        assert engine0.recv(timeout=1) == [b"%d" % sent, payload]
+        assert engine0.recv(timeout=1) == (0, [b"%d" % sent, payload])
 
     try:
         asyncio.run(main())
@@ -325,6 +330,73 @@ def test_engine_indices_out_of_range_are_refused():
     assert left_behind(addresses) == []
 
 
+# --------------------------------------------------------------------------- several clients
+
+
+def open_clients_in_process(num_clients: int, num_engines: int):
+    """Several clients (API servers) and the engines' ends, all in this process."""
+    transport = build("shm", ring_bytes=SMALL_RING)
+    addresses = transport.addresses(num_engines, num_clients)
+    clients = [transport.client(addresses, index) for index in range(num_clients)]
+    engines = [transport.engine(addresses, engine) for engine in range(num_engines)]
+    return addresses, clients, engines
+
+
+def test_each_client_has_its_own_rings_to_every_engine_and_removes_only_those():
+    addresses, clients, engines = open_clients_in_process(2, 2)
+    try:
+        # Two segments per (client, engine) pair, and a FIFO folder per client.
+        assert len(left_behind(addresses)) == 2 * 2 * 2 + 2
+        for engine in engines:
+            engine.send_ready([b"ready"])
+
+        async def main():
+            for client in clients:
+                assert [await client.wait_ready(1) for _ in engines] == [[b"ready"]] * 2
+            await clients[1].send([b"from 1"], 0)
+            await clients[0].send([b"from 0"], 1)
+            assert engines[0].recv(timeout=1) == (1, [b"from 1"])
+            assert engines[1].recv(timeout=1) == (0, [b"from 0"])
+            assert engines[0].recv(timeout=0.05) is None
+            engines[1].send([b"to 1"], 1)
+            assert await asyncio.wait_for(clients[1].recv(), 1) == [b"to 1"]
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(clients[0].recv(), 0.1)
+
+        asyncio.run(main())
+        clients[0].close()
+        assert len(left_behind(addresses)) == 2 * 2 + 1  # client 1's are untouched
+    finally:
+        close_all(clients[1], engines)
+        clients[0].close()
+    assert left_behind(addresses) == []
+
+
+def test_an_engine_takes_requests_from_every_client_in_turn():
+    # Both clients' request rings hold a backlog before the engine reads: round robin
+    # takes one from each in turn, so a busy API server cannot starve another.
+    addresses, clients, (engine,) = open_clients_in_process(2, 1)
+    try:
+        engine.send_ready([b"ready"])
+
+        async def main():
+            for index, client in enumerate(clients):
+                await client.wait_ready(1)
+                for i in range(10):
+                    await client.send([b"%d:%d" % (index, i)])
+
+        asyncio.run(main())
+        received = [engine.recv(timeout=1) for _ in range(20)]
+        assert [client for client, _ in received] == [0, 1] * 10
+        for index in (0, 1):
+            mine = [frames for client, frames in received if client == index]
+            assert mine == [[b"%d:%d" % (index, i)] for i in range(10)]
+    finally:
+        close_all(clients[1], [engine])
+        clients[0].close()
+    assert left_behind(addresses) == []
+
+
 # --------------------------------------------------------------------------- ownership
 
 
@@ -335,7 +407,8 @@ def test_the_client_removes_every_segment_and_fifo_when_it_closes(num_engines):
     client = transport.client(addresses)
     created = left_behind(addresses)
     assert len(created) == 2 * num_engines + 1  # two segments per engine and the folder
-    assert len(os.listdir(addresses["folder"])) == 2 * num_engines  # two FIFOs per engine
+    folder = client_folder(addresses, 0)
+    assert len(os.listdir(folder)) == 2 * num_engines  # two FIFOs per engine
     engines = [transport.engine(addresses, engine) for engine in range(num_engines)]
     for engine in engines:
         engine.close()  # an engine only unmaps
@@ -361,13 +434,14 @@ def test_nothing_is_left_behind_after_a_served_session():
 def test_a_client_that_fails_to_open_leaves_nothing_behind():
     transport = build("shm", ring_bytes=SMALL_RING)
     addresses = transport.addresses(2)
-    os.mkdir(addresses["folder"])  # someone else's folder: never reused
+    folder = client_folder(addresses, 0)
+    os.mkdir(folder)  # someone else's folder: never reused
     try:
         with pytest.raises(FileExistsError):
             transport.client(addresses)
-        assert left_behind(addresses) == [addresses["folder"]]
+        assert left_behind(addresses) == [folder]
     finally:
-        os.rmdir(addresses["folder"])
+        os.rmdir(folder)
 
 
 def test_an_engine_in_an_unrelated_process_leaves_the_segments_alone_when_it_exits():

@@ -3,9 +3,11 @@
 Each test builds the transport through the plugin registry, opens the client end here
 (asyncio, as the API server does) and each engine's end in a spawned child process
 running `echo_engine`, which plays an engine core: it speaks first, then answers every
-message, naming itself in the answer. Most tests run one engine; those with two check
-data parallelism: several engines behind one client channel, each addressed by its
-index, their answers merged by `recv`. test_shm.py reuses these helpers for the
+message, naming itself in the answer, to the client it came from. Most tests run one
+engine and one client; those with two engines check data parallelism (several engines
+behind one client channel, each addressed by its index, their answers merged by
+`recv`), those with two clients several API servers sharing the engines (each client
+hears only the answers to its own messages). test_shm.py reuses these helpers for the
 shm-specific behaviour.
 """
 
@@ -41,7 +43,8 @@ def echo_engine(
 ) -> None:
     """A stand-in engine core number `engine`, run in a spawned child.
 
-    Speaks first (`[b"ready", engine, pid]`), then, for every message:
+    Speaks first (`[b"ready", engine, pid]`, to every client), then, for every message,
+    answering the client that sent it:
       [b"stop"]            → close and exit 0
       [b"idle", seconds]   → recv(timeout=seconds), answer [b"idle", result-is-None,
                              CPU seconds, wall seconds] of that wait
@@ -54,8 +57,9 @@ def echo_engine(
     channel.send_ready([b"ready", b"%d" % engine, str(os.getpid()).encode()])
     time.sleep(start_delay)
     while True:
-        frames = channel.recv(timeout=None)
-        assert frames is not None
+        received = channel.recv(timeout=None)
+        assert received is not None
+        client, frames = received
         first = bytes(frames[0])
         if first == b"stop":
             break
@@ -63,12 +67,13 @@ def echo_engine(
             cpu, wall = time.process_time(), time.monotonic()
             result = channel.recv(timeout=float(bytes(frames[1])))
             cpu, wall = time.process_time() - cpu, time.monotonic() - wall
-            channel.send([b"idle", b"%d" % (result is None), b"%f" % cpu, b"%f" % wall])
+            answer = [b"idle", b"%d" % (result is None), b"%f" % cpu, b"%f" % wall]
+            channel.send(answer, client)
             continue
         try:
-            channel.send([b"echo%d:" % engine + first, *frames[1:]])
+            channel.send([b"echo%d:" % engine + first, *frames[1:]], client)
         except ValueError as exc:
-            channel.send([b"error", str(exc).encode()])
+            channel.send([b"error", str(exc).encode()], client)
     channel.close()
 
 
@@ -99,28 +104,34 @@ def spawn_engine(transport, addresses: dict[str, str], engine: int = 0, start_de
 
 
 @contextlib.asynccontextmanager
-async def echo_engines(
+async def echo_servers(
     transport,
     num_engines: int = 1,
+    num_clients: int = 1,
     start_delay: float = 0.0,
     addresses: dict[str, str] | None = None,
-) -> AsyncIterator[tuple[Any, list[Any]]]:
-    """(client channel, engine processes by index) after every engine's handshake; on
-    exit each engine is told to stop and must exit 0, and the client end is closed."""
-    addresses = addresses or transport.addresses(num_engines)
-    client = transport.client(addresses)
+) -> AsyncIterator[tuple[list[Any], list[Any]]]:
+    """(client channels, engine processes) by index, after every client has every
+    engine's handshake; on exit each engine is told to stop and must exit 0, and the
+    client ends are closed."""
+    addresses = addresses or transport.addresses(num_engines, num_clients)
+    clients = []
     processes = []
     try:
+        for index in range(num_clients):
+            clients.append(transport.client(addresses, index))
         for engine in range(num_engines):
             processes.append(spawn_engine(transport, addresses, engine, start_delay))
-        handshakes = [[bytes(f) for f in await client.wait_ready(60)] for _ in processes]
-        assert sorted(handshakes) == sorted(
+        expected = sorted(
             [b"ready", b"%d" % engine, str(process.pid).encode()]
             for engine, process in enumerate(processes)
         )
-        yield client, processes
+        for client in clients:
+            handshakes = [[bytes(f) for f in await client.wait_ready(60)] for _ in processes]
+            assert sorted(handshakes) == expected
+        yield clients, processes
         for engine in range(num_engines):
-            await client.send([b"stop"], engine)
+            await clients[0].send([b"stop"], engine)
         for process in processes:
             process.join(30)
             assert process.exitcode == 0
@@ -129,7 +140,23 @@ async def echo_engines(
             if process.is_alive():
                 process.kill()
                 process.join(5)
-        client.close()
+        for client in clients:
+            client.close()
+
+
+@contextlib.asynccontextmanager
+async def echo_engines(
+    transport,
+    num_engines: int = 1,
+    start_delay: float = 0.0,
+    addresses: dict[str, str] | None = None,
+) -> AsyncIterator[tuple[Any, list[Any]]]:
+    """One client: (client channel, engine processes), as `echo_servers`."""
+    async with echo_servers(transport, num_engines, 1, start_delay, addresses) as (
+        (client,),
+        processes,
+    ):
+        yield client, processes
 
 
 @contextlib.asynccontextmanager
@@ -325,3 +352,57 @@ def test_wait_ready_raises_timeout_error_for_an_engine_that_never_answers(name):
         asyncio.run(main())
     finally:
         client.close()
+
+
+# --------------------------------------------------------------------------- several clients
+
+
+@pytest.mark.parametrize("num_engines", [1, 2])
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_each_client_hears_only_the_answers_to_its_own_messages(name, num_engines):
+    """Several API servers share the engines: each engine answers every message on the
+    client it came from, in order, while all clients send at once."""
+    num_clients = 3
+    rng = random.Random(5)
+    plans = [
+        [(frames, rng.randrange(num_engines)) for frames in varied_messages(8 * 1024, 120, seed)]
+        for seed in range(num_clients)
+    ]
+
+    async def main():
+        async with echo_servers(build(name), num_engines, num_clients) as (clients, _):
+
+            async def converse(client, plan) -> list[list[list[bytes]]]:
+                async def send_all():
+                    for frames, engine in plan:
+                        await client.send(frames, engine)
+
+                sender = asyncio.create_task(send_all())
+                received: list[list[list[bytes]]] = [[] for _ in range(num_engines)]
+                for _ in plan:
+                    got = [bytes(f) for f in await client.recv()]
+                    received[answered_by(got)].append(got)
+                await sender
+                return received
+
+            results = await asyncio.gather(
+                *(converse(client, plan) for client, plan in zip(clients, plans, strict=True))
+            )
+            for plan, received in zip(plans, results, strict=True):
+                for engine in range(num_engines):
+                    expected = [echoed(frames, e) for frames, e in plan if e == engine]
+                    assert received[engine] == expected
+            # Nothing else is waiting for anyone.
+            for client in clients:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(client.recv(), 0.2)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_client_index_out_of_range_is_refused(name):
+    transport = build(name)
+    addresses = transport.addresses(1, 2)
+    with pytest.raises(IndexError):
+        transport.client(addresses, 2)

@@ -1,0 +1,183 @@
+"""Who starts, watches and stops the engine-core processes, as an API server sees it.
+
+With one API server, that server spawns the engines itself (`SpawnedEngines`) and
+watches their process sentinels. With several, the launcher spawns them
+(`EngineProcesses`, used synchronously) and tells every API server over its control
+pipe when one exits (`LauncherEngines`); an API server cannot watch a sibling's children
+itself. Either way the client learns "the engines are gone, because ..." through one
+callback, and a client that owns no engines never shuts them down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from plugserve.config import StackConfig
+from plugserve.engine.engine_proc import engine_process_name, run_engine_core
+from plugserve.plugins import get_registry
+
+logger = logging.getLogger(__name__)
+
+ENGINE_STOP_TIMEOUT_S = 5.0  # per step: asked (SHUTDOWN or SIGTERM), terminated, killed
+ENGINE_GONE = "engine-gone"  # control message, launcher → API server: (ENGINE_GONE, reason)
+
+OnEnginesGone = Callable[[str], None]
+
+
+def transport_addresses(config: StackConfig) -> dict[str, str]:
+    """Fresh addresses joining every engine to every API server of this config."""
+    registry = get_registry(config.disabled_plugins)
+    stack = config.stack
+    transport = registry.build("transport", stack.transport, config.plugin_options(stack.transport))
+    return transport.addresses(config.engine.data_parallel_size, config.server.api_server_count)
+
+
+class EngineProcesses:
+    """The engine-core processes of one server, one per data-parallel rank."""
+
+    def __init__(self, config: StackConfig, addresses: dict[str, str]) -> None:
+        self.config = config
+        self.addresses = addresses
+        self.num_engines = config.engine.data_parallel_size
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        config_json = self.config.model_dump_json()
+        for index in range(self.num_engines):
+            process = ctx.Process(
+                target=run_engine_core,
+                args=(config_json, self.addresses, index),
+                name=engine_process_name(index, self.num_engines),
+            )
+            process.start()
+            self.processes.append(process)
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.processes]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.pid is not None]
+
+    def exit_reason(self) -> str | None:
+        """Why the engines are unusable, if one of them has exited; None while all run."""
+        for index, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                name = engine_process_name(index, self.num_engines)
+                return f"the engine core {name} exited unexpectedly (exit code {process.exitcode})"
+        return None
+
+    def stop(self, asked: bool) -> None:
+        """Stop every engine, blocking: give those `asked` to shut down (a SHUTDOWN
+        message sent) time to do so, then SIGTERM (which an engine also treats as a
+        shutdown), then SIGKILL."""
+        steps: list[str | None] = [None] if asked else []
+        for step in [*steps, "terminate", "kill"]:
+            alive = [p for p in self.processes if p.is_alive()]
+            if not alive:
+                return
+            if step is not None:
+                for process in alive:
+                    getattr(process, step)()
+            join_all(alive, ENGINE_STOP_TIMEOUT_S)
+
+
+def join_all(processes: list[multiprocessing.process.BaseProcess], timeout: float) -> None:
+    """Join every process, `timeout` seconds at most in all."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
+class EngineSupervision(Protocol):
+    """How an API server's client starts, watches and stops its engines."""
+
+    owns_engines: bool  # True: the client tells the engines to shut down when it does
+
+    def start(self) -> None: ...
+
+    def watch(self, on_gone: OnEnginesGone) -> None:
+        """Call `on_gone(reason)` (in the running loop) once the engines are unusable."""
+        ...
+
+    async def stop(self, asked: bool) -> None: ...
+
+
+class SpawnedEngines:
+    """The engines of the only API server, spawned by it and watched by their sentinels."""
+
+    owns_engines = True
+
+    def __init__(self, config: StackConfig, addresses: dict[str, str]) -> None:
+        self.processes = EngineProcesses(config, addresses)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self.processes.start()
+
+    def watch(self, on_gone: OnEnginesGone) -> None:
+        self._loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            reason = self.processes.exit_reason()
+            if reason is not None:
+                self._unwatch()
+                on_gone(reason)
+
+        for sentinel in self.processes.sentinels:
+            self._loop.add_reader(sentinel, exited)
+
+    def _unwatch(self) -> None:
+        if self._loop is not None:
+            for sentinel in self.processes.sentinels:
+                self._loop.remove_reader(sentinel)
+            self._loop = None
+
+    async def stop(self, asked: bool) -> None:
+        self._unwatch()
+        await asyncio.get_running_loop().run_in_executor(None, self.processes.stop, asked)
+
+
+class LauncherEngines:
+    """Engines that the launcher owns: it sends (ENGINE_GONE, reason) over this API
+    server's control pipe when one exits. The pipe closing means the launcher is gone,
+    which leaves this API server nothing to serve with either."""
+
+    owns_engines = False
+
+    def __init__(self, control: multiprocessing.connection.Connection) -> None:
+        self.control = control
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Nothing to start: the launcher started the engines."""
+
+    def watch(self, on_gone: OnEnginesGone) -> None:
+        self._loop = asyncio.get_running_loop()
+
+        def readable() -> None:
+            try:
+                kind, reason = self.control.recv()
+            except (EOFError, OSError):
+                kind, reason = ENGINE_GONE, "the launcher is gone"
+            if kind == ENGINE_GONE:
+                self._unwatch()
+                on_gone(reason)
+
+        self._loop.add_reader(self.control.fileno(), readable)
+
+    def _unwatch(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.control.fileno())
+            self._loop = None
+
+    async def stop(self, asked: bool) -> None:
+        self._unwatch()
