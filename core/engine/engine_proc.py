@@ -107,15 +107,16 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
 
 
 def _exit_with_parent() -> None:
-    """Leave at once when the API server is gone (killed with SIGKILL, crashed): nobody
-    can reach an orphaned engine, which would hold its memory until rebooted."""
+    """Leave at once when the parent is gone (the API server, or the launcher of several,
+    killed with SIGKILL or crashed): nobody can reach an orphaned engine, which would
+    hold its memory until rebooted."""
     parent = multiprocessing.parent_process()
     if parent is None:  # not spawned by multiprocessing (run in-process by a test)
         return
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
-        logger.error("the API server (pid %s) is gone; the engine exits", parent.pid)
+        logger.error("its parent (pid %s) is gone; the engine exits", parent.pid)
         os._exit(1)
 
     threading.Thread(target=watch, name="ParentWatch", daemon=True).start()

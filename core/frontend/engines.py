@@ -11,7 +11,6 @@ callback, and a client that owns no engines never shuts them down.
 from __future__ import annotations
 
 import asyncio
-import logging
 import multiprocessing
 import multiprocessing.connection
 import time
@@ -21,8 +20,6 @@ from typing import Protocol
 from plugserve.config import StackConfig
 from plugserve.engine.engine_proc import engine_process_name, run_engine_core
 from plugserve.plugins import get_registry
-
-logger = logging.getLogger(__name__)
 
 ENGINE_STOP_TIMEOUT_S = 5.0  # per step: asked (SHUTDOWN or SIGTERM), terminated, killed
 ENGINE_GONE = "engine-gone"  # control message, launcher → API server: (ENGINE_GONE, reason)

@@ -152,7 +152,6 @@ class Launcher:
         self._wakeup_read, self._wakeup_write = os.pipe()
 
     def run(self) -> int:
-        failure: str | None = "start-up failed"
         with self._stop_signals():
             try:
                 self._start()

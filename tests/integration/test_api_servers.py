@@ -249,3 +249,14 @@ def test_an_api_server_count_below_one_fails_with_one_line():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("plugserve: error: "), done.stderr
     assert "api_server_count" in lines[0]
+
+
+def test_a_killed_launcher_takes_its_children_along(tmp_path):
+    """Orphans would hold the port and the engine's memory with nobody to stop them."""
+    with running_server("shm", tmp_path, check_exit=False, settings=TWO_API_SERVERS) as server:
+        children = [*server.api_server_pids(), server.engine_pid()]
+        server.popen.kill()
+        server.popen.wait(10)
+        assert wait_until(
+            lambda: not any(is_api_server_child(pid) or is_engine(pid) for pid in children), 10
+        ), server.log_tail()
