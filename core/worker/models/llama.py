@@ -236,10 +236,24 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {act!r} (Llama models use silu)")
         self.gate_up_proj = _empty_linear(hidden, 2 * inter, bias)
         self.down_proj = _row_parallel(inter, hidden, bias, parallel)
+        self.inter = inter
+        self.fused: cpu_linear.FusedMLP | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def pack(self) -> None:
+        """Also pack gate and up apart, for the fused large-batch path (bf16 on CPU)."""
+        if self.down_proj.parallel.world_size == 1 and self.gate_up_proj.bias is None:
+            self.fused = cpu_linear.FusedMLP(
+                self.gate_up_proj.weight[: self.inter],
+                self.gate_up_proj.weight[self.inter :],
+                self.down_proj.weight,
+            )
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + down(silu(gate(x)) * up(x))."""
+        if self.fused is not None and x.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
+            return self.fused(x, residual)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return residual + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -254,7 +268,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, tables: RopeTables) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, tables)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):
@@ -320,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         if not cpu_linear.packing_supported(weight.dtype, weight.device):
             return
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, LlamaMLP)):
                 module.pack()
         if self.lm_head is None:  # tied: the head multiplies by the embedding matrix
             self._packed_head = cpu_linear.pack_weight(weight)
