@@ -1,0 +1,149 @@
+"""EngineCoreProc shared by several API servers: every output, PONG and refusal goes to
+the client that sent the request, and a client cannot touch another's requests.
+
+A real engine (the embedded model, small KV cache) runs its busy loop and IO threads in
+a thread of this process, joined by a real transport to two client channels in this
+test's event loop, exactly as two API-server processes would talk to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from plugserve.config import load_config
+from plugserve.engine.core import EngineCore
+from plugserve.engine.engine_proc import EngineCoreProc
+from plugserve.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    OutputType,
+    RequestType,
+    encoder,
+    outputs_decoder,
+    pong_decoder,
+)
+from plugserve.plugins import get_registry
+from plugserve.sampling_params import SamplingParams
+
+PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few ids of the embedded model's vocabulary
+QUIET_S = 0.3  # how long a client listens to be sure nothing more comes
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(
+        overrides={
+            "kv_cache_memory": "16MiB",
+            "max_model_len": 256,
+            "max_num_seqs": 8,
+            "num_threads": 1,
+            "api_server_count": 2,
+        }
+    )
+
+
+@contextlib.asynccontextmanager
+async def engine_with_two_clients(config, transport_name: str) -> AsyncIterator[list[Any]]:
+    """Two client channels to one running EngineCoreProc; stopped with SHUTDOWN."""
+    transport = get_registry().build("transport", transport_name, None)
+    addresses = transport.addresses(1, 2)
+    clients = [transport.client(addresses, index) for index in range(2)]
+    channel = transport.engine(addresses, 0)
+    proc = EngineCoreProc(EngineCore(config), channel, 0, num_clients=2)
+    channel.send_ready([OutputType.READY, b""])
+    for client in clients:
+        assert bytes((await client.wait_ready(10))[0]) == OutputType.READY
+    thread = threading.Thread(target=proc.run, name="engine", daemon=True)
+    thread.start()
+    try:
+        yield clients
+    finally:
+        await clients[0].send([RequestType.SHUTDOWN, b""])
+        await asyncio.to_thread(thread.join, 30)
+        for client in clients:
+            client.close()
+    assert not thread.is_alive()
+
+
+async def add(client, request_id: str, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    request = EngineCoreRequest(
+        request_id=request_id, prompt_token_ids=PROMPT, sampling_params=params
+    )
+    await client.send([RequestType.ADD, encoder.encode(request)])
+
+
+async def outputs_until_finished(client, request_id: str) -> list[EngineCoreOutput]:
+    """Every output this client receives until `request_id` finishes."""
+    received = []
+    while True:
+        kind, payload = await asyncio.wait_for(client.recv(), 30)
+        assert bytes(kind) == OutputType.OUTPUTS
+        received += outputs_decoder.decode(payload).outputs
+        if any(o.request_id == request_id and o.finished for o in received):
+            return received
+
+
+async def nothing_more(client) -> bool:
+    """True if nothing arrives for QUIET_S; False after taking the message that did."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(client.recv(), QUIET_S)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("transport_name", ["zmq", "shm"])
+def test_each_client_gets_the_outputs_of_its_own_requests_only(config, transport_name):
+    async def main():
+        async with engine_with_two_clients(config, transport_name) as clients:
+            for index, client in enumerate(clients):
+                await add(client, f"request-{index}", max_tokens=8)
+            for index, client in enumerate(clients):
+                outputs = await outputs_until_finished(client, f"request-{index}")
+                assert {o.request_id for o in outputs} == {f"request-{index}"}
+                assert sum(len(o.new_token_ids) for o in outputs) == 8
+            assert await nothing_more(clients[0]) and await nothing_more(clients[1])
+
+    asyncio.run(main())
+
+
+def test_a_request_id_in_use_is_refused_to_its_sender_and_the_first_goes_on(config):
+    async def main():
+        async with engine_with_two_clients(config, "zmq") as (first, second):
+            await add(first, "same", max_tokens=24)
+            await add(second, "same", max_tokens=4)
+            (refusal,) = await outputs_until_finished(second, "same")
+            assert refusal.finish_reason == "error" and "already in use" in refusal.error
+            outputs = await outputs_until_finished(first, "same")
+            assert all(o.error is None for o in outputs)
+            assert sum(len(o.new_token_ids) for o in outputs) == 24
+
+    asyncio.run(main())
+
+
+def test_pings_are_answered_to_their_sender_and_aborts_touch_only_the_senders_requests(config):
+    async def main():
+        async with engine_with_two_clients(config, "shm") as (owner, other):
+            await add(owner, "long", max_tokens=200)
+            await owner.recv()  # it is running
+            await other.send([RequestType.ABORT, encoder.encode(["long"])])
+            await other.send([RequestType.PING, encoder.encode(7)])
+            kind, payload = await asyncio.wait_for(other.recv(), 10)
+            assert bytes(kind) == OutputType.PONG
+            pong = pong_decoder.decode(payload)
+            assert pong.nonce == 7 and pong.stats.num_running == 1  # not aborted
+            await owner.send([RequestType.ABORT, encoder.encode(["long"])])
+            while not await nothing_more(owner):  # outputs stepped before the abort
+                pass
+            await other.send([RequestType.PING, encoder.encode(8)])
+            kind, payload = await asyncio.wait_for(other.recv(), 10)
+            pong = pong_decoder.decode(payload)
+            assert pong.nonce == 8 and pong.stats.num_running == 0
+
+    asyncio.run(main())
