@@ -5,10 +5,18 @@ started on a free port, and the reference workload is run against it at each
 concurrency: random prompts of exactly 128 tokens, 128 output tokens (EOS ignored),
 temperature 0, streaming /v1/completions, every request sent at t=0 and capped by the
 concurrency, one warm-up request, seed = the concurrency (as peers/bench.sh does with
-`vllm bench serve`). 16 prompts at concurrency 1, 64 otherwise. One table at the end.
+`vllm bench serve`). 16 prompts at concurrency 1, 64 otherwise. The server runs in
+bfloat16 with prefix caching off, as vLLM's CPU build is measured.
+
+Each run also reads the engine's step counters from /metrics before and after: engine
+overhead is step time minus forward-pass time (scheduling, batch updates, outputs), as a
+share of step time. At the end: every run, then one line per transport in the layout of
+the performance issue's table, and with --peer-results (the JSON files that
+../shared/peers/bench.sh writes for `vllm bench serve`) the ratios against that peer.
 
     .venv/bin/python benchmarks/serving.py [--concurrency "1 8 32"] [--transports zmq]
-        [--dtype bfloat16] [--server-args "--enable-prefix-caching false"] [--json out.json]
+        [--dtype bfloat16] [--server-args "--api-server-count 2"] [--json out.json]
+        [--peer-results ~/.cache/plugserve-peers/results/vllm-both]
 """
 
 from __future__ import annotations
@@ -166,6 +174,34 @@ def bench_args(args: argparse.Namespace, url: str, transport: str, conc: int) ->
     ]
 
 
+STEP_COUNTERS = (
+    "plugserve_engine_steps_total",
+    "plugserve_engine_step_seconds_total",
+    "plugserve_engine_forward_seconds_total",
+)
+
+
+def step_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in STEP_COUNTERS:
+            values[name] = float(value)
+    return values
+
+
+def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    steps, step_s, forward_s = (after.get(n, 0.0) - before.get(n, 0.0) for n in STEP_COUNTERS)
+    if steps <= 0 or step_s <= 0:
+        return {}
+    return {
+        "engine_steps": steps,
+        "mean_step_ms": 1e3 * step_s / steps,
+        "engine_overhead_pct": 100.0 * (step_s - forward_s) / step_s,
+    }
+
+
 def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     server = Server(transport, args, log_dir)
     results = []
@@ -174,7 +210,9 @@ def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> li
         for conc in args.concurrency:
             print(f"\n=== transport={transport} concurrency={conc}", flush=True)
             bargs = bench.parse_args(bench_args(args, server.url, transport, conc))
+            before = step_counters(server.url)
             result = bench.run_benchmark(bargs)
+            result.update(engine_overhead(before, step_counters(server.url)))
             results.append({"transport": transport, "concurrency": conc, **result})
             if server.proc is not None and server.proc.poll() is not None:
                 raise RuntimeError("the server died during the run:\n" + server.log_tail())
@@ -186,7 +224,8 @@ def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> li
 def print_summary(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'transport':<10}{'conc':>5}{'prompts':>8}{'out tok/s':>11}"
-        f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'failed':>7}"
+        f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+        f"{'step ms':>9}{'eng ovh %':>10}{'failed':>7}"
     )
     print("\n" + header)
     print("-" * len(header))
@@ -195,9 +234,58 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
             f"{r['transport']:<10}{r['concurrency']:>5}{r['num_prompts']:>8}"
             f"{r['output_throughput']:>11.1f}{r['median_ttft_ms']:>10.1f}"
             f"{r['p99_ttft_ms']:>10.1f}{r['median_itl_ms']:>9.2f}{r['p99_itl_ms']:>9.2f}"
-            f"{r['failed']:>7}"
+            f"{r.get('mean_step_ms', float('nan')):>9.2f}"
+            f"{r.get('engine_overhead_pct', float('nan')):>10.2f}{r['failed']:>7}"
         )
-    print("(latencies in ms)")
+    print("(latencies in ms; step ms and engine overhead from the engine's own counters)")
+
+
+# The performance issue's table: (heading, concurrency, result key).
+ISSUE_COLUMNS = (
+    ("c=1 out tok/s", 1, "output_throughput"),
+    ("c=1 TTFT p50", 1, "median_ttft_ms"),
+    ("c=1 ITL p50", 1, "median_itl_ms"),
+    ("c=8 out tok/s", 8, "output_throughput"),
+    ("c=32 out tok/s", 32, "output_throughput"),
+    ("c=32 ITL p50", 32, "median_itl_ms"),
+    ("c=32 eng ovh %", 32, "engine_overhead_pct"),
+)
+
+
+def load_peer(prefix: Path) -> dict[int, dict[str, Any]]:
+    """`vllm bench serve` results saved as <prefix>-c<C>.json (peers/bench.sh)."""
+    runs = {}
+    for conc in (1, 8, 32):
+        path = prefix.parent / f"{prefix.name}-c{conc}.json"
+        if path.is_file():
+            runs[conc] = json.loads(path.read_text())
+    return runs
+
+
+def print_issue_table(rows: list[dict[str, Any]], peer: dict[int, dict[str, Any]], label: str):
+    by_run = {(r["transport"], r["concurrency"]): r for r in rows}
+    lines = {r["transport"]: {} for r in rows}
+    if peer:
+        lines = {label: {}, **lines}
+    for system, cells in lines.items():
+        for heading, conc, key in ISSUE_COLUMNS:
+            run = peer.get(conc) if system == label else by_run.get((system, conc))
+            value = run.get(key) if run else None
+            cells[heading] = "—" if value is None else f"{value:.1f}"
+    print("\n| system | " + " | ".join(h for h, _, _ in ISSUE_COLUMNS) + " |")
+    print("|---" * (len(ISSUE_COLUMNS) + 1) + "|")
+    for system, cells in lines.items():
+        print(f"| {system} | " + " | ".join(cells.values()) + " |")
+    if not peer:
+        return
+    print(f"\nratios against {label} (throughput: ours / theirs; latency: ours / theirs)")
+    for transport in {r["transport"]: None for r in rows}:
+        ratios = []
+        for heading, conc, key in ISSUE_COLUMNS[:-1]:
+            ours, theirs = by_run.get((transport, conc)), peer.get(conc)
+            if ours and theirs and theirs.get(key):
+                ratios.append(f"{heading} {ours[key] / theirs[key]:.2f}x")
+        print(f"  {transport}: " + ", ".join(ratios))
 
 
 def main() -> int:
@@ -210,8 +298,18 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32, help="at least the concurrency")
-    parser.add_argument("--dtype", default=None, help="the server's --dtype (default: its own)")
-    parser.add_argument("--server-args", default="", help="more `plugserve serve` settings")
+    parser.add_argument("--dtype", default="bfloat16", help="the server's --dtype")
+    parser.add_argument(
+        "--server-args",
+        default="--enable-prefix-caching false",
+        help="more `plugserve serve` settings",
+    )
+    parser.add_argument(
+        "--peer-results",
+        type=Path,
+        default=Path.home() / ".cache/plugserve-peers/results/vllm-both",
+        help="prefix of peers/bench.sh result files (<prefix>-c<C>.json); used if present",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, help="save every run's result here")
     args = parser.parse_args()
@@ -249,6 +347,8 @@ def main() -> int:
                 broken = True
     if rows:
         print_summary(rows)
+        peer = load_peer(args.peer_results)
+        print_issue_table(rows, peer, f"peer: {args.peer_results.name}")
     for note in notes:
         print(f"note: {note}")
     if args.json:

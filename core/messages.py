@@ -46,6 +46,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Engine-step counters since start: steps, their wall time, and the part spent in the
+    # executor (forward pass and sampling); the rest is engine overhead.
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

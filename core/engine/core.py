@@ -16,7 +16,7 @@ from plugserve.config import StackConfig
 from plugserve.engine.request import Request, RequestStatus
 from plugserve.engine.scheduler import Scheduler
 from plugserve.interfaces import Executor, KVCacheInfo
-from plugserve.messages import EngineCoreOutput, EngineCoreRequest
+from plugserve.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from plugserve.plugins import get_registry
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,9 @@ class EngineCore:
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
         self.last_step: StepStats | None = None
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, dtype %s, max_model_len %d",
             info.num_blocks,
@@ -121,6 +124,14 @@ class EngineCore:
             for r in aborted
         ]
 
+    def stats(self) -> SchedulerStats:
+        """The scheduler's figures plus the engine's step counters."""
+        stats = self.scheduler.stats()
+        stats.num_steps = self.num_steps
+        stats.step_seconds = self.step_seconds
+        stats.forward_seconds = self.forward_seconds
+        return stats
+
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
 
@@ -143,13 +154,17 @@ class EngineCore:
             model_output = self.executor.sample_tokens(grammar_output)
         forward_time = time.perf_counter() - forward_started
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        step_time = time.perf_counter() - started
+        self.num_steps += 1
+        self.step_seconds += step_time
+        self.forward_seconds += forward_time
         stats = self.scheduler.stats()
         self.last_step = StepStats(
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_usage=stats.kv_usage,
-            step_time=time.perf_counter() - started,
+            step_time=step_time,
             forward_time=forward_time,
         )
         if self._observe_steps:

@@ -225,7 +225,7 @@ class EngineCoreProc:
         elif kind == RequestType.PING:
             # A worker that died while the engine was idle fails the ping, not a request.
             self.engine.executor.check_health()
-            pong = Pong(payload, self.engine_index, self.engine.scheduler.stats())
+            pong = Pong(payload, self.engine_index, self.engine.stats())
             self.output_queue.put((OutputType.PONG, pong, client))
         elif kind == RequestType.SHUTDOWN:
             self._running = False
@@ -252,7 +252,7 @@ class EngineCoreProc:
         refusal = EngineCoreOutput(
             request_id=request_id, new_token_ids=[], finish_reason="error", error=error
         )
-        self._send_outputs(client, [refusal], self.engine.scheduler.stats())
+        self._send_outputs(client, [refusal], self.engine.stats())
 
     def _emit(self, outputs: list[EngineCoreOutput]) -> None:
         """Queue one step's outputs, one message per client that has some."""
@@ -267,7 +267,7 @@ class EngineCoreProc:
                 logger.warning("output for request %s, which no client sent", request_id)
                 continue
             by_client.setdefault(client, []).append(output)
-        stats = self.engine.scheduler.stats()
+        stats = self.engine.stats()
         for client, client_outputs in by_client.items():
             self._send_outputs(client, client_outputs, stats)
 

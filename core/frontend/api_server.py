@@ -169,6 +169,9 @@ def build_app(
             ("plugserve_prefix_cache_queries_total", "counter", s.prefix_cache_queries),
             ("plugserve_prefix_cache_hits_total", "counter", s.prefix_cache_hits),
             ("plugserve_preemptions_total", "counter", s.num_preemptions),
+            ("plugserve_engine_steps_total", "counter", s.num_steps),
+            ("plugserve_engine_step_seconds_total", "counter", s.step_seconds),
+            ("plugserve_engine_forward_seconds_total", "counter", s.forward_seconds),
         ]
         text = "".join(f"# TYPE {name} {kind}\n{name} {value}\n" for name, kind, value in lines)
         name = "plugserve_engine_requests_total"

@@ -203,6 +203,9 @@ class AsyncEngineClient:
             total.prefix_cache_queries += s.prefix_cache_queries
             total.prefix_cache_hits += s.prefix_cache_hits
             total.num_preemptions += s.num_preemptions
+            total.num_steps += s.num_steps
+            total.step_seconds += s.step_seconds
+            total.forward_seconds += s.forward_seconds
         if total.num_kv_blocks:
             total.kv_usage = 1.0 - total.num_free_kv_blocks / total.num_kv_blocks
         return total

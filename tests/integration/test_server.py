@@ -14,6 +14,7 @@ from plugserve import __version__
 from .conftest import (
     API_SERVER_TITLE,
     ENGINE_TITLE,
+    MODEL,
     REPO_ROOT,
     ServerProcess,
     free_port,
@@ -66,3 +67,19 @@ def test_health_version_and_metrics(server: ServerProcess):
     values = server.metrics()
     assert values["kv_cache_blocks"] > 0
     assert values["kv_cache_free_blocks"] <= values["kv_cache_blocks"]
+
+
+def test_metrics_count_engine_steps_and_the_time_in_the_forward_pass(server: ServerProcess):
+    before = server.metrics()
+    response = httpx.post(
+        server.url("/v1/completions"),
+        json={"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 5},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    after = server.wait_idle()
+    steps = after["engine_steps_total"] - before["engine_steps_total"]
+    step_s = after["engine_step_seconds_total"] - before["engine_step_seconds_total"]
+    forward_s = after["engine_forward_seconds_total"] - before["engine_forward_seconds_total"]
+    assert steps >= 5  # a prefill that samples the first token, then one step per token
+    assert 0 < forward_s <= step_s
