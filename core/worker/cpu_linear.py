@@ -31,7 +31,9 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] weight → an opaque oneDNN-packed tensor for `linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    # Any batch-size hint picks a layout that runs prefill-sized inputs (128 rows) ~20%
+    # faster than the hint-less default, and decode sizes no slower (measured, torch 2.13).
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
 def linear(
