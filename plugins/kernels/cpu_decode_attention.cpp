@@ -38,6 +38,8 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 #endif
 
+constexpr int64_t kPrefetchTokens = 16;
+
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
@@ -88,6 +90,53 @@ inline void axpys(const float* p, int64_t p_stride, const T* v, int64_t group, i
     for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p[g * p_stride] * to_float(v[d]);
 }
 
+#ifdef __AVX512F__
+// out[g] = sum_t p[g, t] * v_t for one KV head, the G x CH accumulators held in registers
+// across the whole context (GQA groups and head sizes of common models).
+template <int G, int CH, typename T, typename TokenFn>
+void weighted_sum_in_registers(const float* p, int64_t len, TokenFn token, float* out) {
+  __m512 acc[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = token(t);
+    __m512 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = load16(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * len + t]);
+      for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + (g * CH + c) * 16, acc[g][c]);
+}
+#endif
+
+// out[g] = sum_t p[g, t] * v_t for one KV head; false if no register-held variant fits.
+template <typename T, typename TokenFn>
+bool weighted_sum_fast(int64_t group, int64_t head_dim, const float* p, int64_t len,
+                       TokenFn token, float* out) {
+#ifdef __AVX512F__
+  if (head_dim == 64) {
+    switch (group) {
+      case 1: weighted_sum_in_registers<1, 4, T>(p, len, token, out); return true;
+      case 2: weighted_sum_in_registers<2, 4, T>(p, len, token, out); return true;
+      case 3: weighted_sum_in_registers<3, 4, T>(p, len, token, out); return true;
+      case 4: weighted_sum_in_registers<4, 4, T>(p, len, token, out); return true;
+      default: return false;
+    }
+  }
+  if (head_dim == 128) {
+    switch (group) {
+      case 1: weighted_sum_in_registers<1, 8, T>(p, len, token, out); return true;
+      case 2: weighted_sum_in_registers<2, 8, T>(p, len, token, out); return true;
+      default: return false;
+    }
+  }
+#endif
+  return false;
+}
+
 template <typename T>
 void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                            const at::Tensor& v_blocks, const at::Tensor& block_table,
@@ -133,7 +182,11 @@ void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at:
       };
       // Pass 1: scores[h, t] = q_h . k_t over the row's context.
       for (int64_t t = 0; t < len; ++t) {
-        if (t + 8 < len) prefetch(token(k_ptr, t + 8), row_bytes);
+        // One block ahead, for K now and for V, which pass 2 then finds in cache.
+        if (t + kPrefetchTokens < len) {
+          prefetch(token(k_ptr, t + kPrefetchTokens), row_bytes);
+          prefetch(token(v_ptr, t + kPrefetchTokens), row_bytes);
+        }
         const T* k = token(k_ptr, t);
         for (int64_t j = 0; j < heads_per_item; ++j)
           dots(qf.data() + j * group * head_dim, k + j * head_dim, group, head_dim,
@@ -153,13 +206,13 @@ void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at:
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       // Pass 2: out_h = sum_t p[h, t] * v_t.
-      std::fill(acc.begin(), acc.begin() + num_heads * head_dim, 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + 8 < len) prefetch(token(v_ptr, t + 8), row_bytes);
-        const T* v = token(v_ptr, t);
-        for (int64_t j = 0; j < heads_per_item; ++j)
-          axpys(scores.data() + j * group * len + t, len, v + j * head_dim, group, head_dim,
-                acc.data() + j * group * head_dim);
+      for (int64_t j = 0; j < heads_per_item; ++j) {
+        const float* p = scores.data() + j * group * len;
+        float* a = acc.data() + j * group * head_dim;
+        auto v_of = [&](int64_t t) { return token(v_ptr, t) + j * head_dim; };
+        if (weighted_sum_fast<T>(group, head_dim, p, len, v_of, a)) continue;
+        std::fill(a, a + group * head_dim, 0.0f);
+        for (int64_t t = 0; t < len; ++t) axpys(p + t, len, v_of(t), group, head_dim, a);
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         T* dst = out_ptr + (row * heads + first_head + h) * head_dim;

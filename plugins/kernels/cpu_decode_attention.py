@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _state: dict[str, object] = {}
 
 
