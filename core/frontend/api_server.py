@@ -74,18 +74,7 @@ def build_app(
     async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    @app.middleware("http")
-    async def _auth_and_identify(request: Request, call_next):
-        if (
-            api_key
-            and request.url.path.startswith("/v1/")
-            and request.headers.get("authorization") != f"Bearer {api_key}"
-        ):
-            response = error_response(401, "invalid or missing API key", "authentication_error")
-        else:
-            response = await call_next(request)
-        response.headers[API_SERVER_HEADER] = identity
-        return response
+    app.add_middleware(_AuthAndIdentify, api_key=api_key, identity=identity)
 
     async def run(
         request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
@@ -181,6 +170,35 @@ def build_app(
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class _AuthAndIdentify:
+    """Checks the API key on /v1/ routes and names the answering API server in every
+    response. A plain ASGI middleware: starlette's BaseHTTPMiddleware would relay every
+    streamed chunk through an extra task and queue."""
+
+    def __init__(self, app: Any, *, api_key: str | None, identity: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.header = (API_SERVER_HEADER.encode(), identity.encode())
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_identified(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        if self.expected is not None and scope["path"].startswith("/v1/"):
+            authorization = dict(scope["headers"]).get(b"authorization")
+            if authorization != self.expected:
+                response = error_response(401, "invalid or missing API key", "authentication_error")
+                await response(scope, receive, send_identified)
+                return
+        await self.app(scope, receive, send_identified)
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:

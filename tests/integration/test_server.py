@@ -10,16 +10,19 @@ import httpx
 import pytest
 
 from plugserve import __version__
+from plugserve.frontend.api_server import API_SERVER_HEADER
 
 from .conftest import (
     API_SERVER_TITLE,
     ENGINE_TITLE,
     MODEL,
     REPO_ROOT,
+    SERVER_SETTINGS,
     ServerProcess,
     free_port,
     plugserve_command,
     process_cmdline,
+    running_server,
 )
 
 
@@ -83,3 +86,22 @@ def test_metrics_count_engine_steps_and_the_time_in_the_forward_pass(server: Ser
     forward_s = after["engine_forward_seconds_total"] - before["engine_forward_seconds_total"]
     assert steps >= 5  # a prefill that samples the first token, then one step per token
     assert 0 < forward_s <= step_s
+
+
+def test_an_api_key_guards_the_v1_routes_only(tmp_path):
+    settings = (*SERVER_SETTINGS, "--api-key", "s3cret")
+    with (
+        running_server("zmq", tmp_path, settings=settings) as server,
+        httpx.Client(timeout=30) as http,
+    ):
+        refused = http.get(server.url("/v1/models"))
+        wrong = http.get(server.url("/v1/models"), headers={"authorization": "Bearer nope"})
+        allowed = http.get(server.url("/v1/models"), headers={"authorization": "Bearer s3cret"})
+        health = http.get(server.url("/health"))
+    for response in (refused, wrong):
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.headers[API_SERVER_HEADER].startswith("ApiServer")
+    assert allowed.status_code == 200 and allowed.json()["data"][0]["id"] == MODEL
+    assert health.status_code == 200
+    assert allowed.headers[API_SERVER_HEADER] == health.headers[API_SERVER_HEADER]
