@@ -7,12 +7,14 @@ precomputes every index and mask the layers share; `forward` then writes the ste
 and runs scaled_dot_product_attention: one batched call for all single-token rows
 (decodes) and one call per multi-token row (prefill chunks, few per step).
 
-Decode rows on CPU go through a small C++ kernel (cpu_decode_attention.cpp) that reads
-K/V in place from the paged cache. Elsewhere, or where it cannot be built, they gather
-their context a whole block at a time with index_select (several times faster on CPU
-than slot by slot with advanced indexing) and fold each KV head's group of query heads
-into the query-length dimension: one [G, L] SDPA per (row, KV head).
-Option `decode_kernel`: auto (the C++ kernel on CPU when it builds), native, sdpa.
+On CPU every token instead goes through a small C++ kernel (cpu_paged_attention.cpp)
+that reads K/V in place from the paged cache, one query token per row: a decode row
+attends to its request's context, a prefill token to the tokens up to its own.
+Elsewhere, or where the kernel cannot be built, decode rows gather their context a whole
+block at a time with index_select (several times faster on CPU than slot by slot with
+advanced indexing) and fold each KV head's group of query heads into the query-length
+dimension: one [G, L] SDPA per (row, KV head).
+Option `kernel`: auto (the C++ kernel on CPU when it builds), native, sdpa.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
 from plugserve.interfaces import AttentionBatch, AttentionSpec
-from plugserve_plugins.kernels import cpu_decode_attention
+from plugserve_plugins.kernels import cpu_paged_attention
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,16 @@ class _Decodes:
 
     token_index: torch.Tensor | None  # [B] flat token of each row; None: all tokens, in order
     block_table: torch.Tensor  # [B, max_blocks] int64, padded with valid ids
-    seq_lens: torch.Tensor  # [B] int64
-    # SDPA only: [B, 1, 1, max_blocks * block_size], 0 in the context, -inf past it.
-    bias: torch.Tensor | None
+    bias: torch.Tensor  # [B, 1, 1, max_blocks * block_size]: 0 in the context, -inf past it
+
+
+@dataclass(frozen=True)
+class _NativePlan:
+    """Every token as one query row of the C++ kernel."""
+
+    block_table: torch.Tensor  # [requests, max_blocks] int64, padded with valid ids
+    table_index: torch.Tensor  # [tokens] the block-table row of each token's request
+    seq_lens: torch.Tensor  # [tokens] how many tokens each one attends to (position + 1)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class _StepPlan:
     slots: torch.Tensor  # [num_tokens] where each token's k/v goes
     decodes: _Decodes | None
     prefills: tuple[_Prefill, ...]
+    native: _NativePlan | None
 
 
 class TorchPagedAttention:
@@ -76,7 +86,7 @@ class TorchPagedAttention:
 
     class Options(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
-        decode_kernel: Literal["auto", "native", "sdpa"] = "auto"
+        kernel: Literal["auto", "native", "sdpa"] = "auto"
 
     def __init__(self, *, spec: AttentionSpec, options: Options | None = None) -> None:
         if spec.num_heads % spec.num_kv_heads:
@@ -86,22 +96,22 @@ class TorchPagedAttention:
             )
         self.spec = spec
         self.device = torch.device(spec.device)
-        self.native_decode = self._use_native_decode((options or self.Options()).decode_kernel)
+        self.native = self._use_native_kernel((options or self.Options()).kernel)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.kv_cache: torch.Tensor | None = None
         self._plan: _StepPlan | None = None
 
-    def _use_native_decode(self, choice: str) -> bool:
+    def _use_native_kernel(self, choice: str) -> bool:
         if choice == "sdpa":
             return False
         usable = self.device.type == "cpu" and self.spec.dtype in (torch.float32, torch.bfloat16)
         if choice == "native":
             if not usable:
-                raise ValueError("decode_kernel 'native' runs on CPU in float32 or bfloat16 only")
-            if not cpu_decode_attention.load():
-                raise ValueError("decode_kernel 'native' could not be built (see the log)")
+                raise ValueError("kernel 'native' runs on CPU in float32 or bfloat16 only")
+            if not cpu_paged_attention.load():
+                raise ValueError("kernel 'native' could not be built (see the log)")
             return True
-        return usable and cpu_decode_attention.load()
+        return usable and cpu_paged_attention.load()
 
     def kv_cache_bytes_per_block(self) -> int:
         s = self.spec
@@ -139,6 +149,17 @@ class TorchPagedAttention:
         if (context_lens < 0).any():
             raise ValueError("a row has more query tokens than its seq_len")
 
+        slots = self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64))
+        num_tokens = int(query_start[-1])
+        if self.native:
+            self._plan = _StepPlan(
+                num_tokens,
+                slots,
+                None,
+                (),
+                self._plan_native(batch.block_table, seq_lens, query_lens),
+            )
+            return
         decode_rows = np.flatnonzero(query_lens == 1)
         decodes = None
         if len(decode_rows):
@@ -157,12 +178,30 @@ class TorchPagedAttention:
             )
             for row in np.flatnonzero(query_lens > 1)
         )
-        self._plan = _StepPlan(
-            num_tokens=int(query_start[-1]),
-            slots=self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64)),
-            decodes=decodes,
-            prefills=prefills,
+        self._plan = _StepPlan(num_tokens, slots, decodes, prefills, None)
+
+    def _plan_native(
+        self, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray
+    ) -> _NativePlan:
+        rows = np.arange(len(seq_lens))
+        # Each token sees its request's context plus the step's tokens up to itself.
+        ends = np.cumsum(query_lens)
+        offsets = np.arange(int(ends[-1])) - np.repeat(ends - query_lens, query_lens)
+        token_seq_lens = np.repeat(seq_lens - query_lens, query_lens) + offsets + 1
+        return _NativePlan(
+            block_table=self._to_device(self._used_blocks(block_table, seq_lens)),
+            table_index=self._to_device(np.repeat(rows, query_lens)),
+            seq_lens=self._to_device(token_seq_lens),
         )
+
+    def _used_blocks(self, block_table: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """The table cut to the longest row's blocks, as int64; entries past a row's last
+        block may be stale, so they are set to block 0 (valid, and never read)."""
+        bs = self.spec.block_size
+        num_blocks = int(-(-seq_lens.max() // bs))
+        blocks = np.ascontiguousarray(block_table[:, :num_blocks], dtype=np.int64)
+        blocks[np.arange(num_blocks)[None, :] >= (-(-seq_lens // bs))[:, None]] = 0
+        return blocks
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -170,23 +209,13 @@ class TorchPagedAttention:
     def _plan_decodes(
         self, token_index: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray, all_rows: bool
     ) -> _Decodes:
-        bs = self.spec.block_size
-        # Built on the host: reading sizes off the device would sync every step.
-        num_blocks = int(-(-seq_lens.max() // bs))
-        blocks = np.ascontiguousarray(block_table[:, :num_blocks], dtype=np.int64)
-        # Entries past a row's last block may be stale; any valid id will do (masked).
-        used = -(-seq_lens // bs)
-        blocks[np.arange(num_blocks)[None, :] >= used[:, None]] = 0
-        bias = None
-        if not self.native_decode:
-            positions = np.arange(num_blocks * bs)[None, :]
-            mask = np.where(positions < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
-            bias = self._to_device(mask).to(self.spec.dtype)[:, None, None, :]
+        blocks = self._used_blocks(block_table, seq_lens)
+        positions = np.arange(blocks.shape[1] * self.spec.block_size)[None, :]
+        mask = np.where(positions < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
         return _Decodes(
             token_index=None if all_rows else self._to_device(token_index),
             block_table=self._to_device(blocks),
-            seq_lens=self._to_device(seq_lens.astype(np.int64)),
-            bias=bias,
+            bias=self._to_device(mask).to(self.spec.dtype)[:, None, None, :],
         )
 
     def _plan_prefill(self, start: int, end: int, seq_len: int, block_row: np.ndarray) -> _Prefill:
@@ -214,6 +243,17 @@ class TorchPagedAttention:
         # (The cache holds the model's dtype: q, k and v need no casts.)
         cache.k_slots.index_copy_(0, plan.slots, k)
         cache.v_slots.index_copy_(0, plan.slots, v)
+        if plan.native is not None:
+            n = plan.native
+            return cpu_paged_attention.paged_attention(
+                q,
+                cache.k_blocks,
+                cache.v_blocks,
+                n.block_table,
+                n.table_index,
+                n.seq_lens,
+                self.scale,
+            )
 
         if plan.decodes is not None and plan.decodes.token_index is None:
             return self._decode(cache, q, plan.decodes)
@@ -239,10 +279,6 @@ class TorchPagedAttention:
 
     def _decode(self, cache: _LayerCache, q: torch.Tensor, d: _Decodes) -> torch.Tensor:
         """q [B, H, D], one query per row → [B, H, D]."""
-        if d.bias is None:
-            return cpu_decode_attention.decode_attention(
-                q, cache.k_blocks, cache.v_blocks, d.block_table, d.seq_lens, self.scale
-            )
         s = self.spec
         rows, num_blocks = d.block_table.shape
         context = num_blocks * s.block_size

@@ -113,49 +113,57 @@ def run_step(
 
 @pytest.fixture(params=["native", "sdpa"])
 def backend(request: pytest.FixtureRequest) -> TorchPagedAttention:
-    """Both decode paths: the C++ kernel reading the paged cache, and block gather + SDPA."""
-    options = TorchPagedAttention.Options(decode_kernel=request.param)
+    """Both paths: the C++ kernel (every token a query row over the paged cache), and
+    SDPA (decodes gather their blocks; prefills attend per row)."""
+    options = TorchPagedAttention.Options(kernel=request.param)
     backend = TorchPagedAttention(spec=SPEC, options=options)
     backend.allocate_kv_cache(NUM_BLOCKS)
     return backend
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3, 40])
-def test_native_decode_kernel_matches_sdpa_at_model_shapes(
-    dtype: torch.dtype, num_rows: int
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(0, 1)],  # (cached context, new tokens) per request: one decode
+        [(5, 1), (40, 1), (299, 1)],  # few rows: the kernel splits work by KV head
+        [(n, 1) for n in range(0, 400, 10)],  # many rows: by row
+        [(0, 37), (50, 20), (17, 1), (0, 1), (130, 129)],  # prefills, chunks and decodes
+    ],
+    ids=["one-decode", "few-decodes", "many-decodes", "mixed"],
+)
+def test_native_kernel_matches_sdpa_at_model_shapes(
+    dtype: torch.dtype, rows: list[tuple[int, int]]
 ) -> None:
-    # SmolLM2's heads (9 query, 3 KV, dim 64); few rows split work by KV head, many by row.
+    # SmolLM2's heads: 9 query, 3 KV, dim 64, the shapes the kernel's fast paths serve.
     spec = AttentionSpec(
         num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
         dtype=dtype, device=torch.device("cpu"),
     )  # fmt: skip
-    generator = torch.Generator().manual_seed(num_rows)
-    seq_lens = torch.randint(1, 300, (num_rows,), generator=generator).numpy()
+    generator = torch.Generator().manual_seed(len(rows))
+    seq_lens = np.array([c + n for c, n in rows])
+    query_lens = np.array([n for _, n in rows])
     num_blocks = int(sum(-(-seq_lens // 16))) + 1
-    block_table = np.zeros((num_rows, int(-(-seq_lens.max() // 16))), dtype=np.int32)
+    block_table = np.zeros((len(rows), int(-(-seq_lens.max() // 16))), dtype=np.int32)
     pool = torch.randperm(num_blocks, generator=generator).tolist()
     for row, length in enumerate(seq_lens):
         used = -(-length // 16)
         block_table[row, :used], pool = pool[:used], pool[used:]
-    positions = [np.arange(n - 1, n) for n in seq_lens]
+    positions = [np.arange(c, c + n) for c, n in rows]
     batch = AttentionBatch(
-        query_start_loc=np.arange(num_rows + 1, dtype=np.int32),
+        query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
         seq_lens=seq_lens.astype(np.int32),
         block_table=block_table,
         slot_mapping=np.concatenate(
             [block_table[r, p // 16] * 16 + p % 16 for r, p in enumerate(positions)]
         ),
     )
+    tokens = int(query_lens.sum())
     cache = torch.randn(1, 2, num_blocks, 16, 3, 64, generator=generator).to(dtype)
-    q = torch.randn(num_rows, 9, 64, generator=generator).to(dtype)
-    k = torch.randn(num_rows, 3, 64, generator=generator).to(dtype)
-    v = torch.randn(num_rows, 3, 64, generator=generator).to(dtype)
+    q, k, v = (torch.randn(tokens, h, 64, generator=generator).to(dtype) for h in (9, 3, 3))
     outputs = []
     for kernel in ("native", "sdpa"):
-        backend = TorchPagedAttention(
-            spec=spec, options=TorchPagedAttention.Options(decode_kernel=kernel)
-        )
+        backend = TorchPagedAttention(spec=spec, options=TorchPagedAttention.Options(kernel=kernel))
         backend.allocate_kv_cache(num_blocks)
         assert backend.kv_cache is not None
         backend.kv_cache.copy_(cache)

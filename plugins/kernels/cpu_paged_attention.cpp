@@ -1,9 +1,11 @@
-// Paged decode attention for CPUs: one query token per row, read straight from the
-// block-paged KV cache (no gathered copy of the context), GQA by KV head.
+// Paged attention for CPUs, one query token per row: each row attends to the first
+// seq_len tokens of its request, read straight from the block-paged KV cache (no gathered
+// copy of the context), GQA by KV head. A decode step has one row per request; a prefill
+// chunk has one row per token, whose seq_len is its position + 1 (causal).
 //
-// Registered as torch.ops.plugserve_cpu.decode_attention; built and loaded by
-// cpu_decode_attention.py. Work is split over (row, KV head) pairs with ATen's thread
-// pool, so it shares the threads torch already runs on.
+// Registered as torch.ops.plugserve_cpu.paged_attention; built and loaded by
+// cpu_paged_attention.py. Work is split over rows (or row and KV head, when rows are
+// few) with ATen's thread pool, so it shares the threads torch already runs on.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -210,9 +212,10 @@ bool weighted_sum_fast(int64_t group, int64_t head_dim, const float* p, int64_t 
 }
 
 template <typename T>
-void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
-                           const at::Tensor& v_blocks, const at::Tensor& block_table,
-                           const at::Tensor& seq_lens, double scale) {
+void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
+                          const at::Tensor& v_blocks, const at::Tensor& block_table,
+                          const at::Tensor& table_index, const at::Tensor& seq_lens,
+                          double scale) {
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_blocks.size(1), kv_heads = k_blocks.size(2);
   const int64_t group = heads / kv_heads;
@@ -223,6 +226,7 @@ void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at:
   T* out_ptr = out.data_ptr<T>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* table_of = table_index.data_ptr<int64_t>();
   // Strides in elements: q/out [rows, heads, D] contiguous per head; the cache
   // [blocks, block_size, kv_heads, D] contiguous.
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
@@ -239,10 +243,14 @@ void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at:
   at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / split, first_kvh = (item % split) * heads_per_item;
+      // Rows in zigzag order (first, last, second, second-to-last...): the threads' equal
+      // ranges of items then get equal work even when a prefill's rows grow in length.
+      const int64_t order = item / split;
+      const int64_t row = order % 2 == 0 ? order / 2 : rows - 1 - order / 2;
+      const int64_t first_kvh = (item % split) * heads_per_item;
       const int64_t first_head = first_kvh * group, num_heads = heads_per_item * group;
       const int64_t len = lens[row];
-      const int64_t* row_table = table + row * max_blocks;
+      const int64_t* row_table = table + table_of[row] * max_blocks;
       scores.assign(num_heads * len, 0.0f);
       for (int64_t h = 0; h < num_heads; ++h) {
         const T* src = q_ptr + row * q_row + (first_head + h) * q_head;
@@ -302,24 +310,29 @@ void decode_attention_impl(const at::Tensor& out, const at::Tensor& q, const at:
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_blocks,
-                            const at::Tensor& v_blocks, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_blocks,
+                           const at::Tensor& v_blocks, const at::Tensor& block_table,
+                           const at::Tensor& table_index, const at::Tensor& seq_lens,
+                           double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_blocks.is_contiguous() && v_blocks.is_contiguous(), "KV blocks must be contiguous");
   TORCH_CHECK(k_blocks.scalar_type() == q.scalar_type() && v_blocks.scalar_type() == q.scalar_type(),
               "q and the KV cache must share a dtype");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous(),
-              "block_table must be contiguous int64");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
-              "seq_lens must be contiguous int64");
+  for (const at::Tensor* t : {&block_table, &table_index, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "block_table, table_index and seq_lens must be contiguous int64");
+  TORCH_CHECK(table_index.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "table_index and seq_lens need one entry per row of q");
   TORCH_CHECK(q.size(1) % k_blocks.size(2) == 0, "heads must be a multiple of kv_heads");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<c10::BFloat16>(out, q, k_blocks, v_blocks, block_table, seq_lens, scale);
+    paged_attention_impl<c10::BFloat16>(out, q, k_blocks, v_blocks, block_table, table_index,
+                                        seq_lens, scale);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention supports float32 and bfloat16");
-    decode_attention_impl<float>(out, q, k_blocks, v_blocks, block_table, seq_lens, scale);
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
+    paged_attention_impl<float>(out, q, k_blocks, v_blocks, block_table, table_index, seq_lens,
+                                scale);
   }
   return out;
 }
@@ -327,8 +340,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_blocks,
 }  // namespace
 
 TORCH_LIBRARY(plugserve_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_table, "
-        "Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_table, "
+        "Tensor table_index, Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(plugserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(plugserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,9 +1,10 @@
-"""Builds and loads the C++ paged decode-attention kernel (cpu_decode_attention.cpp).
+"""Builds and loads the C++ paged-attention kernel (cpu_paged_attention.cpp).
 
 On CPU, attending a decode row through SDPA first copies its context out of the paged
 cache (index_select), then reads the copy again; at batch 32 that copying and SDPA's
 small-query overheads were a third of a decode step. The kernel reads K and V in place,
-block by block. It is compiled once per source, torch version and CPU into the plugserve
+block by block, one query token per row; prefill tokens are rows too (causal by their
+seq_len), which also beats SDPA's CPU kernel on short prompts. It is compiled once per source, torch version and CPU into the plugserve
 cache with the system C++ compiler ($CXX, else g++), against torch's own headers and
 OpenMP runtime; where that fails the torch backend keeps SDPA and says why, once.
 """
@@ -70,7 +71,7 @@ def _build(target: Path) -> None:
 
 
 def load() -> bool:
-    """Make torch.ops.plugserve_cpu.decode_attention available; False (with the reason
+    """Make torch.ops.plugserve_cpu.paged_attention available; False (with the reason
     logged once) if it cannot be built or loaded here."""
     if "ok" in _state:
         return bool(_state["ok"])
@@ -85,15 +86,15 @@ def load() -> bool:
             ]
         )
     ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_decode_attention-{key}.so"
+    target = cache_dir() / f"cpu_paged_attention-{key}.so"
     try:
         if not target.exists():
-            logger.info("building the CPU decode-attention kernel (once): %s", target)
+            logger.info("building the CPU paged-attention kernel (once): %s", target)
             _build(target)
         torch.ops.load_library(str(target))
         _state["ok"] = True
     except Exception as exc:  # no compiler, no headers, an unsupported platform
-        logger.warning("CPU decode-attention kernel unavailable, using SDPA: %s", exc)
+        logger.warning("CPU paged-attention kernel unavailable, using SDPA: %s", exc)
         _state["ok"] = False
     return bool(_state["ok"])
 
@@ -109,16 +110,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
     block_table: torch.Tensor,
+    table_index: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, H, D]; K/V blocks [num_blocks, block_size, KVH, D]; block_table [B, max_blocks]
-    and seq_lens [B] int64 → [B, H, D]."""
-    return torch.ops.plugserve_cpu.decode_attention(
-        q, k_blocks, v_blocks, block_table, seq_lens, scale
+    """One query per row: q [R, H, D] attends to the first seq_lens[r] tokens of block-table
+    row table_index[r]. K/V blocks [num_blocks, block_size, KVH, D]; block_table
+    [requests, max_blocks], table_index and seq_lens [R], all int64 → [R, H, D]."""
+    return torch.ops.plugserve_cpu.paged_attention(
+        q, k_blocks, v_blocks, block_table, table_index, seq_lens, scale
     )
