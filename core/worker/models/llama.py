@@ -111,10 +111,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalized in fp32 and cast back before the weight, as HF's LlamaRMSNorm does
-        # (F.rms_norm in fp32 without a weight is bit-identical to its formula).
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        if x.dtype == torch.float32:
+            # HF's LlamaRMSNorm exactly: F.rms_norm without a weight is bit-identical to
+            # its formula, and the weight multiplies afterwards.
+            return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
+        # Half precision: one fused op (fp32 inside, one rounding at the end) instead of
+        # HF's cast, normalize, cast back and multiply: four passes, two roundings.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def _head_dim(hf_config: Any) -> int:
