@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from plugserve.worker.model_loader import cache_root
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
@@ -31,8 +33,7 @@ _state: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("PLUGSERVE_CACHE") or Path.home() / ".cache" / "plugserve"
-    return Path(base) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _build(target: Path) -> None:
