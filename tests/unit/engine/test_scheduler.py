@@ -7,6 +7,8 @@ known tokens.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from plugserve.engine.request import Request, RequestStatus
@@ -47,7 +49,9 @@ def make_scheduler(
 
 def make_request(rid: str, prompt_len: int, *, priority=0, arrival=0.0, **params) -> Request:
     params.setdefault("max_tokens", 4)
-    prompt = [100 + (hash(rid) + i) % 50 for i in range(prompt_len)]
+    # Deterministic and distinct per request id: hash() of a str changes with every
+    # process, and two ids whose prompts began alike would share prefix-cached blocks.
+    prompt = [100 + zlib.crc32(f"{rid}:{i}".encode()) % 10_000 for i in range(prompt_len)]
     return Request(
         rid, prompt, SamplingParams(**params), EOS, arrival_time=arrival, priority=priority
     )
