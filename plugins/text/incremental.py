@@ -7,8 +7,9 @@ byte tokens) and some tokenizers (SentencePiece) only spell a token's leading sp
 correctly when they see the token before it. So, as vLLM and TGI do, the detokenizer
 keeps a small window of ids: a context part that is already text, and the pending ids
 after it. It decodes the window twice, with and without the pending ids, and the
-difference is the new text, released only once it no longer ends in an incomplete
-character (U+FFFD).
+difference is the new text, released once it no longer ends in an incomplete character
+(U+FFFD); of a run of U+FFFD at the end, all but the last three are final (they cannot
+become part of a character any more) and are released at once.
 
 Stop strings are searched only in the text that just arrived plus the few characters
 before it that a match could start in. When `include_stop_str_in_output` is off, the
@@ -25,6 +26,8 @@ from plugserve import hookimpl
 from plugserve.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
+# Bytes of a character that can still be missing at the end of the decoded text.
+_MAX_PENDING_BYTES = 3
 
 # Prompt ids kept as decoding context for the first generated tokens, so that their
 # leading spaces come out as they would in the middle of the text (vLLM uses 5 too).
@@ -71,6 +74,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         # Decoded text not returned yet: always a proper prefix of some stop string.
         self._held = ""
+        # Characters of the pending ids' text already returned (final text before an
+        # incomplete character at the end).
+        self._released = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -128,16 +134,25 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._window[: self._read_offset])
         full_text = self._decode(self._window)
-        # Nothing new (skipped special tokens) or an incomplete character at the end:
-        # keep the ids pending, and the context with them, until the next ids arrive.
-        if not force and (
-            len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)
-        ):
-            return ""
-        new_text = full_text[len(prefix_text) :]
+        start = len(prefix_text) + self._released
+        if not force:
+            # Nothing new (skipped special tokens): keep the ids pending.
+            if len(full_text) <= start:
+                return ""
+            if full_text.endswith(_REPLACEMENT_CHAR):
+                # The ids may end inside a character: keep them pending with their context
+                # until the next ids complete it. Only the last few U+FFFD can still become
+                # part of a character (one has at most 4 bytes); text before them is final
+                # and streams now, or output that is invalid UTF-8 would arrive all at once.
+                run = len(full_text) - len(full_text.rstrip(_REPLACEMENT_CHAR))
+                final = full_text[start : len(full_text) - min(run, _MAX_PENDING_BYTES)]
+                self._released += len(final)
+                return final
+        new_text = full_text[start:]
         # The ids just decoded become the next context; older ids are never needed again.
         del self._window[: self._read_offset]
         self._read_offset = len(self._window)
+        self._released = 0
         return new_text
 
     # ------------------------------------------------------------------ stop strings

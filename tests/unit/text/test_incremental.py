@@ -168,6 +168,20 @@ def test_random_byte_soup_streams_to_the_full_decode(tokenizer: Any) -> None:
         assert detok.output_text == tokenizer.decode(ids), ids
 
 
+def test_invalid_utf8_streams_before_the_request_ends(tokenizer: Any) -> None:
+    # A model can emit byte tokens that never form characters (a stray continuation byte
+    # after another). Such text must stream as it comes, minus the last few U+FFFD that
+    # might still complete a character, not all at once at the end.
+    stray_byte = next(i for i in range(1, 2000) if tokenizer.decode([i] * 20) == REPLACEMENT * 20)
+    ids = [stray_byte] * 20
+    detok = make(tokenizer)
+    deltas = [detok.update([i]) for i in ids]
+    assert "".join(deltas) == REPLACEMENT * 17  # all but three released while streaming
+    assert deltas[10] == REPLACEMENT
+    detok.flush()
+    assert detok.output_text == tokenizer.decode(ids)
+
+
 def test_ids_after_flush_are_ignored(tokenizer: Any) -> None:
     detok = make(tokenizer)
     stream(detok, encode(tokenizer, "Done."))
