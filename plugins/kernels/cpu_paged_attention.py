@@ -4,9 +4,11 @@ On CPU, attending a decode row through SDPA first copies its context out of the 
 cache (index_select), then reads the copy again; at batch 32 that copying and SDPA's
 small-query overheads were a third of a decode step. The kernel reads K and V in place,
 block by block, one query token per row; prefill tokens are rows too (causal by their
-seq_len), which also beats SDPA's CPU kernel on short prompts. It is compiled once per source, torch version and CPU into the plugserve
-cache with the system C++ compiler ($CXX, else g++), against torch's own headers and
-OpenMP runtime; where that fails the torch backend keeps SDPA and says why, once.
+seq_len), which also beats SDPA's CPU kernel on short prompts.
+
+It is compiled once per source, torch version and CPU into the plugserve cache with the
+system C++ compiler ($CXX, else g++), against torch's own headers and OpenMP runtime;
+where that fails the torch backend keeps SDPA and says why, once.
 """
 
 from __future__ import annotations
