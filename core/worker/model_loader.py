@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -294,20 +294,26 @@ def _dequantized(tensor: Any, config: dict[str, Any]) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _write_safetensors(reader: Any, config: dict[str, Any], out_dir: Path) -> None:
+def write_sharded_safetensors(
+    out_dir: Path,
+    sizes: dict[str, int],
+    make_tensor: Callable[[str], torch.Tensor],
+    *,
+    shard_bytes: int = _SHARD_BYTES,
+) -> None:
+    """Write tensors `make_tensor(name)` for every name in `sizes` (name → bytes), in that
+    order, as HF safetensors shards of at most `shard_bytes` (plus the index when there
+    are several). Shards are planned from the sizes first and each is written as soon as
+    it is full, so host memory holds one shard, never the whole model."""
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
-    tensors = sorted(reader.tensors, key=lambda t: hf_tensor_name(t.name))
-    # Shards are planned from the shapes first so each is written as soon as it is full.
-    shards: list[list[Any]] = [[]]
+    shards: list[list[str]] = [[]]
     size = 0
-    for tensor in tensors:
-        nbytes = int(np.prod(tensor.shape)) * 4
-        if shards[-1] and size + nbytes > _SHARD_BYTES:
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(tensor)
+        shards[-1].append(name)
         size += nbytes
     files = (
         ["model.safetensors"]
@@ -315,20 +321,31 @@ def _write_safetensors(reader: Any, config: dict[str, Any], out_dir: Path) -> No
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=len(tensors), desc="dequantizing GGUF", disable=not sys.stderr.isatty())
-    with bar:
-        for filename, shard in zip(files, shards, strict=True):
-            chunk: dict[str, torch.Tensor] = {}
-            for tensor in shard:
-                name = hf_tensor_name(tensor.name)
-                chunk[name] = torch.from_numpy(_dequantized(tensor, config))
-                weight_map[name] = filename
-                bar.update()
-            save_file(chunk, str(out_dir / filename), metadata={"format": "pt"})
+    for filename, shard in zip(files, shards, strict=True):
+        save_file(
+            {name: make_tensor(name) for name in shard},
+            str(out_dir / filename),
+            metadata={"format": "pt"},
+        )
+        weight_map.update(dict.fromkeys(shard, filename))
     if len(files) > 1:
-        total = sum(int(np.prod(t.shape)) * 4 for t in tensors)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_safetensors(reader: Any, config: dict[str, Any], out_dir: Path) -> None:
+    from tqdm import tqdm
+
+    by_name = {hf_tensor_name(t.name): t for t in reader.tensors}
+    sizes = {name: int(np.prod(by_name[name].shape)) * 4 for name in sorted(by_name)}
+    bar = tqdm(total=len(sizes), desc="dequantizing GGUF", disable=not sys.stderr.isatty())
+
+    def dequantize(name: str) -> torch.Tensor:
+        bar.update()
+        return torch.from_numpy(_dequantized(by_name[name], config))
+
+    with bar:
+        write_sharded_safetensors(out_dir, sizes, dequantize)
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from plugserve.worker.model_loader import write_sharded_safetensors
+
 # The embedded model's tokenizer: the vocabulary every shape here uses.
 TOKENIZER_MODEL = "smollm2-135m-instruct"
 TOKENIZER_FILES = (
@@ -175,44 +177,19 @@ def write_random_model(
 def _write_weights(
     out: Path, shape: LlamaShape, *, seed: int, dtype: torch.dtype, device: torch.device
 ) -> None:
-    from safetensors.torch import save_file
-
     generator = torch.Generator(device=device).manual_seed(seed)
     element = torch.empty((), dtype=dtype).element_size()
-    # Shards planned from the shapes, each written as soon as it is full: host memory
-    # holds one shard, never the whole model.
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, dims in tensor_shapes(shape).items():
-        nbytes = int(torch.Size(dims).numel()) * element
-        if shards[-1] and size + nbytes > _SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, dims))
-        size += nbytes
-    files = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    weight_map: dict[str, str] = {}
-    total = 0
-    for filename, shard in zip(files, shards, strict=True):
-        tensors: dict[str, torch.Tensor] = {}
-        for name, dims in shard:
-            if name.endswith("norm.weight"):
-                tensor = torch.ones(dims, dtype=dtype)
-            else:
-                tensor = torch.empty(dims, dtype=dtype, device=device)
-                tensor.normal_(0.0, _STD, generator=generator)
-                tensor = tensor.cpu()
-            tensors[name] = tensor
-            weight_map[name] = filename
-            total += tensor.numel() * element
-        save_file(tensors, str(out / filename), metadata={"format": "pt"})
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    shapes = tensor_shapes(shape)
+
+    def draw(name: str) -> torch.Tensor:
+        dims = shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(dims, dtype=dtype)
+        tensor = torch.empty(dims, dtype=dtype, device=device)
+        return tensor.normal_(0.0, _STD, generator=generator).cpu()
+
+    sizes = {name: int(torch.Size(dims).numel()) * element for name, dims in shapes.items()}
+    write_sharded_safetensors(out, sizes, draw, shard_bytes=_SHARD_BYTES)
 
 
 def main(argv: list[str] | None = None) -> None:
