@@ -251,7 +251,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
       const int64_t first_head = first_kvh * group, num_heads = heads_per_item * group;
       const int64_t len = lens[row];
       const int64_t* row_table = table + table_of[row] * max_blocks;
-      scores.assign(num_heads * len, 0.0f);
+      // Grown, never cleared: pass 1 writes every score before anything reads it.
+      if (scores.size() < static_cast<size_t>(num_heads * len)) scores.resize(num_heads * len);
       for (int64_t h = 0; h < num_heads; ++h) {
         const T* src = q_ptr + row * q_row + (first_head + h) * q_head;
         for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(src[d]) * fscale;
