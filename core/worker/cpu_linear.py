@@ -6,10 +6,10 @@ row) faster on an AVX-512-BF16 CPU, with bit-identical results. In float32 the p
 kernel is faster still but rounds differently from `F.linear` (~1e-5), which would break
 the bit-for-bit match with Hugging Face the float32 path keeps, so only bf16 is packed.
 
-For prefill-sized inputs the MLP runs as oneDNN post-ops (FusedMLP): SiLU, the gate * up
-product and the residual add are applied to the fp32 accumulators inside the matmuls
-rather than as separate bf16 passes over [tokens, intermediate] tensors, which took a
-third of a 2048-token prefill's MLP time. Results differ from the unfused path by bf16
+For prefill-sized inputs the MLP runs as oneDNN post-ops (FusedMLP): SiLU and the
+gate * up product are applied to the fp32 accumulators inside the matmuls rather than as
+separate bf16 passes over [tokens, intermediate] tensors, which took a third of a
+2048-token prefill's MLP time. Results differ from the unfused path by bf16
 rounding (the post-ops see unrounded values). For a few rows the extra matmul call costs
 more than the passes it saves, hence the threshold.
 """
@@ -53,15 +53,15 @@ FUSED_MLP_MIN_TOKENS = 128
 
 
 class FusedMLP:
-    """residual + down(silu(gate(x)) * up(x)) in three packed matmuls with post-ops."""
+    """down(silu(gate(x)) * up(x)) in three packed matmuls, SiLU and * up as post-ops."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate = pack_weight(gate.contiguous())
         self.up = pack_weight(up.contiguous())
         self.down = pack_weight(down)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.mkldnn
         activated = ops._linear_pointwise(x, self.gate, None, "swish", [], "")
         hidden = ops._linear_pointwise.binary(x, activated, self.up, None, "mul")
-        return ops._linear_pointwise.binary(hidden, residual, self.down, None, "add")
+        return ops._linear_pointwise(hidden, self.down, None, "none", [], "")

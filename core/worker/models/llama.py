@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugserve.interfaces import AttentionBackend
-from plugserve.worker import cpu_linear
+from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 # Checkpoint tensors that are derived state in HF's own model, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -67,13 +66,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
     raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
 
 
+@dataclass
+class RopeStep:
+    """One step's rotary inputs, gathered once for all layers."""
+
+    positions: torch.Tensor  # int64 [T]
+    # [T, 1, D] each in the model's dtype, for the ATen path; None with the fused op.
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """Neox/HF (rotate-half) RoPE with cos/sin precomputed for every position.
 
-    `tables(positions)` gathers a step's rows once for all layers; `forward` rotates q and
-    k together. rotate_half(x) * sin equals roll(x, D/2) * sin with the first half of sin
-    negated, exactly (only signs move), which saves the split, negation and concatenation.
+    ATen path: rotate_half(x) * sin equals roll(x, D/2) * sin with the first half of sin
+    negated, exactly (only signs move), which saves the split, negation and concatenation;
+    q and k rotate together. With `fused` (bf16 on CPU) one cpu_ops call rotates q and k
+    in place inside the QKV output, in fp32 with one rounding.
     """
+
+    fused = False
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
         super().__init__()
@@ -83,34 +95,63 @@ class RotaryEmbedding(nn.Module):
         # fp32 whatever the model dtype: cast per step, as HF does, to keep precision.
         self.cos: torch.Tensor
         self.sin: torch.Tensor
+        self.cos_sin: torch.Tensor
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         sin = emb.sin().float()
         sin[:, : head_dim // 2] *= -1
         self.register_buffer("sin", sin, persistent=False)
+        # The fused op's table: the D/2 cosines, then the D/2 (unsigned) sines.
+        self.register_buffer(
+            "cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
+        )
+        self.head_dim = head_dim
         self.half = head_dim // 2
 
-    def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for a step's positions: [T, 1, D] each, in `dtype`."""
-        return (
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        if self.fused:
+            return RopeStep(positions)
+        return RopeStep(
+            positions,
             self.cos[positions].to(dtype)[:, None, :],
             self.sin[positions].to(dtype)[:, None, :],
         )
 
-    def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, heads, D] → x rotated by each token's position."""
-        cos, sin = tables
-        return x * cos + torch.roll(x, self.half, dims=-1) * sin
+    def forward(self, qkv: torch.Tensor, step: RopeStep, num_heads: int) -> torch.Tensor:
+        """The first num_heads heads of each row of qkv [T, >= heads * D], rotated by each
+        token's position → [T, num_heads, D] (a view of qkv when fused)."""
+        qk = qkv[:, : num_heads * self.head_dim]
+        if self.fused:
+            cpu_ops.rotary_embedding(qk, step.positions, self.cos_sin, num_heads, self.head_dim)
+            return qk.view(-1, num_heads, self.head_dim)
+        assert step.cos is not None and step.sin is not None
+        x = qk.view(-1, num_heads, self.head_dim)
+        return x * step.cos + torch.roll(x, self.half, dims=-1) * step.sin
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; with `fused` (bf16 on CPU) one cpu_ops call, which also takes the residual
+    add (`add_and_norm`)."""
+
+    fused = False
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual). The fused op reuses x's and residual's
+        memory for the results: both must be this step's own tensors."""
+        if self.fused:
+            return cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # HF's LlamaRMSNorm exactly: F.rms_norm without a weight is bit-identical to
             # its formula, and the weight multiplies afterwards.
@@ -215,12 +256,10 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.attention = attention  # not a submodule: one backend serves every layer
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, tables: RopeTables) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, rope: RopeStep) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        # q and k rotate as one [T, heads + kv_heads, D] view of the fused output.
-        qk = rotary(
-            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_qk_heads, self.head_dim), tables
-        )
+        # q and k rotate as one [T, heads + kv_heads, D] block of the fused output.
+        qk = rotary(qkv, rope, self.num_qk_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(self.layer_idx, q, k, v)
@@ -241,6 +280,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = _row_parallel(inter, hidden, bias, parallel)
         self.inter = inter
         self.fused: cpu_linear.FusedMLP | None = None
+        self.fused_activation = False  # silu(gate) * up as one cpu_ops call
 
     def pack(self) -> None:
         """Also pack gate and up apart, for the fused large-batch path (bf16 on CPU)."""
@@ -251,12 +291,15 @@ class LlamaMLP(nn.Module):
                 self.down_proj.weight,
             )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + down(silu(gate(x)) * up(x))."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
         if self.fused is not None and x.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
-            return self.fused(x, residual)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+            return self.fused(x)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_activation:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -269,9 +312,26 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, tables: RopeTables) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, tables)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        rope: RopeStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (this layer's MLP output, the residual stream before it).
+
+        The residual stream is carried apart from the sublayer outputs so that each add
+        happens inside the next norm (one pass over the activations, in the fused op);
+        the first layer gets the embeddings as x and no residual.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rotary, rope)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -318,10 +378,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        tables = self.rotary.tables(positions, x.dtype)
+        rope = self.rotary.prepare(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, self.rotary, tables)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, self.rotary, rope)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] → fp32 logits [N, vocab]. With tensor parallelism each rank
@@ -331,9 +394,17 @@ class LlamaForCausalLM(nn.Module):
         return self.parallel.gather_last_dim(logits, self.config.vocab_size)
 
     def process_weights_after_loading(self) -> None:
-        """Pack every linear weight for the CPU kernel where that is exact (bf16 on CPU);
-        elsewhere the weights stay as loaded."""
+        """Pack every linear weight for the CPU kernel where that is exact, and switch the
+        norms, RoPE and activation to the fused CPU ops (bf16 on CPU); elsewhere the model
+        keeps ATen's ops and the weights as loaded."""
         weight = self.model.embed_tokens.weight
+        if cpu_ops.supported(weight.dtype, weight.device):
+            self.rotary.fused = True
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.fused = True
+                elif isinstance(module, LlamaMLP):
+                    module.fused_activation = True
         if not cpu_linear.packing_supported(weight.dtype, weight.device):
             return
         for module in self.modules():

@@ -1,0 +1,218 @@
+// The small ops of a decoder layer, fused for the CPU: RMSNorm (with the residual add),
+// neox RoPE in place, and SiLU(gate) * up.
+//
+// Through ATen each of these is several passes over the activations plus a cast to fp32
+// and back per pass; at decode sizes their cost is mostly per-op dispatch (a bf16
+// F.rms_norm is ten ATen calls). Here each is one pass, in fp32, rounded once on store.
+//
+// Registered as torch.ops.plugserve_ops.*; built and loaded by cpu_ops.py. Rows are split
+// over ATen's thread pool, so the ops share the threads torch already runs on.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline void store(float* p, float v) { *p = v; }
+// Round to nearest even, as torch does; written with integer ops so loops vectorize.
+inline void store(c10::BFloat16* p, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p->x = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(bits >> 16);
+}
+
+// Rows per task: enough work that a task outweighs handing it to another thread.
+inline int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements));
+}
+
+template <typename T>
+inline float inverse_rms(const T* x, int64_t n, float eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    sum += v * v;
+  }
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * x_stride;
+      T* dst = op + r * out_stride;
+      const float scale = inverse_rms(row, n, static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) store(dst + i, to_float(row[i]) * scale * to_float(wp[i]));
+    }
+  });
+}
+
+// residual += x (rounded to T, as an unfused add would store it); x = rms_norm(residual).
+template <typename T>
+void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                             double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * x_stride;
+      T* rr = rp + r * r_stride;
+      for (int64_t i = 0; i < n; ++i) store(rr + i, to_float(xr[i]) + to_float(rr[i]));
+      const float scale = inverse_rms(rr, n, static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) store(xr + i, to_float(rr[i]) * scale * to_float(wp[i]));
+    }
+  });
+}
+
+// Rotates the first num_heads heads of each row of qk in place (rotate-half / neox form):
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of a head.
+template <typename T>
+void rotary_embedding_impl(at::Tensor& qk, const at::Tensor& positions, const at::Tensor& cos_sin,
+                           int64_t num_heads, int64_t head_dim) {
+  const int64_t rows = qk.size(0), half = head_dim / 2, max_positions = cos_sin.size(0);
+  T* base = qk.data_ptr<T>();
+  const int64_t row_stride = qk.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < max_positions, "position ", pos[r],
+                " is outside the RoPE table (", max_positions, " positions)");
+  at::parallel_for(0, rows, grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* cos = table + pos[r] * head_dim;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x = base + r * row_stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+          store(x + i, x1 * cos[i] - x2 * sin[i]);
+          store(x + i + half, x2 * cos[i] + x1 * sin[i]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = out.size(0), n = out.size(1);
+  const T* in = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t in_stride = gate_up.stride(0), out_stride = out.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * in_stride;
+      const T* up = gate + n;
+      T* dst = op + r * out_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = to_float(gate[i]);
+        store(dst + i, g / (1.0f + std::exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with a dense last dim");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out must match x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] of x's dtype");
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_impl<float>(out, x, weight, eps);
+  else
+    rms_norm_impl<c10::BFloat16>(out, x, weight, eps);
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] of x's dtype");
+  if (x.scalar_type() == at::kFloat)
+    fused_add_rms_norm_impl<float>(x, residual, weight, eps);
+  else
+    fused_add_rms_norm_impl<c10::BFloat16>(x, residual, weight, eps);
+}
+
+void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tensor& cos_sin,
+                      int64_t num_heads, int64_t head_dim) {
+  check_rows(qk, "qk");
+  TORCH_CHECK(head_dim % 2 == 0 && qk.size(1) >= num_heads * head_dim,
+              "qk rows must hold num_heads heads of an even head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == qk.size(0),
+              "positions must be contiguous int64 [rows]");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
+                  cos_sin.dim() == 2 && cos_sin.size(1) == head_dim,
+              "cos_sin must be contiguous float32 [positions, head_dim]");
+  if (qk.scalar_type() == at::kFloat)
+    rotary_embedding_impl<float>(qk, positions, cos_sin, num_heads, head_dim);
+  else
+    rotary_embedding_impl<c10::BFloat16>(qk, positions, cos_sin, num_heads, head_dim);
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_rows(out, "out");
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) &&
+                  gate_up.scalar_type() == out.scalar_type(),
+              "gate_up must be [rows, 2 * out columns] of out's dtype");
+  if (out.scalar_type() == at::kFloat)
+    silu_and_mul_impl<float>(out, gate_up);
+  else
+    silu_and_mul_impl<c10::BFloat16>(out, gate_up);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(plugserve_ops, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos_sin, int num_heads, "
+      "int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(plugserve_ops, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,61 @@
+"""Fused small ops for the CPU decoder layer (cpu_ops.cpp): RMSNorm with the residual
+add, RoPE in place, SiLU(gate) * up.
+
+Used for bfloat16 on CPU, where the unfused ATen versions cost more in per-op dispatch
+and fp32 round trips than in arithmetic. float32 keeps ATen's ops, which match Hugging
+Face bit for bit; these compute in fp32 and round once, so in bf16 they are as close to
+the fp32 reference as the unfused ops or closer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from plugserve.worker import cpp_extension
+
+_SOURCE = Path(__file__).with_suffix(".cpp")
+
+
+def supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the fused ops run for activations of this dtype on this device (built on
+    first call)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpp_extension.load(_SOURCE)
+
+
+def load() -> bool:
+    return cpp_extension.load(_SOURCE)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, hidden] → x / rms(x) * weight, a new tensor."""
+    out = torch.empty_like(x)
+    torch.ops.plugserve_ops.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual += x, then x = rms_norm(residual) * weight. Returns (x, residual)."""
+    torch.ops.plugserve_ops.fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_embedding(
+    qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, head_dim: int
+) -> None:
+    """Rotates, in place, the first num_heads heads of each row of qk [T, >= heads * D]
+    (row stride free, last dim dense) by its position. cos_sin: fp32 [positions, D], the
+    cosines of the D/2 frequencies then their sines."""
+    torch.ops.plugserve_ops.rotary_embedding(qk, positions, cos_sin, num_heads, head_dim)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate columns, then up) → silu(gate) * up, [T, I]."""
+    out = torch.empty(
+        (gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device
+    )
+    torch.ops.plugserve_ops.silu_and_mul(out, gate_up)
+    return out

@@ -1,0 +1,110 @@
+"""The fused CPU ops (cpu_ops.cpp) against the ATen formulas they replace.
+
+In float32 each op equals its formula up to summation order; in bfloat16 each equals the
+float32 result rounded once to bfloat16 (the op computes in fp32 and rounds on store),
+which is at least as close to the fp32 reference as ATen's op-by-op bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugserve.worker import cpu_ops
+from plugserve.worker.models.llama import RotaryEmbedding, rope_inv_freq
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="no C++ compiler to build cpu_ops")
+
+HIDDEN, EPS = 576, 1e-5
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(actual: torch.Tensor, expected_fp32: torch.Tensor) -> None:
+    """float32: equal within summation order; bfloat16: the fp32 value rounded once, give or
+    take one bf16 step where the fp32 results differ in the last bits before rounding."""
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected_fp32, atol=1e-5, rtol=1e-5)
+        return
+    rounded = expected_fp32.to(actual.dtype)
+    ulp = torch.finfo(actual.dtype).eps * expected_fp32.abs().clamp_min(1e-3)
+    assert ((actual.float() - rounded.float()).abs() <= ulp).all()
+    assert (actual == rounded).float().mean() > 0.99
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_aten(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, HIDDEN).to(dtype)
+    weight = torch.randn(HIDDEN).to(dtype)
+    close(cpu_ops.rms_norm(x, weight, EPS), reference_rms_norm(x, weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_fused_add_rms_norm_updates_both_in_place(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    x, residual = torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, HIDDEN).to(dtype)
+    weight = torch.randn(HIDDEN).to(dtype)
+    summed = x + residual  # what an unfused add stores, rounded to dtype
+    out_x, out_residual = x.clone(), residual.clone()
+
+    normed, new_residual = cpu_ops.fused_add_rms_norm(out_x, out_residual, weight, EPS)
+
+    assert normed.data_ptr() == out_x.data_ptr()
+    assert new_residual.data_ptr() == out_residual.data_ptr()
+    assert torch.equal(new_residual, summed)
+    close(normed, reference_rms_norm(summed, weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_aten(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    gate_up = (torch.randn(9, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_rotates_q_and_k_in_place_and_leaves_v(dtype: torch.dtype) -> None:
+    """The fused op on the QKV output rows (q and k heads rotated, v untouched) equals the
+    rotate-half formula applied to q and k in fp32."""
+    head_dim, heads, kv_heads = 64, 9, 3
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, {"rope_type": "default"})
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 5, 17, 4095, 1000])
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qk_heads = heads + kv_heads
+    # Hugging Face's formula: x * cos + rotate_half(x) * sin, in fp32.
+    freqs = positions[:, None].float() * rope_inv_freq(head_dim, 10000.0, {"rope_type": "default"})
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    x = qkv[:, : qk_heads * head_dim].float().view(-1, qk_heads, head_dim)
+    rotate_half = torch.cat((-x[..., head_dim // 2 :], x[..., : head_dim // 2]), dim=-1)
+    expected = x * emb.cos() + rotate_half * emb.sin()
+    v_before = qkv[:, qk_heads * head_dim :].clone()
+
+    rotary.fused = True
+    rotated = rotary(qkv, rotary.prepare(positions, dtype), qk_heads)
+
+    assert rotated.data_ptr() == qkv.data_ptr()
+    close(rotated, expected)
+    assert torch.equal(qkv[:, qk_heads * head_dim :], v_before)
+
+
+def test_rotary_embedding_rejects_a_position_beyond_the_table() -> None:
+    rotary = RotaryEmbedding(64, 128, 10000.0, {"rope_type": "default"})
+    qkv = torch.zeros(2, 3 * 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        cpu_ops.rotary_embedding(qkv, torch.tensor([3, 128]), rotary.cos_sin, 2, 64)
+
+
+def test_ops_reject_mismatched_shapes() -> None:
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        cpu_ops.rms_norm(torch.zeros(2, 8), torch.zeros(4), EPS)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        torch.ops.plugserve_ops.silu_and_mul(torch.zeros(2, 8), torch.zeros(2, 10))
