@@ -17,7 +17,6 @@ more than the passes it saves, hence the threshold.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -36,16 +35,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """F.linear, or the packed oneDNN kernel when the weight was packed."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+class PackedLinear:
+    """x @ weight.T + bias through oneDNN, the weight packed once."""
+
+    __slots__ = ("bias", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = pack_weight(weight)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 # Below this many tokens the MLP keeps one fused gate-up matmul and separate passes.
