@@ -45,7 +45,7 @@ def load(source: Path) -> bool:
                 source.read_bytes(),
                 torch.__version__.encode(),
                 platform.machine().encode(),
-                _cpu_flags().encode(),
+                cpu_flags().encode(),
                 " ".join(_FLAGS).encode(),
             ]
         )
@@ -98,7 +98,7 @@ def _build(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -309,8 +309,12 @@ class LlamaMLP(nn.Module):
         self.fused_activation = False  # silu(gate) * up as one cpu_ops call
 
     def pack(self) -> None:
-        """Also pack gate and up apart, for the fused large-batch path (bf16 on CPU)."""
-        if self.down_proj.parallel.world_size == 1 and self.gate_up_proj.bias is None:
+        """With oneDNN, also pack gate and up apart for the post-op path (cpu_linear)."""
+        if (
+            not cpu_linear.uses_own_kernel()
+            and self.down_proj.parallel.world_size == 1
+            and self.gate_up_proj.bias is None
+        ):
             self.fused = cpu_linear.FusedMLP(
                 self.gate_up_proj.weight[: self.inter],
                 self.gate_up_proj.weight[self.inter :],

@@ -1,0 +1,98 @@
+"""PackedLinear (bf16 on CPU) against an fp32 matmul of the same bf16 operands.
+
+Whichever kernel this machine uses (cpu_gemm.cpp on AVX512_BF16 CPUs, oneDNN elsewhere),
+the result is the fp32 product rounded once to bf16, up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve.worker import cpu_linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")),
+    reason="no bf16 linear kernel on this CPU",
+)
+own_kernel = pytest.mark.skipif(
+    not cpu_linear.uses_own_kernel(), reason="needs AVX512_BF16 and a C++ compiler"
+)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ weight.float().T
+    return out if bias is None else out + bias.float()
+
+
+def assert_rounded_once(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    # One bf16 rounding (2^-8 relative), plus fp32 summation-order noise around zero.
+    torch.testing.assert_close(actual.float(), expected, rtol=2**-8, atol=1e-3)
+
+
+# Rows cover one to several 8-row tiles with remainders; 100 and 40 output columns end in
+# a partial 16-column block; 49152 x 576 is SmolLM2's LM head.
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (40, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_is_the_fp32_product_rounded_once(
+    rows: int, out_features: int, in_features: int, with_bias: bool
+) -> None:
+    torch.manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.05
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+
+    out = cpu_linear.PackedLinear(weight, bias)(x)
+
+    assert_rounded_once(out, reference(x, weight, bias))
+
+
+def test_lm_head_sized_matmul() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(49152, 576, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(4, 576, dtype=torch.bfloat16)
+    assert_rounded_once(cpu_linear.PackedLinear(weight)(x), reference(x, weight, None))
+
+
+def test_rows_with_a_stride_are_read_in_place() -> None:
+    """A column slice of a wider tensor (its rows not adjacent) gives the same result."""
+    torch.manual_seed(1)
+    weight = torch.randn(64, 32, dtype=torch.bfloat16)
+    wide = torch.randn(5, 48, dtype=torch.bfloat16)
+    x = wide[:, :32]
+    assert_rounded_once(cpu_linear.PackedLinear(weight)(x), reference(x, weight, None))
+
+
+@own_kernel
+def test_k_pair_layout_puts_sixteen_columns_of_a_k_pair_together() -> None:
+    weight = torch.arange(20 * 4, dtype=torch.float32).view(20, 4).to(torch.bfloat16)
+    packed = cpu_linear.pack_k_pairs(weight)
+    assert packed.shape == (2, 2, 16, 2)  # 20 columns → 2 blocks (the second padded)
+    # Block 0, k-pair 1, column 3 holds W[3, 2:4].
+    assert packed[0, 1, 3].tolist() == weight[3, 2:4].tolist()
+    # Block 1, column 2 is output 18; columns past 20 are zero padding.
+    assert packed[1, 0, 2].tolist() == weight[18, 0:2].tolist()
+    assert packed[1, :, 4:].abs().sum() == 0
+
+
+@own_kernel
+def test_own_kernel_rejects_mismatched_inputs() -> None:
+    packed = cpu_linear.pack_k_pairs(torch.zeros(32, 16, dtype=torch.bfloat16))
+    op = torch.ops.plugserve_gemm.linear_bf16
+    with pytest.raises(RuntimeError, match="x has 18 features"):
+        op(torch.zeros(2, 18, dtype=torch.bfloat16), packed, 32, None)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        op(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 8, None)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        op(torch.zeros(2, 16), packed, 32, None)
+
+
+def test_odd_input_width_falls_back_to_onednn() -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(48, 33, dtype=torch.bfloat16)
+    x = torch.randn(3, 33, dtype=torch.bfloat16)
+    linear = cpu_linear.PackedLinear(weight)
+    assert not linear.own_kernel
+    assert_rounded_once(linear(x), reference(x, weight, None))
