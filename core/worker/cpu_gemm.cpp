@@ -20,6 +20,8 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -106,14 +108,22 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
   const int64_t tiles = (blocks + kBlockTile - 1) / kBlockTile;
-  // Each thread takes a contiguous run of column tiles: one sequential stream of weights.
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
-      for (int64_t r = 0; r < rows; r += kRowTile) {
-        const int64_t m = std::min(kRowTile, rows - r);
-        tile_for(m, nb)(xp + r * x_stride, x_stride, wp + b0 * block_stride, block_stride, pairs,
-                        bp, op + r * out_features, out_features, b0 * 16, out_features);
+  // Threads take runs of column tiles from a shared counter rather than a fixed half each:
+  // on a machine shared with the API server, a thread that loses its core for a moment
+  // leaves its work to the others instead of stalling the whole matmul at the barrier.
+  // A run is long enough to keep each weight stream sequential.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+  const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t first = next.fetch_add(run); first < tiles; first = next.fetch_add(run)) {
+      for (int64_t t = first; t < std::min(first + run, tiles); ++t) {
+        const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
+        for (int64_t r = 0; r < rows; r += kRowTile) {
+          const int64_t m = std::min(kRowTile, rows - r);
+          tile_for(m, nb)(xp + r * x_stride, x_stride, wp + b0 * block_stride, block_stride,
+                          pairs, bp, op + r * out_features, out_features, b0 * 16, out_features);
+        }
       }
     }
   });
