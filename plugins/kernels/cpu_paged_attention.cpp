@@ -311,10 +311,43 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_blocks,
-                           const at::Tensor& v_blocks, const at::Tensor& block_table,
-                           const at::Tensor& table_index, const at::Tensor& seq_lens,
-                           double scale) {
+// k/v [T, kv_heads, D] (each token's heads contiguous) into cache slots[t] of the blocks.
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+              at::Tensor& k_blocks, at::Tensor& v_blocks) {
+  const int64_t tokens = k.size(0);
+  const int64_t num_slots = k_blocks.size(0) * k_blocks.size(1);
+  const int64_t token_elems = k_blocks.size(2) * k_blocks.size(3);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) * k.size(2) == token_elems &&
+                  k.scalar_type() == k_blocks.scalar_type() &&
+                  v.scalar_type() == k_blocks.scalar_type(),
+              "k and v must be [tokens, kv_heads, head_dim] of the cache's dtype");
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "each token's k and v heads must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == tokens,
+              "slots must be contiguous int64, one per token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
+  const int64_t bytes = token_elems * k.element_size();
+  auto* kd = static_cast<char*>(k_blocks.data_ptr());
+  auto* vd = static_cast<char*>(v_blocks.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kd + slot[t] * bytes, ks + t * k_row, bytes);
+      std::memcpy(vd + slot[t] * bytes, vs + t * v_row, bytes);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& slots, at::Tensor k_blocks, at::Tensor v_blocks,
+                           const at::Tensor& block_table, const at::Tensor& table_index,
+                           const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_blocks.is_contiguous() && v_blocks.is_contiguous(), "KV blocks must be contiguous");
   TORCH_CHECK(k_blocks.scalar_type() == q.scalar_type() && v_blocks.scalar_type() == q.scalar_type(),
@@ -325,6 +358,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_blocks,
   TORCH_CHECK(table_index.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "table_index and seq_lens need one entry per row of q");
   TORCH_CHECK(q.size(1) % k_blocks.size(2) == 0, "heads must be a multiple of kv_heads");
+  // Every token's K/V goes in before any row reads: a prefill row attends to the tokens
+  // the rows before it add in this same step.
+  write_kv(k, v, slots, k_blocks, v_blocks);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
@@ -341,8 +377,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_blocks,
 }  // namespace
 
 TORCH_LIBRARY(plugserve_cpu, m) {
-  m.def("paged_attention(Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_table, "
-        "Tensor table_index, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor(a!) k_blocks, "
+        "Tensor(b!) v_blocks, Tensor block_table, Tensor table_index, Tensor seq_lens, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(plugserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

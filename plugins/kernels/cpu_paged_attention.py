@@ -29,6 +29,9 @@ def load() -> bool:
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
     block_table: torch.Tensor,
@@ -36,9 +39,10 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per row: q [R, H, D] attends to the first seq_lens[r] tokens of block-table
-    row table_index[r]. K/V blocks [num_blocks, block_size, KVH, D]; block_table
+    """Writes this step's k and v [T, KVH, D] into cache slots `slots` [T], then one query
+    per row: q [R, H, D] attends to the first seq_lens[r] tokens of block-table row
+    table_index[r]. K/V blocks [num_blocks, block_size, KVH, D]; block_table
     [requests, max_blocks], table_index and seq_lens [R], all int64 → [R, H, D]."""
     return torch.ops.plugserve_cpu.paged_attention(
-        q, k_blocks, v_blocks, block_table, table_index, seq_lens, scale
+        q, k, v, slots, k_blocks, v_blocks, block_table, table_index, seq_lens, scale
     )

@@ -239,14 +239,14 @@ class TorchPagedAttention:
         if q.shape[0] != plan.num_tokens:
             raise ValueError(f"got {q.shape[0]} tokens, the prepared batch has {plan.num_tokens}")
         cache = self._layer_caches[layer_idx]
-        # Written before any read, so a row sees the tokens every row adds this step.
         # (The cache holds the model's dtype: q, k and v need no casts.)
-        cache.k_slots.index_copy_(0, plan.slots, k)
-        cache.v_slots.index_copy_(0, plan.slots, v)
-        if plan.native is not None:
+        if plan.native is not None:  # the kernel writes k and v itself, then reads
             n = plan.native
             return cpu_paged_attention.paged_attention(
                 q,
+                k,
+                v,
+                plan.slots,
                 cache.k_blocks,
                 cache.v_blocks,
                 n.block_table,
@@ -255,6 +255,9 @@ class TorchPagedAttention:
                 self.scale,
             )
 
+        # Written before any read, so a row sees the tokens every row adds this step.
+        cache.k_slots.index_copy_(0, plan.slots, k)
+        cache.v_slots.index_copy_(0, plan.slots, v)
         if plan.decodes is not None and plan.decodes.token_index is None:
             return self._decode(cache, q, plan.decodes)
         out = torch.empty_like(q)
