@@ -1,5 +1,5 @@
 """Fused small ops for the CPU decoder layer (cpu_ops.cpp): RMSNorm with the residual
-add, RoPE in place, SiLU(gate) * up.
+add, RoPE in place, SiLU(gate) * up; and the sampler's greedy argmax.
 
 Used for bfloat16 on CPU, where the unfused ATen versions cost more in per-op dispatch
 and fp32 round trips than in arithmetic. float32 keeps ATen's ops, which match Hugging
@@ -59,3 +59,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     )
     torch.ops.plugserve_ops.silu_and_mul(out, gate_up)
     return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) for [rows, vocab] logits (first index on ties, as torch);
+    through cpu_ops on CPU float32 (3.5x faster at 32 rows of 49152), else ATen."""
+    native = (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and cpp_extension.load(_SOURCE)
+    )
+    return torch.ops.plugserve_ops.argmax_rows(logits) if native else logits.argmax(dim=-1)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from plugserve.sampling_params import _GREEDY_EPS, SamplingParams
+from plugserve.worker import cpu_ops
 from plugserve.worker.model_runner_output import Logprobs
 
 __all__ = [
@@ -199,7 +200,7 @@ class Sampler:
 
         if metadata.all_greedy and not metadata.uses_penalties:
             # Nothing edits the logits, so skip the working copy.
-            sampled = logits.argmax(dim=-1)
+            sampled = cpu_ops.argmax(logits)
         else:
             # One float32 working copy: the caller's logits stay untouched and every
             # later stage may edit this one in place.
@@ -215,7 +216,7 @@ class Sampler:
 
 def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     # Greedy ids must be taken before temperature and the filters edit `logits`.
-    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    greedy = None if metadata.all_random else cpu_ops.argmax(logits)
     if metadata.all_greedy:
         assert greedy is not None
         return greedy

@@ -108,3 +108,17 @@ def test_ops_reject_mismatched_shapes() -> None:
         cpu_ops.rms_norm(torch.zeros(2, 8), torch.zeros(4), EPS)
     with pytest.raises(RuntimeError, match="gate_up must be"):
         torch.ops.plugserve_ops.silu_and_mul(torch.zeros(2, 8), torch.zeros(2, 10))
+
+
+def test_argmax_is_torchs_first_index_of_the_maximum() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(33, 49152)
+    logits[1, 7] = logits[1, 900] = 1e6  # a tie: the first index wins
+    logits[2, -1] = 1e6  # the last column
+    logits[3, 5] = float("nan")  # NaN counts as the maximum, as in torch
+    assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1))
+    assert cpu_ops.argmax(logits)[1:4].tolist() == [7, 49151, 5]
+    # A strided view (rows of a wider tensor) and a single row.
+    wide = torch.randn(4, 100)
+    assert torch.equal(cpu_ops.argmax(wide[:, :60]), wide[:, :60].argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax(logits[:1]), logits[:1].argmax(dim=-1))
