@@ -1,9 +1,10 @@
 """Builds and loads small C++ operator libraries for the CPU, once per machine.
 
-A library is one .cpp file that registers torch operators (TORCH_LIBRARY). It is compiled
-with the system C++ compiler ($CXX, else g++) against torch's own headers and OpenMP
-runtime, with -march=native, into the plugserve cache, keyed by the source, the torch
-version and the CPU's feature flags (code built for one CPU may not run on another).
+A library is one .cpp file that registers torch operators (TORCH_LIBRARY); it may include
+the headers beside this module (cpu_bf16.h). It is compiled with the system C++ compiler
+($CXX, else g++) against torch's own headers and OpenMP runtime, with -march=native, into
+the plugserve cache, keyed by the source, those headers, the torch version and the CPU's
+feature flags (code built for one CPU may not run on another).
 Where it cannot be built (no compiler, no headers) `load` says why once and returns False,
 and callers keep their pure-torch path.
 """
@@ -26,6 +27,8 @@ from plugserve.worker.model_loader import cache_root
 
 logger = logging.getLogger(__name__)
 
+# Headers shared by the kernels (cpu_bf16.h), core's and plugins' alike.
+_INCLUDE = Path(__file__).parent
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _loaded: dict[Path, bool] = {}
 
@@ -43,6 +46,7 @@ def load(source: Path) -> bool:
         b"\0".join(
             [
                 source.read_bytes(),
+                *(header.read_bytes() for header in _headers()),
                 torch.__version__.encode(),
                 platform.machine().encode(),
                 cpu_flags().encode(),
@@ -63,6 +67,10 @@ def load(source: Path) -> bool:
     return _loaded[source]
 
 
+def _headers() -> list[Path]:
+    return sorted(_INCLUDE.glob("*.h"))
+
+
 def _build(source: Path, target: Path) -> None:
     from torch.utils import cpp_extension
 
@@ -73,6 +81,7 @@ def _build(source: Path, target: Path) -> None:
         *shlex.split(compiler),
         *_FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{_INCLUDE}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         f"-I{Path(sys.base_prefix) / 'include'}",
         str(source),

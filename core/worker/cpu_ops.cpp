@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,23 +20,8 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-inline void store(float* p, float v) { *p = v; }
-// Round to nearest even, as torch does; written with integer ops so loops vectorize.
-inline void store(c10::BFloat16* p, float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  p->x = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(bits >> 16);
-}
+using plugserve::store;
+using plugserve::to_float;
 
 // Rows per task: enough work that a task outweighs handing it to another thread.
 inline int64_t grain(int64_t row_elements) {

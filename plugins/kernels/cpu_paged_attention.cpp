@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_bf16.h"  // from plugserve.worker, on the include path
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -23,13 +25,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using plugserve::to_float;
 
 #ifdef __AVX512F__
 // 16 consecutive elements as fp32 lanes.
