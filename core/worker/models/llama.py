@@ -109,17 +109,19 @@ class RotaryEmbedding(nn.Module):
         # fp32 whatever the model dtype: cast per step, as HF does, to keep precision.
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.cos_sin: torch.Tensor
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         sin = emb.sin().float()
         sin[:, : head_dim // 2] *= -1
         self.register_buffer("sin", sin, persistent=False)
-        # The fused op's table: the D/2 cosines, then the D/2 (unsigned) sines.
-        self.register_buffer(
-            "cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
-        )
         self.head_dim = head_dim
         self.half = head_dim // 2
+        self.cos_sin: torch.Tensor | None = None  # the fused op's table, once switched on
+
+    def use_fused_op(self) -> None:
+        """Rotate through cpu_ops from now on; its table holds each position's D/2 cosines,
+        then its D/2 unsigned sines (the second half of `sin`)."""
+        self.cos_sin = torch.cat((self.cos[:, : self.half], self.sin[:, self.half :]), dim=-1)
+        self.fused = True
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
         if self.fused:
@@ -134,7 +136,7 @@ class RotaryEmbedding(nn.Module):
         """The first num_heads heads of each row of qkv [T, >= heads * D], rotated by each
         token's position → [T, num_heads, D] (a view of qkv when fused)."""
         qk = qkv[:, : num_heads * self.head_dim]
-        if self.fused:
+        if self.cos_sin is not None:
             cpu_ops.rotary_embedding(qk, step.positions, self.cos_sin, num_heads, self.head_dim)
             return qk.view(-1, num_heads, self.head_dim)
         assert step.cos is not None and step.sin is not None
@@ -435,7 +437,7 @@ class LlamaForCausalLM(nn.Module):
         keeps ATen's ops and the weights as loaded."""
         weight = self.model.embed_tokens.weight
         if cpu_ops.supported(weight.dtype, weight.device):
-            self.rotary.fused = True
+            self.rotary.use_fused_op()
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.fused = True

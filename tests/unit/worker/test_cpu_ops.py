@@ -88,7 +88,7 @@ def test_rotary_embedding_rotates_q_and_k_in_place_and_leaves_v(dtype: torch.dty
     expected = x * emb.cos() + rotate_half * emb.sin()
     v_before = qkv[:, qk_heads * head_dim :].clone()
 
-    rotary.fused = True
+    rotary.use_fused_op()
     rotated = rotary(qkv, rotary.prepare(positions, dtype), qk_heads)
 
     assert rotated.data_ptr() == qkv.data_ptr()
@@ -98,6 +98,8 @@ def test_rotary_embedding_rotates_q_and_k_in_place_and_leaves_v(dtype: torch.dty
 
 def test_rotary_embedding_rejects_a_position_beyond_the_table() -> None:
     rotary = RotaryEmbedding(64, 128, 10000.0, {"rope_type": "default"})
+    rotary.use_fused_op()
+    assert rotary.cos_sin is not None
     qkv = torch.zeros(2, 3 * 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         cpu_ops.rotary_embedding(qkv, torch.tensor([3, 128]), rotary.cos_sin, 2, 64)
