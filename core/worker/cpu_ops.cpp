@@ -160,32 +160,35 @@ void check_rows(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16");
 }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(out, "out");
+// Checks for a norm: `other` (out or residual) shaped and typed as x, weight [hidden].
+void check_norm(const at::Tensor& x, const at::Tensor& other, const char* other_name,
+                const at::Tensor& weight) {
   check_rows(x, "x");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
-              "out must match x");
+  check_rows(other, other_name);
+  TORCH_CHECK(other.sizes() == x.sizes() && other.scalar_type() == x.scalar_type(), other_name,
+              " must match x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
               "weight must be contiguous [hidden] of x's dtype");
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_impl<float>(out, x, weight, eps);
+}
+
+// f(T{}) with T the element type of t: float or c10::BFloat16 (check_rows admits no other).
+template <typename F>
+void dispatch(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat)
+    f(float{});
   else
-    rms_norm_impl<c10::BFloat16>(out, x, weight, eps);
+    f(c10::BFloat16{});
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm(x, out, "out", weight);
+  dispatch(x, [&](auto t) { rms_norm_impl<decltype(t)>(out, x, weight, eps); });
 }
 
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
-              "residual must match x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [hidden] of x's dtype");
-  if (x.scalar_type() == at::kFloat)
-    fused_add_rms_norm_impl<float>(x, residual, weight, eps);
-  else
-    fused_add_rms_norm_impl<c10::BFloat16>(x, residual, weight, eps);
+  check_norm(x, residual, "residual", weight);
+  dispatch(x, [&](auto t) { fused_add_rms_norm_impl<decltype(t)>(x, residual, weight, eps); });
 }
 
 void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tensor& cos_sin,
@@ -199,10 +202,9 @@ void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tens
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
                   cos_sin.dim() == 2 && cos_sin.size(1) == head_dim,
               "cos_sin must be contiguous float32 [positions, head_dim]");
-  if (qk.scalar_type() == at::kFloat)
-    rotary_embedding_impl<float>(qk, positions, cos_sin, num_heads, head_dim);
-  else
-    rotary_embedding_impl<c10::BFloat16>(qk, positions, cos_sin, num_heads, head_dim);
+  dispatch(qk, [&](auto t) {
+    rotary_embedding_impl<decltype(t)>(qk, positions, cos_sin, num_heads, head_dim);
+  });
 }
 
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
@@ -211,10 +213,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) &&
                   gate_up.scalar_type() == out.scalar_type(),
               "gate_up must be [rows, 2 * out columns] of out's dtype");
-  if (out.scalar_type() == at::kFloat)
-    silu_and_mul_impl<float>(out, gate_up);
-  else
-    silu_and_mul_impl<c10::BFloat16>(out, gate_up);
+  dispatch(out, [&](auto t) { silu_and_mul_impl<decltype(t)>(out, gate_up); });
 }
 
 }  // namespace
