@@ -95,11 +95,9 @@ class RotaryEmbedding(nn.Module):
 
     ATen path: rotate_half(x) * sin equals roll(x, D/2) * sin with the first half of sin
     negated, exactly (only signs move), which saves the split, negation and concatenation;
-    q and k rotate together. With `fused` (bf16 on CPU) one cpu_ops call rotates q and k
-    in place inside the QKV output, in fp32 with one rounding.
+    q and k rotate together. After `use_fused_op` (bf16 on CPU) one cpu_ops call rotates q
+    and k in place inside the QKV output, in fp32 with one rounding.
     """
-
-    fused = False
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
         super().__init__()
@@ -121,10 +119,9 @@ class RotaryEmbedding(nn.Module):
         """Rotate through cpu_ops from now on; its table holds each position's D/2 cosines,
         then its D/2 unsigned sines (the second half of `sin`)."""
         self.cos_sin = torch.cat((self.cos[:, : self.half], self.sin[:, self.half :]), dim=-1)
-        self.fused = True
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
-        if self.fused:
+        if self.cos_sin is not None:
             return RopeStep(positions)
         return RopeStep(
             positions,
