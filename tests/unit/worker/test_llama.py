@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
+from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.model_loader import load_model, load_tokenizer
-from plugserve.worker.models.llama import LlamaForCausalLM
+from plugserve.worker.models.llama import Linear, LlamaForCausalLM, LlamaMLP, RMSNorm
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 
 # fp32 end to end; what remains is summation order (fused QKV/gate-up matmuls, SDPA over
@@ -70,7 +71,9 @@ class PagedRunner:
         return self.model.compute_logits(hidden[torch.from_numpy(query_start[1:] - 1).long()])
 
 
-def make_backend(config: Any, num_blocks: int) -> TorchPagedAttention:
+def make_backend(
+    config: Any, num_blocks: int, dtype: torch.dtype = torch.float32
+) -> TorchPagedAttention:
     heads = config.num_attention_heads
     backend = TorchPagedAttention(
         spec=AttentionSpec(
@@ -79,7 +82,7 @@ def make_backend(config: Any, num_blocks: int) -> TorchPagedAttention:
             num_kv_heads=config.num_key_value_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             block_size=BLOCK_SIZE,
-            dtype=torch.float32,
+            dtype=dtype,
             device=torch.device("cpu"),
         )
     )
@@ -223,6 +226,57 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
     ours = runner.step([(str(i), p) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         torch.testing.assert_close(ours[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(
+    not cpu_ops.supported(torch.bfloat16, torch.device("cpu")),
+    reason="no C++ compiler for the fused CPU ops",
+)
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(LlamaConfig(**TINY, tie_word_embeddings=True), id="llama-tied"),
+        pytest.param(Qwen2Config(**TINY, tie_word_embeddings=False), id="qwen2-qkv-bias"),
+    ],
+)
+def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(config: Any) -> None:
+    """process_weights_after_loading moves a bf16 CPU model onto the fused ops and packed
+    matmuls; it computes what the plain ATen path computes, within bf16 rounding."""
+
+    def build() -> LlamaForCausalLM:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            backend = make_backend(config, num_blocks=16, dtype=torch.bfloat16)
+            model = LlamaForCausalLM(hf_config=config, attention=backend)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(hf_model.state_dict().items())
+        return model
+
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    plain, fast = build(), build()
+    fast.process_weights_after_loading()
+
+    assert fast.rotary.cos_sin is not None and plain.rotary.cos_sin is None
+    assert all(m.fused for m in fast.modules() if isinstance(m, RMSNorm))
+    assert all(m.fused_activation for m in fast.modules() if isinstance(m, LlamaMLP))
+    if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+        assert all(m.packed is not None for m in fast.modules() if isinstance(m, Linear))
+        assert all(
+            m.packed.own_kernel == cpu_linear.uses_own_kernel()
+            for m in fast.modules()
+            if isinstance(m, Linear) and m.packed is not None
+        )
+
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (40, 3, 17)]
+    rows = [(str(i), p) for i, p in enumerate(prompts)]
+    expected = PagedRunner(plain, plain.model.layers[0].self_attn.attention, 16).step(rows)
+    actual = PagedRunner(fast, fast.model.layers[0].self_attn.attention, 16).step(rows)
+    # Random tiny models have logits of ~±1; bf16 steps there are 2^-8 relative.
+    torch.testing.assert_close(actual, expected, atol=0.05, rtol=0.05)
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.99
 
 
 def test_load_weights_rejects_unknown_and_missing_tensors() -> None:
