@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -19,7 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from plugserve import __version__
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestError
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from plugserve.frontend.serving import InvalidRequest, ModelNotFound, OpenAIServing
+from plugserve.frontend.serving import (
+    SSE_DONE,
+    InvalidRequest,
+    ModelNotFound,
+    OpenAIServing,
+    sse_event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +229,7 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None
 
 
-async def _guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guard_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Errors after the response started can only travel as an SSE error event."""
     try:
         async for event in events:
@@ -235,5 +240,5 @@ async def _guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
         payload = {
             "error": {"message": str(exc), "type": "server_error", "param": None, "code": code}
         }
-        yield f"data: {json.dumps(payload)}\n\n"
-        yield "data: [DONE]\n\n"
+        yield sse_event(payload)
+        yield SSE_DONE

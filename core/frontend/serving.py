@@ -7,12 +7,13 @@ they come. Validation happens here, before anything reaches the engine.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -234,7 +235,9 @@ class OpenAIServing:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    async def stream(self, prep: _Prepared, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        self, prep: _Prepared, chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per delta, [DONE] last."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {
@@ -254,7 +257,7 @@ class OpenAIServing:
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                yield _sse({**head, "choices": [first]})
+                yield sse_event({**head, "choices": [first]})
         async for index, delta in self._run(prep):
             num_output[index] = delta.num_output_tokens
             cached = max(cached, delta.num_cached_tokens)
@@ -276,10 +279,12 @@ class OpenAIServing:
             chunk = {**head, "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None
-            yield _sse(chunk)
+            yield sse_event(chunk)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": self._usage(prep, sum(num_output), cached)})
-        yield "data: [DONE]\n\n"
+            yield sse_event(
+                {**head, "choices": [], "usage": self._usage(prep, sum(num_output), cached)}
+            )
+        yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs
 
@@ -331,5 +336,12 @@ class ModelNotFound(InvalidRequest):
     """An unknown model name: a 404, as OpenAI answers."""
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+
+_json_encoder = msgspec.json.Encoder()
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event; UTF-8 JSON as compact as json.dumps's, several times faster
+    per streamed token."""
+    return b"data: " + _json_encoder.encode(payload) + b"\n\n"

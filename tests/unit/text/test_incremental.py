@@ -104,6 +104,26 @@ def test_streamed_text_equals_a_full_decode(
     assert detok.stop_reason is None
 
 
+class DecodeOnly:
+    """A tokenizer seen only through `decode`, as a slow (pure-Python) one is: the
+    detokenizer then cannot take the fast tokenizer's Rust decode directly."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_tokenizer_without_a_rust_backend_streams_the_same_text(
+    tokenizer: Any, chat_prompt: list[int], skip: bool
+) -> None:
+    ids = [*encode(tokenizer, SAMPLES["mixed"]), tokenizer.eos_token_id]
+    fast = make(tokenizer, chat_prompt, skip_special_tokens=skip)
+    slow = make(DecodeOnly(tokenizer), chat_prompt, skip_special_tokens=skip)
+    assert fast._backend_decode is not None and slow._backend_decode is None
+    assert stream(slow, ids) == stream(fast, ids)
+    assert slow.output_text == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
 def test_characters_are_released_as_soon_as_they_are_complete(tokenizer: Any) -> None:
     ids = encode(tokenizer, SAMPLES["emoji"])
     detok = make(tokenizer)
