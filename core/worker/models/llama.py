@@ -15,7 +15,7 @@ Without one, no collective runs and the layers are plain matmuls.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from plugserve.interfaces import AttentionBackend
 from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker.models.llama_cpu import FusedCpuDecoderLayer
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 
 # Checkpoint tensors that are derived state in HF's own model, not weights.
@@ -404,13 +405,17 @@ class LlamaForCausalLM(nn.Module):
             else _empty_linear(hf_config.hidden_size, embed.end - embed.start, False)
         )
         self._packed_head: cpu_linear.PackedLinear | None = None
+        # What forward runs per layer: the modules, or their FusedCpuDecoderLayer.
+        self.layer_fns: list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = list(
+            self.model.layers
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.prepare(positions, x.dtype)
         residual = None
-        for layer in self.model.layers:
+        for layer in self.layer_fns:
             x, residual = layer(x, residual, self.rotary, rope)
         if residual is None:  # no layers
             return self.model.norm(x)
@@ -447,6 +452,9 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:  # tied: the head multiplies by the embedding matrix
             self._packed_head = cpu_linear.PackedLinear(weight)
+        cos_sin = self.rotary.cos_sin
+        if cos_sin is not None and self.parallel.world_size == 1:
+            self.layer_fns = [FusedCpuDecoderLayer(layer, cos_sin) for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown

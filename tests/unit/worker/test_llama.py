@@ -19,7 +19,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.model_loader import load_model, load_tokenizer
-from plugserve.worker.models.llama import Linear, LlamaForCausalLM, LlamaMLP, RMSNorm
+from plugserve.worker.models.llama import (
+    Linear,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    RMSNorm,
+)
+from plugserve.worker.models.llama_cpu import FusedCpuDecoderLayer
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 
 # fp32 end to end; what remains is summation order (fused QKV/gate-up matmuls, SDPA over
@@ -269,6 +276,9 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(config: Any
             for m in fast.modules()
             if isinstance(m, Linear) and m.packed is not None
         )
+        # With packed weights on one rank, forward runs the one-frame-per-layer path.
+        assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
+    assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
 
     prompts = [torch.randint(0, 128, (n,)).tolist() for n in (40, 3, 17)]
     rows = [(str(i), p) for i, p in enumerate(prompts)]
