@@ -41,6 +41,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx
 
 from plugserve import bench
+from plugserve.bench.roofline import cpu_read_bandwidth, weight_bytes_per_step
+from plugserve.config import StackConfig
 from plugserve.plugins import get_registry
 
 TRANSPORTS = ("zmq", "shm")
@@ -202,6 +204,18 @@ def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[s
     }
 
 
+def bandwidth_floor(args: argparse.Namespace) -> dict[str, float]:
+    """The bf16 floor of a batch-1 step, with the read bandwidth measured now (the server
+    idle), since this VM's bandwidth drifts between minutes."""
+    weight_bytes = weight_bytes_per_step(StackConfig().model, dtype_bytes=2)
+    bandwidth = cpu_read_bandwidth()
+    return {
+        "weight_bytes": weight_bytes,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "floor_ms": weight_bytes / bandwidth * 1e3,
+    }
+
+
 def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     server = Server(transport, args, log_dir)
     results = []
@@ -210,8 +224,10 @@ def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> li
         for conc in args.concurrency:
             print(f"\n=== transport={transport} concurrency={conc}", flush=True)
             bargs = bench.parse_args(bench_args(args, server.url, transport, conc))
+            floor = bandwidth_floor(args) if conc == 1 else {}
             before = step_counters(server.url)
             result = bench.run_benchmark(bargs)
+            result.update(floor)
             result.update(engine_overhead(before, step_counters(server.url)))
             results.append({"transport": transport, "concurrency": conc, **result})
             if server.proc is not None and server.proc.poll() is not None:
@@ -238,6 +254,14 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
             f"{r.get('engine_overhead_pct', float('nan')):>10.2f}{r['failed']:>7}"
         )
     print("(latencies in ms; step ms and engine overhead from the engine's own counters)")
+    for r in rows:
+        if "floor_ms" in r:
+            print(
+                f"{r['transport']}: c=1 ITL p50 {r['median_itl_ms']:.2f} ms = "
+                f"{r['median_itl_ms'] / r['floor_ms']:.2f}x the bf16 bandwidth floor "
+                f"{r['floor_ms']:.2f} ms ({r['weight_bytes'] / 1e6:.1f} MB of weights / "
+                f"{r['read_bandwidth_gb_s']:.1f} GB/s read, measured just before); target <= 1.5x"
+            )
 
 
 # The performance issue's table: (heading, concurrency, result key).

@@ -27,32 +27,11 @@ import time
 import common
 import torch
 
+from plugserve.bench.roofline import weight_bytes_per_step
+
 BATCHES = (1, 64, 256)
 PROMPT_LEN = 128
 NEW_TOKENS = 128
-
-
-def weight_bytes_per_step(model_dir: str) -> int:
-    """Bytes of weights one decode step reads: all of them except the embedding table,
-    of which it reads a few rows (unless the LM head shares it)."""
-    from transformers import AutoConfig
-
-    from plugserve.worker.random_model import LlamaShape, num_parameters
-
-    c = AutoConfig.from_pretrained(model_dir)
-    shape = LlamaShape(
-        c.hidden_size,
-        c.num_hidden_layers,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.intermediate_size,
-        bool(c.tie_word_embeddings),
-        vocab_size=c.vocab_size,
-    )
-    params = num_parameters(shape)
-    if not shape.tie_word_embeddings:
-        params -= shape.vocab_size * shape.hidden_size
-    return params * 2  # bf16
 
 
 def bandwidth() -> int:

@@ -181,9 +181,11 @@ void dispatch(const at::Tensor& t, F&& f) {
     f(c10::BFloat16{});
 }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   check_norm(x, out, "out", weight);
   dispatch(x, [&](auto t) { rms_norm_impl<decltype(t)>(out, x, weight, eps); });
+  return out;
 }
 
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
@@ -207,24 +209,23 @@ void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tens
   });
 }
 
-void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
-  check_rows(out, "out");
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) &&
-                  gate_up.scalar_type() == out.scalar_type(),
-              "gate_up must be [rows, 2 * out columns] of out's dtype");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * columns]");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   dispatch(out, [&](auto t) { silu_and_mul_impl<decltype(t)>(out, gate_up); });
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(plugserve_ops, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos_sin, int num_heads, "
       "int head_dim) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 

@@ -30,9 +30,7 @@ def load() -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, hidden] → x / rms(x) * weight, a new tensor."""
-    out = torch.empty_like(x)
-    torch.ops.plugserve_ops.rms_norm(out, x, weight, eps)
-    return out
+    return torch.ops.plugserve_ops.rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -53,12 +51,8 @@ def rotary_embedding(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate columns, then up) → silu(gate) * up, [T, I]."""
-    out = torch.empty(
-        (gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device
-    )
-    torch.ops.plugserve_ops.silu_and_mul(out, gate_up)
-    return out
+    """[T, 2I] (gate columns, then up) → silu(gate) * up, a new [T, I] tensor."""
+    return torch.ops.plugserve_ops.silu_and_mul(gate_up)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

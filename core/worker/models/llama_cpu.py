@@ -40,8 +40,9 @@ class FusedCpuDecoderLayer:
         self.attention = attn.attention
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
-        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        self.heads = (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads)  # q, k, v
+        self.num_qk_heads = attn.num_heads + attn.num_kv_heads
+        self.q_size = attn.q_size
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Any, rope: Any
@@ -52,17 +53,12 @@ class FusedCpuDecoderLayer:
             h, residual = cpu_ops.fused_add_rms_norm(x, residual, self.input_norm, self.eps)
 
         qkv = self.qkv_proj(h)
-        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         cpu_ops.rotary_embedding(
-            qkv, rope.positions, self.cos_sin, num_heads + num_kv_heads, head_dim
+            qkv, rope.positions, self.cos_sin, self.num_qk_heads, self.head_dim
         )
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        out = self.attention.forward(
-            self.layer_idx,
-            qkv[:, :q_end].view(-1, num_heads, head_dim),
-            qkv[:, q_end:k_end].view(-1, num_kv_heads, head_dim),
-            qkv[:, k_end:].view(-1, num_kv_heads, head_dim),
-        )
+        # [T, q + k + v heads, D] split into views; the backend takes any row stride.
+        q, k, v = qkv.view(-1, sum(self.heads), self.head_dim).split(self.heads, dim=1)
+        out = self.attention.forward(self.layer_idx, q, k, v)
         h = self.o_proj(out.view(-1, self.q_size))
 
         h, residual = cpu_ops.fused_add_rms_norm(h, residual, self.post_attention_norm, self.eps)
