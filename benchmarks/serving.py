@@ -204,16 +204,10 @@ def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[s
     }
 
 
-def bandwidth_floor(args: argparse.Namespace) -> dict[str, float]:
-    """The bf16 floor of a batch-1 step, with the read bandwidth measured now (the server
-    idle), since this VM's bandwidth drifts between minutes."""
-    weight_bytes = weight_bytes_per_step(StackConfig().model, dtype_bytes=2)
-    bandwidth = cpu_read_bandwidth()
-    return {
-        "weight_bytes": weight_bytes,
-        "read_bandwidth_gb_s": bandwidth / 1e9,
-        "floor_ms": weight_bytes / bandwidth * 1e3,
-    }
+def bandwidth_floor(args: argparse.Namespace) -> float:
+    """Milliseconds of the bf16 floor of a batch-1 step at the read bandwidth right now
+    (the server idle), since this VM's bandwidth drifts between minutes."""
+    return weight_bytes_per_step(StackConfig().model, dtype_bytes=2) / cpu_read_bandwidth() * 1e3
 
 
 def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
@@ -224,10 +218,12 @@ def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> li
         for conc in args.concurrency:
             print(f"\n=== transport={transport} concurrency={conc}", flush=True)
             bargs = bench.parse_args(bench_args(args, server.url, transport, conc))
-            floor = bandwidth_floor(args) if conc == 1 else {}
+            floor_before = bandwidth_floor(args) if conc == 1 else None
             before = step_counters(server.url)
             result = bench.run_benchmark(bargs)
-            result.update(floor)
+            if floor_before is not None:
+                result["floor_ms_before"] = floor_before
+                result["floor_ms_after"] = bandwidth_floor(args)
             result.update(engine_overhead(before, step_counters(server.url)))
             results.append({"transport": transport, "concurrency": conc, **result})
             if server.proc is not None and server.proc.poll() is not None:
@@ -255,12 +251,13 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         )
     print("(latencies in ms; step ms and engine overhead from the engine's own counters)")
     for r in rows:
-        if "floor_ms" in r:
+        if "floor_ms_before" in r:
+            floor = (r["floor_ms_before"] + r["floor_ms_after"]) / 2
             print(
                 f"{r['transport']}: c=1 ITL p50 {r['median_itl_ms']:.2f} ms = "
-                f"{r['median_itl_ms'] / r['floor_ms']:.2f}x the bf16 bandwidth floor "
-                f"{r['floor_ms']:.2f} ms ({r['weight_bytes'] / 1e6:.1f} MB of weights / "
-                f"{r['read_bandwidth_gb_s']:.1f} GB/s read, measured just before); target <= 1.5x"
+                f"{r['median_itl_ms'] / floor:.2f}x the bf16 bandwidth floor {floor:.2f} ms "
+                f"(weights / median read bandwidth, {r['floor_ms_before']:.2f} ms just before "
+                f"the run and {r['floor_ms_after']:.2f} ms just after); target <= 1.5x"
             )
 
 
