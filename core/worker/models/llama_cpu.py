@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker import cpu_linear
 
 
 class FusedCpuDecoderLayer:
@@ -47,21 +47,21 @@ class FusedCpuDecoderLayer:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Any, rope: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = torch.ops.plugserve_ops  # cpu_ops.py's functions, minus a frame each
         if residual is None:
-            residual, h = x, cpu_ops.rms_norm(x, self.input_norm, self.eps)
+            residual, h = x, ops.rms_norm(x, self.input_norm, self.eps)
         else:
-            h, residual = cpu_ops.fused_add_rms_norm(x, residual, self.input_norm, self.eps)
+            ops.fused_add_rms_norm(x, residual, self.input_norm, self.eps)  # in place
+            h = x
 
         qkv = self.qkv_proj(h)
-        cpu_ops.rotary_embedding(
-            qkv, rope.positions, self.cos_sin, self.num_qk_heads, self.head_dim
-        )
+        ops.rotary_embedding(qkv, rope.positions, self.cos_sin, self.num_qk_heads, self.head_dim)
         # [T, q + k + v heads, D] split into views; the backend takes any row stride.
         q, k, v = qkv.view(-1, sum(self.heads), self.head_dim).split(self.heads, dim=1)
         out = self.attention.forward(self.layer_idx, q, k, v)
         h = self.o_proj(out.view(-1, self.q_size))
 
-        h, residual = cpu_ops.fused_add_rms_norm(h, residual, self.post_attention_norm, self.eps)
+        ops.fused_add_rms_norm(h, residual, self.post_attention_norm, self.eps)
         if self.fused_mlp is not None and h.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
             return self.fused_mlp(h), residual
-        return self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(h))), residual
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
