@@ -189,7 +189,13 @@ class Linear(nn.Linear):
     packed: cpu_linear.PackedLinear | None = None
 
     def pack(self) -> None:
-        self.packed = cpu_linear.PackedLinear(self.weight, self.bias)
+        self._set_packed(cpu_linear.PackedLinear(self.weight, self.bias))
+
+    def _set_packed(self, packed: cpu_linear.PackedLinear) -> None:
+        """From now on the packed copy is the weight: the loaded one is freed, so a model
+        does not hold its linear weights twice (an 8B model: 16 GB twice in bf16)."""
+        self.packed = packed
+        self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -215,7 +221,7 @@ class RowParallelLinear(Linear):
 
     def pack(self) -> None:
         sharded = self.parallel.world_size > 1
-        self.packed = cpu_linear.PackedLinear(self.weight, None if sharded else self.bias)
+        self._set_packed(cpu_linear.PackedLinear(self.weight, None if sharded else self.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
@@ -459,6 +465,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown
         name, a wrong shape, and on parameters the checkpoint left unset."""
+        if any(isinstance(m, Linear) and m.packed is not None for m in self.modules()):
+            raise RuntimeError(
+                "the linear weights were packed (process_weights_after_loading) and their "
+                "loaded copies freed: load weights into a fresh model"
+            )
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:

@@ -276,7 +276,12 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(config: Any
             for m in fast.modules()
             if isinstance(m, Linear) and m.packed is not None
         )
-        # With packed weights on one rank, forward runs the one-frame-per-layer path.
+        # The packed copies replace the loaded weights, which are freed...
+        packed = [m for m in fast.modules() if isinstance(m, Linear) and m.packed is not None]
+        assert packed and all(m.weight.numel() == 0 for m in packed)
+        with pytest.raises(RuntimeError, match="packed"):
+            fast.load_weights(hf_model.state_dict().items())
+        # ...and with them on one rank, forward runs the one-frame-per-layer path.
         assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
     assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
 
