@@ -129,6 +129,8 @@ class ZmqClientChannel:
         await self._input.send_multipart([identity, *frames], copy=False)
 
     async def recv(self) -> Frames:
+        """The next output message. One receiver at a time (the output handler): a second
+        would take over the descriptor's reader."""
         while True:
             try:
                 frames = self._output.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -246,9 +246,18 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
         pytest.param(Qwen2Config(**TINY, tie_word_embeddings=False), id="qwen2-qkv-bias"),
     ],
 )
-def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(config: Any) -> None:
+@pytest.mark.parametrize("kernel", ["this-machine", "onednn"])
+def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
+    config: Any, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """process_weights_after_loading moves a bf16 CPU model onto the fused ops and packed
-    matmuls; it computes what the plain ATen path computes, within bf16 rounding."""
+    matmuls; it computes what the plain ATen path computes, within bf16 rounding. The
+    "onednn" case takes the path of CPUs without AVX512-BF16 (or with AMX) on this one,
+    prefill-sized MLPs as oneDNN post-ops included."""
+    if kernel == "onednn":
+        if not cpu_linear._onednn_bf16_supported():
+            pytest.skip("oneDNN has no bf16 matmuls on this CPU")
+        monkeypatch.setattr(cpu_linear, "uses_own_kernel", lambda: False)
 
     def build() -> LlamaForCausalLM:
         previous = torch.get_default_dtype()
@@ -283,9 +292,12 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(config: Any
             fast.load_weights(hf_model.state_dict().items())
         # ...and with them on one rank, forward runs the one-frame-per-layer path.
         assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
+        if kernel == "onednn":
+            assert all(f.fused_mlp is not None for f in fast.layer_fns)
     assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
 
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (40, 3, 17)]
+    # 143 tokens: over FUSED_MLP_MIN_TOKENS, so oneDNN's prefill MLP runs too.
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (100, 3, 40)]
     rows = [(str(i), p) for i, p in enumerate(prompts)]
     expected = PagedRunner(plain, plain.model.layers[0].self_attn.attention, 16).step(rows)
     actual = PagedRunner(fast, fast.model.layers[0].self_attn.attention, 16).step(rows)
