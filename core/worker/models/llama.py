@@ -96,8 +96,8 @@ class RotaryEmbedding(nn.Module):
 
     ATen path: rotate_half(x) * sin equals roll(x, D/2) * sin with the first half of sin
     negated, exactly (only signs move), which saves the split, negation and concatenation;
-    q and k rotate together. After `use_fused_op` (bf16 on CPU) one cpu_ops call rotates q
-    and k in place inside the QKV output, in fp32 with one rounding.
+    q and k rotate together. After `use_fused_op` (bf16 on CPU) the layers rotate through
+    cpu_ops in FusedCpuDecoderLayer, with `cos_sin`; `prepare` then gathers nothing.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
@@ -117,8 +117,8 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin: torch.Tensor | None = None  # the fused op's table, once switched on
 
     def use_fused_op(self) -> None:
-        """Rotate through cpu_ops from now on; its table holds each position's D/2 cosines,
-        then its D/2 unsigned sines (the second half of `sin`)."""
+        """Build cpu_ops' table: each position's D/2 cosines, then its D/2 unsigned sines
+        (the second half of `sin`)."""
         self.cos_sin = torch.cat((self.cos[:, : self.half], self.sin[:, self.half :]), dim=-1)
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
@@ -132,20 +132,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, qkv: torch.Tensor, step: RopeStep, num_heads: int) -> torch.Tensor:
         """The first num_heads heads of each row of qkv [T, >= heads * D], rotated by each
-        token's position → [T, num_heads, D] (a view of qkv when fused)."""
-        qk = qkv[:, : num_heads * self.head_dim]
-        if self.cos_sin is not None:
-            cpu_ops.rotary_embedding(qk, step.positions, self.cos_sin, num_heads, self.head_dim)
-            return qk.view(-1, num_heads, self.head_dim)
-        assert step.cos is not None and step.sin is not None
-        x = qk.view(-1, num_heads, self.head_dim)
+        token's position → [T, num_heads, D]."""
+        assert step.cos is not None and step.sin is not None, "prepared for the fused op"
+        x = qkv[:, : num_heads * self.head_dim].view(-1, num_heads, self.head_dim)
         return x * step.cos + torch.roll(x, self.half, dims=-1) * step.sin
 
 
 @direct_call
 class RMSNorm(nn.Module):
-    """RMSNorm; with `fused` (bf16 on CPU) one cpu_ops call, which also takes the residual
-    add (`add_and_norm`)."""
+    """RMSNorm; with `fused` (the model's final norm, bf16 on CPU) one cpu_ops call, which
+    also takes the residual add (`add_and_norm`)."""
 
     fused = False
 
@@ -188,6 +184,10 @@ class Linear(nn.Linear):
 
     packed: cpu_linear.PackedLinear | None = None
 
+    def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The cheapest callable computing this layer: the packed weight, else the module."""
+        return self.packed if self.packed is not None else self
+
     def pack(self) -> None:
         self._set_packed(cpu_linear.PackedLinear(self.weight, self.bias))
 
@@ -222,6 +222,10 @@ class RowParallelLinear(Linear):
     def pack(self) -> None:
         sharded = self.parallel.world_size > 1
         self._set_packed(cpu_linear.PackedLinear(self.weight, None if sharded else self.bias))
+
+    def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        # Sharded, the partial products still need the all-reduce in forward.
+        return super().kernel() if self.parallel.world_size == 1 else self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
@@ -312,7 +316,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = _row_parallel(inter, hidden, bias, parallel)
         self.inter = inter
         self.fused: cpu_linear.FusedMLP | None = None
-        self.fused_activation = False  # silu(gate) * up as one cpu_ops call
 
     def pack(self) -> None:
         """With oneDNN, also pack gate and up apart for the post-op path (cpu_linear)."""
@@ -331,10 +334,7 @@ class LlamaMLP(nn.Module):
         """down(silu(gate(x)) * up(x))."""
         if self.fused is not None and x.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
             return self.fused(x)
-        gate_up = self.gate_up_proj(x)
-        if self.fused_activation:
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -440,27 +440,23 @@ class LlamaForCausalLM(nn.Module):
         return self.parallel.gather_last_dim(logits, self.config.vocab_size)
 
     def process_weights_after_loading(self) -> None:
-        """Pack every linear weight for the CPU kernel where that is exact, and switch the
-        norms, RoPE and activation to the fused CPU ops (bf16 on CPU); elsewhere the model
-        keeps ATen's ops and the weights as loaded."""
+        """bf16 on CPU: pack every linear weight for the CPU kernel, and run each layer as a
+        FusedCpuDecoderLayer over the fused CPU ops (the final norm through them too).
+        Elsewhere the model keeps ATen's ops and the weights as loaded."""
         weight = self.model.embed_tokens.weight
+        if cpu_linear.packing_supported(weight.dtype, weight.device):
+            for module in self.modules():
+                if isinstance(module, (Linear, LlamaMLP)):
+                    module.pack()
+            if self.lm_head is None:  # tied: the head multiplies by the embedding matrix
+                self._packed_head = cpu_linear.PackedLinear(weight)
         if cpu_ops.supported(weight.dtype, weight.device):
             self.rotary.use_fused_op()
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.fused = True
-                elif isinstance(module, LlamaMLP):
-                    module.fused_activation = True
-        if not cpu_linear.packing_supported(weight.dtype, weight.device):
-            return
-        for module in self.modules():
-            if isinstance(module, (Linear, LlamaMLP)):
-                module.pack()
-        if self.lm_head is None:  # tied: the head multiplies by the embedding matrix
-            self._packed_head = cpu_linear.PackedLinear(weight)
-        cos_sin = self.rotary.cos_sin
-        if cos_sin is not None and self.parallel.world_size == 1:
-            self.layer_fns = [FusedCpuDecoderLayer(layer, cos_sin) for layer in self.model.layers]
+            assert self.rotary.cos_sin is not None
+            self.model.norm.fused = True
+            self.layer_fns = [
+                FusedCpuDecoderLayer(layer, self.rotary.cos_sin) for layer in self.model.layers
+            ]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown

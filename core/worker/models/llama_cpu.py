@@ -6,24 +6,29 @@ the norm, RoPE and activation wrappers, thirty layers over. This layer runs the 
 in the same order (fused norms with the residual add, packed matmuls, RoPE in place, the
 attention backend, SiLU * up) from one frame per layer.
 
-LlamaForCausalLM switches to it after loading where all of that is on: the fused CPU ops
-(cpu_ops), packed weights (cpu_linear) and a single rank (no all-reduce). Everywhere else
-the modules' own forwards run; the two paths compute the same values (tested).
+LlamaForCausalLM switches to it after loading wherever the fused CPU ops (cpu_ops) are on.
+Each linear runs through its cheapest callable (`Linear.kernel`): the packed weight
+(cpu_linear), or, where there is none or a row-parallel shard still needs its all-reduce,
+the module. Everywhere else (fp32, CUDA) the modules' own forwards run; the two paths
+compute the same values (tested).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from plugserve.worker import cpu_linear
 
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
 
 class FusedCpuDecoderLayer:
     """Called like LlamaDecoderLayer: (x, residual, rotary, rope) → (MLP output, residual).
 
-    Built from a loaded LlamaDecoderLayer whose linears are packed; shares its tensors.
+    Built from a loaded (and, where supported, packed) LlamaDecoderLayer; shares its tensors.
     """
 
     def __init__(self, layer: Any, cos_sin: torch.Tensor) -> None:
@@ -31,10 +36,10 @@ class FusedCpuDecoderLayer:
         self.input_norm = layer.input_layernorm.weight
         self.post_attention_norm = layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.eps
-        self.qkv_proj: cpu_linear.PackedLinear = attn.qkv_proj.packed
-        self.o_proj: cpu_linear.PackedLinear = attn.o_proj.packed
-        self.gate_up_proj: cpu_linear.PackedLinear = mlp.gate_up_proj.packed
-        self.down_proj: cpu_linear.PackedLinear = mlp.down_proj.packed
+        self.qkv_proj: Matmul = attn.qkv_proj.kernel()
+        self.o_proj: Matmul = attn.o_proj.kernel()
+        self.gate_up_proj: Matmul = mlp.gate_up_proj.kernel()
+        self.down_proj: Matmul = mlp.down_proj.kernel()
         self.fused_mlp: cpu_linear.FusedMLP | None = mlp.fused
         self.cos_sin = cos_sin
         self.attention = attn.attention

@@ -23,10 +23,9 @@ from plugserve.worker.models.llama import (
     Linear,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
-    RMSNorm,
 )
 from plugserve.worker.models.llama_cpu import FusedCpuDecoderLayer
+from plugserve.worker.parallel import ParallelContext
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 
 # fp32 end to end; what remains is summation order (fused QKV/gate-up matmuls, SDPA over
@@ -246,18 +245,21 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
         pytest.param(Qwen2Config(**TINY, tie_word_embeddings=False), id="qwen2-qkv-bias"),
     ],
 )
-@pytest.mark.parametrize("kernel", ["this-machine", "onednn"])
+@pytest.mark.parametrize("kernel", ["this-machine", "onednn", "unpacked"])
 def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     config: Any, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """process_weights_after_loading moves a bf16 CPU model onto the fused ops and packed
     matmuls; it computes what the plain ATen path computes, within bf16 rounding. The
     "onednn" case takes the path of CPUs without AVX512-BF16 (or with AMX) on this one,
-    prefill-sized MLPs as oneDNN post-ops included."""
+    prefill-sized MLPs as oneDNN post-ops included; "unpacked" that of a CPU where neither
+    kernel packs bf16, the layers then calling the Linear modules."""
     if kernel == "onednn":
         if not cpu_linear._onednn_bf16_supported():
             pytest.skip("oneDNN has no bf16 matmuls on this CPU")
         monkeypatch.setattr(cpu_linear, "uses_own_kernel", lambda: False)
+    if kernel == "unpacked":
+        monkeypatch.setattr(cpu_linear, "packing_supported", lambda dtype, device: False)
 
     def build() -> LlamaForCausalLM:
         previous = torch.get_default_dtype()
@@ -276,9 +278,14 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     fast.process_weights_after_loading()
 
     assert fast.rotary.cos_sin is not None and plain.rotary.cos_sin is None
-    assert all(m.fused for m in fast.modules() if isinstance(m, RMSNorm))
-    assert all(m.fused_activation for m in fast.modules() if isinstance(m, LlamaMLP))
-    if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+    assert fast.model.norm.fused and not plain.model.norm.fused
+    # Every layer runs the one-frame-per-layer path...
+    assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
+    assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
+    if kernel == "unpacked":  # ...through the Linear modules when nothing is packed
+        assert all(m.packed is None for m in fast.modules() if isinstance(m, Linear))
+        assert all(isinstance(f.qkv_proj, Linear) for f in fast.layer_fns)
+    elif cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
         assert all(m.packed is not None for m in fast.modules() if isinstance(m, Linear))
         assert all(
             m.packed.own_kernel == cpu_linear.uses_own_kernel()
@@ -290,11 +297,10 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
         assert packed and all(m.weight.numel() == 0 for m in packed)
         with pytest.raises(RuntimeError, match="packed"):
             fast.load_weights(hf_model.state_dict().items())
-        # ...and with them on one rank, forward runs the one-frame-per-layer path.
-        assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
+        # ...and on one rank the layers call the packed weights directly.
+        assert all(isinstance(f.down_proj, cpu_linear.PackedLinear) for f in fast.layer_fns)
         if kernel == "onednn":
             assert all(f.fused_mlp is not None for f in fast.layer_fns)
-    assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
 
     # 143 tokens: over FUSED_MLP_MIN_TOKENS, so oneDNN's prefill MLP runs too.
     prompts = [torch.randint(0, 128, (n,)).tolist() for n in (100, 3, 40)]
@@ -304,6 +310,35 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     # Random tiny models have logits of ~±1; bf16 steps there are 2^-8 relative.
     torch.testing.assert_close(actual, expected, atol=0.05, rtol=0.05)
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.99
+
+
+@pytest.mark.skipif(
+    not cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu"))
+    or not cpu_ops.supported(torch.bfloat16, torch.device("cpu")),
+    reason="no bf16 packing or fused ops on this CPU",
+)
+def test_a_tensor_parallel_shard_keeps_the_all_reduce_of_its_row_parallel_layers() -> None:
+    """Rank 0 of 2, bf16 on CPU: the fused layers call the column-parallel projections'
+    packed weights, but the row-parallel ones (o_proj, down_proj) through their modules,
+    whose forward sums the partial products over ranks."""
+    config = LlamaConfig(**TINY)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = LlamaForCausalLM(
+            hf_config=config,
+            attention=make_backend(config, num_blocks=1, dtype=torch.bfloat16),
+            parallel=ParallelContext(rank=0, world_size=2),
+        )
+    finally:
+        torch.set_default_dtype(previous)
+    model.process_weights_after_loading()
+    for layer, fused in zip(model.model.layers, model.layer_fns, strict=True):
+        assert isinstance(fused, FusedCpuDecoderLayer)
+        assert fused.qkv_proj is layer.self_attn.qkv_proj.packed
+        assert fused.gate_up_proj is layer.mlp.gate_up_proj.packed
+        assert fused.o_proj is layer.self_attn.o_proj
+        assert fused.down_proj is layer.mlp.down_proj
 
 
 def test_load_weights_rejects_unknown_and_missing_tensors() -> None:
