@@ -204,26 +204,27 @@ def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[s
     }
 
 
-def bandwidth_floor(args: argparse.Namespace) -> float:
-    """Milliseconds of the bf16 floor of a batch-1 step at the read bandwidth right now
-    (the server idle), since this VM's bandwidth drifts between minutes."""
-    return weight_bytes_per_step(StackConfig().model, dtype_bytes=2) / cpu_read_bandwidth() * 1e3
+def bandwidth_floor_ms(weight_bytes: int) -> float:
+    """The bf16 floor of a batch-1 step at the read bandwidth right now (the server idle),
+    since this VM's bandwidth drifts between minutes."""
+    return weight_bytes / cpu_read_bandwidth() * 1e3
 
 
 def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     server = Server(transport, args, log_dir)
+    weight_bytes = weight_bytes_per_step(StackConfig().model, dtype_bytes=2)
     results = []
     try:
         server.start(args.startup_timeout)
         for conc in args.concurrency:
             print(f"\n=== transport={transport} concurrency={conc}", flush=True)
             bargs = bench.parse_args(bench_args(args, server.url, transport, conc))
-            floor_before = bandwidth_floor(args) if conc == 1 else None
+            floor_before = bandwidth_floor_ms(weight_bytes) if conc == 1 else None
             before = step_counters(server.url)
             result = bench.run_benchmark(bargs)
             if floor_before is not None:
                 result["floor_ms_before"] = floor_before
-                result["floor_ms_after"] = bandwidth_floor(args)
+                result["floor_ms_after"] = bandwidth_floor_ms(weight_bytes)
             result.update(engine_overhead(before, step_counters(server.url)))
             results.append({"transport": transport, "concurrency": conc, **result})
             if server.proc is not None and server.proc.poll() is not None:

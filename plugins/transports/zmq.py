@@ -113,6 +113,7 @@ class ZmqClientChannel:
             self.close()
             raise
         self._ready: set[bytes] = set()
+        self._output_fd: int = self._output.getsockopt(zmq.FD)
 
     async def wait_ready(self, timeout: float) -> Frames:
         try:
@@ -143,7 +144,7 @@ class ZmqClientChannel:
         # ZeroMQ's descriptor signals that the socket's events changed, not that a message
         # waits, and reading EVENTS rearms it: wait on it until EVENTS says POLLIN.
         loop = asyncio.get_running_loop()
-        fd = self._output.getsockopt(zmq.FD)
+        fd = self._output_fd
         while not self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             signalled = loop.create_future()
             loop.add_reader(fd, _set_once, signalled)
