@@ -19,6 +19,8 @@ float32 is never packed: the fp32 path keeps `F.linear`, bit for bit with Huggin
 
 from __future__ import annotations
 
+import math
+import mmap
 from functools import cache
 from pathlib import Path
 
@@ -50,15 +52,81 @@ def uses_own_kernel() -> bool:
     return cpp_extension.load(_GEMM_SOURCE) and hasattr(torch.ops.plugserve_gemm, "linear_bf16")
 
 
-def pack_k_pairs(weight: torch.Tensor) -> torch.Tensor:
+def k_pairs_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
+    return (-(-out_features // 16), in_features // 2, 16, 2)
+
+
+def pack_k_pairs(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] weight (K even) → [N/16 blocks, K/2, 16, 2]: each 64-byte row holds a pair of
     consecutive k for 16 output columns, the operand VDPBF16PS takes. N is padded to a
-    whole block with zero rows."""
+    whole block with zero rows. Written into `out` (that shape) where given."""
     n, k = weight.shape
     blocks = -(-n // 16)
     padded = torch.zeros(blocks * 16, k, dtype=weight.dtype, device=weight.device)
     padded[:n] = weight.detach()
-    return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    pairs = padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3)
+    return pairs.contiguous() if out is None else out.copy_(pairs)
+
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def huge_page_buffer(num_bytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `num_bytes` starting on a 2 MB boundary, which Linux backs with
+    transparent huge pages where it allows them (THP "always" or "madvise").
+
+    A decode step streams every weight once. On 4 KB pages that is a TLB miss every 4 KB
+    and the hardware prefetchers restart at each page; on 2 MB pages SmolLM2's 269 MB of
+    weights read 7 % faster (3.8 vs 4.1 ms at a 75 GB/s phase of this VM)."""
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is None or num_bytes == 0:  # not Linux: ordinary pages
+        return torch.empty(num_bytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES)
+    region.madvise(advise)  # before the first touch, which is when pages are chosen
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[start : start + num_bytes]
+
+
+class WeightArena:
+    """One huge-page buffer for a model's k-pair-packed weights, handed out in the order
+    they are packed (a step's order, so one step reads the buffer front to back)."""
+
+    def __init__(self, weight_shapes: list[tuple[int, int]]) -> None:
+        self._sizes = {shape: math.prod(k_pairs_shape(*shape)) for shape in weight_shapes}
+        numel = sum(self._sizes[shape] for shape in weight_shapes)
+        self._buffer = huge_page_buffer(2 * numel).view(torch.bfloat16)
+        self._offset = 0
+
+    @classmethod
+    def for_weights(cls, weights: list[torch.Tensor]) -> WeightArena | None:
+        """An arena for the weights this machine packs for cpu_gemm; None where it packs
+        none (oneDNN does its own layout)."""
+        shapes = [
+            (w.shape[0], w.shape[1])
+            for w in weights
+            if w.dim() == 2 and packs_k_pairs(w.dtype, w.device, w.shape[1])
+        ]
+        return cls(shapes) if shapes else None
+
+    def take(self, out_features: int, in_features: int) -> torch.Tensor:
+        shape = k_pairs_shape(out_features, in_features)
+        numel = math.prod(shape)
+        if self._offset + numel > self._buffer.numel():
+            raise ValueError(f"weight arena full: no room for a {shape} packed weight")
+        view = self._buffer[self._offset : self._offset + numel].view(shape)
+        self._offset += numel
+        return view
+
+
+def packs_k_pairs(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
+    """Whether a weight of this kind is packed for cpu_gemm.cpp (else oneDNN or none)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and in_features % 2 == 0
+        and uses_own_kernel()
+    )
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
@@ -73,11 +141,18 @@ class PackedLinear:
 
     __slots__ = ("bias", "out_features", "own_kernel", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features = weight.shape[0]
-        self.own_kernel = uses_own_kernel() and weight.shape[1] % 2 == 0
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        arena: WeightArena | None = None,
+    ) -> None:
+        """`arena`, where given, holds the packed copy (the own kernel's layout only)."""
+        self.out_features, in_features = weight.shape
+        self.own_kernel = packs_k_pairs(weight.dtype, weight.device, in_features)
         if self.own_kernel:
-            self.weight = pack_k_pairs(weight)
+            out = None if arena is None else arena.take(self.out_features, in_features)
+            self.weight = pack_k_pairs(weight, out)
             self.bias = None if bias is None else bias.detach().float().contiguous()
         else:
             self.weight = pack_onednn(weight)

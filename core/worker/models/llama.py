@@ -188,8 +188,8 @@ class Linear(nn.Linear):
         """The cheapest callable computing this layer: the packed weight, else the module."""
         return self.packed if self.packed is not None else self
 
-    def pack(self) -> None:
-        self._set_packed(cpu_linear.PackedLinear(self.weight, self.bias))
+    def pack(self, arena: cpu_linear.WeightArena | None = None) -> None:
+        self._set_packed(cpu_linear.PackedLinear(self.weight, self.bias, arena))
 
     def _set_packed(self, packed: cpu_linear.PackedLinear) -> None:
         """From now on the packed copy is the weight: the loaded one is freed, so a model
@@ -219,9 +219,10 @@ class RowParallelLinear(Linear):
 
     parallel: ParallelContext = NO_PARALLEL
 
-    def pack(self) -> None:
+    def pack(self, arena: cpu_linear.WeightArena | None = None) -> None:
         sharded = self.parallel.world_size > 1
-        self._set_packed(cpu_linear.PackedLinear(self.weight, None if sharded else self.bias))
+        bias = None if sharded else self.bias
+        self._set_packed(cpu_linear.PackedLinear(self.weight, bias, arena))
 
     def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         # Sharded, the partial products still need the all-reduce in forward.
@@ -317,8 +318,9 @@ class LlamaMLP(nn.Module):
         self.inter = inter
         self.fused: cpu_linear.FusedMLP | None = None
 
-    def pack(self) -> None:
-        """With oneDNN, also pack gate and up apart for the post-op path (cpu_linear)."""
+    def pack(self, arena: cpu_linear.WeightArena | None = None) -> None:
+        """With oneDNN, also pack gate and up apart for the post-op path (cpu_linear).
+        (`arena` is for the own kernel's layout, which never runs this path.)"""
         if (
             not cpu_linear.uses_own_kernel()
             and self.down_proj.parallel.world_size == 1
@@ -445,11 +447,16 @@ class LlamaForCausalLM(nn.Module):
         Elsewhere the model keeps ATen's ops and the weights as loaded."""
         weight = self.model.embed_tokens.weight
         if cpu_linear.packing_supported(weight.dtype, weight.device):
+            # Module order is a step's read order: layer by layer, qkv, o, gate-up, down.
+            linears = [m.weight for m in self.modules() if isinstance(m, Linear)]
+            arena = cpu_linear.WeightArena.for_weights(
+                linears if self.lm_head is not None else [*linears, weight]
+            )
             for module in self.modules():
                 if isinstance(module, (Linear, LlamaMLP)):
-                    module.pack()
+                    module.pack(arena)
             if self.lm_head is None:  # tied: the head multiplies by the embedding matrix
-                self._packed_head = cpu_linear.PackedLinear(weight)
+                self._packed_head = cpu_linear.PackedLinear(weight, arena=arena)
         if cpu_ops.supported(weight.dtype, weight.device):
             self.rotary.use_fused_op()
             assert self.rotary.cos_sin is not None

@@ -31,10 +31,11 @@ def assert_rounded_once(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected, rtol=2**-8, atol=1e-3)
 
 
-# Rows cover one to several 8-row tiles with remainders; 100 and 40 output columns end in
-# a partial 16-column block; 49152 x 576 is SmolLM2's LM head.
+# Rows cover one to several 8-row tiles with remainders (one row has a loop of its own);
+# 100, 40 and 24 output columns end in a partial 16-column block; 70 inputs are 35 k-pairs,
+# not a multiple of the one-row loop's four; 49152 x 576 is SmolLM2's LM head.
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (40, 1536)])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (40, 1536), (24, 70)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_is_the_fp32_product_rounded_once(
     rows: int, out_features: int, in_features: int, with_bias: bool
@@ -96,3 +97,29 @@ def test_odd_input_width_falls_back_to_onednn() -> None:
     linear = cpu_linear.PackedLinear(weight)
     assert not linear.own_kernel
     assert_rounded_once(linear(x), reference(x, weight, None))
+
+
+@own_kernel
+def test_an_arena_holds_packed_weights_back_to_back_from_a_huge_page_boundary() -> None:
+    torch.manual_seed(3)
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) for n, k in [(40, 64), (960, 576)]]
+    arena = cpu_linear.WeightArena.for_weights([*weights, torch.zeros(8, 33)])  # 2 fit
+    assert arena is not None
+    linears = [cpu_linear.PackedLinear(w, arena=arena) for w in weights]
+
+    first, second = (linear.weight for linear in linears)
+    assert first.data_ptr() % cpu_linear.HUGE_PAGE_BYTES == 0
+    assert second.data_ptr() == first.data_ptr() + 2 * first.numel()
+    for linear, weight in zip(linears, weights, strict=True):
+        assert torch.equal(linear.weight, cpu_linear.pack_k_pairs(weight))
+        x = torch.randn(3, weight.shape[1], dtype=torch.bfloat16)
+        assert_rounded_once(linear(x), reference(x, weight, None))
+    with pytest.raises(ValueError, match="arena full"):
+        cpu_linear.PackedLinear(weights[0], arena=arena)
+
+
+def test_huge_page_buffer_is_aligned_and_writable() -> None:
+    buffer = cpu_linear.huge_page_buffer(3 * cpu_linear.HUGE_PAGE_BYTES + 5)
+    assert buffer.numel() == 3 * cpu_linear.HUGE_PAGE_BYTES + 5
+    buffer.fill_(7)
+    assert int(buffer[-1]) == 7 and int(buffer.sum()) == 7 * buffer.numel()

@@ -297,6 +297,15 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
         assert packed and all(m.weight.numel() == 0 for m in packed)
         with pytest.raises(RuntimeError, match="packed"):
             fast.load_weights(hf_model.state_dict().items())
+        if cpu_linear.uses_own_kernel():  # ...lying one after the other in one buffer,
+            # in the order a step reads them, the LM head (a module or tied) last...
+            weights = [m.packed.weight for m in packed]
+            if fast._packed_head is not None:
+                weights.append(fast._packed_head.weight)
+            starts = [w.data_ptr() for w in weights]
+            ends = [w.data_ptr() + 2 * w.numel() for w in weights]
+            assert starts[1:] == ends[:-1]
+            assert starts[0] % cpu_linear.HUGE_PAGE_BYTES == 0
         # ...and on one rank the layers call the packed weights directly.
         assert all(isinstance(f.down_proj, cpu_linear.PackedLinear) for f in fast.layer_fns)
         if kernel == "onednn":
