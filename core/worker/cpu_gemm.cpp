@@ -13,9 +13,9 @@
 //
 // One row (a batch-1 decode step) is a pure weight stream and runs its own loop: one block
 // at a time with four accumulators over alternating k-pairs (one would wait on the
-// previous VDPBF16PS), each thread over one contiguous share of the blocks. Against the
-// tiled loop with shared work this reads SmolLM2's 269 MB per step in 3.8 ms instead of
-// 4.8 at a 75 GB/s phase of this VM, and 5.2 instead of 6.0 at 49 GB/s.
+// previous VDPBF16PS). Threads split the work into contiguous shares (for_each_item).
+// With the weights on huge pages (cpu_linear.WeightArena), SmolLM2's 269 MB per step
+// read in 3.8 ms instead of 4.8 at a 75 GB/s phase of this VM, 5.2 instead of 6.0 at 49.
 //
 // Registered as torch.ops.plugserve_gemm.linear_bf16; built and loaded by cpu_linear.py.
 // Only compiled where the CPU has AVX512_BF16 (else the library registers nothing).
@@ -36,6 +36,7 @@ namespace {
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kBlockTile = 3;  // 16-column blocks per tile
 constexpr int64_t kPairBytes = 64;  // one k-pair of one block
+constexpr int64_t kStaticPercent = 100;  // of a one-row matmul's blocks
 
 template <int M, int NB>
 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_stride,
@@ -123,6 +124,23 @@ TileFn tile_for(int64_t rows, int64_t blocks) {
   }
 }
 
+// Runs work(i) for every i in [0, items) on torch's threads. Each thread first takes its
+// own contiguous share of kStaticPercent of the items, so its weight reads form one
+// sequential stream (shared runs interleave the threads' streams: 25% slower at one row);
+// the rest are shared one at a time, so that a thread which loses its core for a moment
+// to the API server leaves the remainder to the others instead of stalling the barrier.
+template <typename Work>
+void for_each_item(int64_t items, const Work& work) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const int64_t share = items * kStaticPercent / 100 / threads;
+  std::atomic<int64_t> next{share * threads};
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t end_thread) {
+    for (int64_t t = first_thread; t < end_thread; ++t)
+      for (int64_t i = t * share; i < (t + 1) * share; ++i) work(i);
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) work(i);
+  });
+}
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
@@ -146,32 +164,18 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
   if (rows == 1) {
-    // Contiguous shares, not shared work: interleaved runs break each thread's stream
-    // (measured 25% slower at batch 1; see the top of this file).
-    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t b = first; b < last; ++b)
-        row_block(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
+    for_each_item(blocks, [&](int64_t b) {
+      row_block(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
     });
     return out;
   }
   const int64_t tiles = (blocks + kBlockTile - 1) / kBlockTile;
-  // Threads take runs of column tiles from a shared counter rather than a fixed half each:
-  // on a machine shared with the API server, a thread that loses its core for a moment
-  // leaves its work to the others instead of stalling the whole matmul at the barrier.
-  // A run is long enough to keep each weight stream sequential.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
-  const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t first = next.fetch_add(run); first < tiles; first = next.fetch_add(run)) {
-      for (int64_t t = first; t < std::min(first + run, tiles); ++t) {
-        const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
-        for (int64_t r = 0; r < rows; r += kRowTile) {
-          const int64_t m = std::min(kRowTile, rows - r);
-          tile_for(m, nb)(xp + r * x_stride, x_stride, wp + b0 * block_stride, block_stride,
-                          pairs, bp, op + r * out_features, out_features, b0 * 16, out_features);
-        }
-      }
+  for_each_item(tiles, [&](int64_t t) {
+    const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
+    for (int64_t r = 0; r < rows; r += kRowTile) {
+      const int64_t m = std::min(kRowTile, rows - r);
+      tile_for(m, nb)(xp + r * x_stride, x_stride, wp + b0 * block_stride, block_stride, pairs,
+                      bp, op + r * out_features, out_features, b0 * 16, out_features);
     }
   });
   return out;
