@@ -25,7 +25,7 @@ from torch import nn
 
 from plugserve.interfaces import AttentionBackend
 from plugserve.worker import cpu_linear, cpu_ops
-from plugserve.worker.models.llama_cpu import FusedCpuDecoderLayer
+from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 
 # Checkpoint tensors that are derived state in HF's own model, not weights.
@@ -417,11 +417,15 @@ class LlamaForCausalLM(nn.Module):
         self.layer_fns: list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = list(
             self.model.layers
         )
+        # Or all of them at once, final norm included, where FusedCpuDecoder runs.
+        self.decoder: FusedCpuDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.prepare(positions, x.dtype)
+        if self.decoder is not None:
+            return self.decoder(x, rope)
         residual = None
         for layer in self.layer_fns:
             x, residual = layer(x, residual, self.rotary, rope)
@@ -461,9 +465,12 @@ class LlamaForCausalLM(nn.Module):
             self.rotary.use_fused_op()
             assert self.rotary.cos_sin is not None
             self.model.norm.fused = True
-            self.layer_fns = [
+            fused = [
                 FusedCpuDecoderLayer(layer, self.rotary.cos_sin) for layer in self.model.layers
             ]
+            self.layer_fns = list(fused)
+            if FusedCpuDecoder.supported(fused):
+                self.decoder = FusedCpuDecoder(fused, self.model.norm.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown

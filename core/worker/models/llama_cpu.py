@@ -16,11 +16,14 @@ compute the same values (tested).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from plugserve.worker import cpu_linear
+from plugserve.worker import cpp_extension, cpu_linear
+
+_DECODER_SOURCE = Path(__file__).parents[1] / "cpu_decoder.cpp"
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
@@ -70,3 +73,85 @@ class FusedCpuDecoderLayer:
         if self.fused_mlp is not None and h.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
             return self.fused_mlp(h), residual
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
+
+
+class FusedCpuDecoder:
+    """The whole layer stack of a single-rank model whose linears all run cpu_gemm, called
+    as (embeddings, rope) → final-normed hidden states.
+
+    Between two attention calls it makes one op call (cpu_decoder.cpp: o_proj, the norms,
+    the MLP, the next layer's qkv and RoPE), where FusedCpuDecoderLayer makes eight and a
+    frame: at batch 1 that Python is a tenth of the step. The final norm is the last
+    stretch's "next" norm. Same ops in the same order as FusedCpuDecoderLayer (tested).
+    """
+
+    @staticmethod
+    def supported(layers: list[FusedCpuDecoderLayer]) -> bool:
+        """Whether these layers can run as one: every linear a cpu_gemm-packed weight on
+        one rank (a row-parallel shard's all-reduce needs the module), the op built."""
+        linears = [
+            linear
+            for layer in layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        return (
+            bool(layers)
+            and all(isinstance(m, cpu_linear.PackedLinear) and m.own_kernel for m in linears)
+            and cpp_extension.load(_DECODER_SOURCE)
+            and hasattr(torch.ops.plugserve_decoder, "between_attentions")
+        )
+
+    def __init__(self, layers: list[FusedCpuDecoderLayer], final_norm: torch.Tensor) -> None:
+        first = layers[0]
+        self.first_norm, self.eps = first.input_norm, first.eps
+        self.first_qkv = first.qkv_proj
+        self.cos_sin, self.head_dim = first.cos_sin, first.head_dim
+        self.heads, self.num_qk_heads, self.q_size = first.heads, first.num_qk_heads, first.q_size
+        self.attention = first.attention
+        self.layer_indices = [layer.layer_idx for layer in layers]
+        # The op's arguments after (attention output, residual, positions), per layer.
+        self.stretch_args: list[tuple[Any, ...]] = []
+        for layer, following in zip(layers, [*layers[1:], None], strict=True):
+            o, gate_up, down = (
+                _packed(layer.o_proj),
+                _packed(layer.gate_up_proj),
+                _packed(layer.down_proj),
+            )
+            qkv = None if following is None else _packed(following.qkv_proj)
+            self.stretch_args.append(
+                (
+                    o.weight,
+                    o.bias,
+                    layer.post_attention_norm,
+                    gate_up.weight,
+                    gate_up.bias,
+                    down.weight,
+                    down.bias,
+                    final_norm if following is None else following.input_norm,
+                    self.eps,
+                    None if qkv is None else qkv.weight,
+                    None if qkv is None else qkv.bias,
+                    0 if qkv is None else qkv.out_features,
+                    self.cos_sin,
+                    self.num_qk_heads,
+                    self.head_dim,
+                )
+            )
+
+    def __call__(self, x: torch.Tensor, rope: Any) -> torch.Tensor:
+        ops = torch.ops.plugserve_ops
+        between_attentions = torch.ops.plugserve_decoder.between_attentions
+        positions = rope.positions
+        residual = x
+        qkv = self.first_qkv(ops.rms_norm(x, self.first_norm, self.eps))
+        ops.rotary_embedding(qkv, positions, self.cos_sin, self.num_qk_heads, self.head_dim)
+        for layer_idx, args in zip(self.layer_indices, self.stretch_args, strict=True):
+            q, k, v = qkv.view(-1, sum(self.heads), self.head_dim).split(self.heads, dim=1)
+            out = self.attention.forward(layer_idx, q, k, v)
+            qkv = between_attentions(out.view(-1, self.q_size), residual, positions, *args)
+        return qkv  # after the last layer, the final-normed hidden states
+
+
+def _packed(linear: Matmul) -> cpu_linear.PackedLinear:
+    assert isinstance(linear, cpu_linear.PackedLinear)
+    return linear

@@ -24,7 +24,7 @@ from plugserve.worker.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
 )
-from plugserve.worker.models.llama_cpu import FusedCpuDecoderLayer
+from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
 from plugserve.worker.parallel import ParallelContext
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 
@@ -279,8 +279,12 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
 
     assert fast.rotary.cos_sin is not None and plain.rotary.cos_sin is None
     assert fast.model.norm.fused and not plain.model.norm.fused
-    # Every layer runs the one-frame-per-layer path...
+    # Every layer runs the one-frame-per-layer path, or, where every linear runs cpu_gemm,
+    # the whole stack runs as FusedCpuDecoder (one op between two attention calls)...
     assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
+    own_kernel = kernel == "this-machine" and cpu_linear.uses_own_kernel()
+    assert isinstance(fast.decoder, FusedCpuDecoder) == own_kernel
+    assert plain.decoder is None
     assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
     if kernel == "unpacked":  # ...through the Linear modules when nothing is packed
         assert all(m.packed is None for m in fast.modules() if isinstance(m, Linear))
@@ -342,6 +346,7 @@ def test_a_tensor_parallel_shard_keeps_the_all_reduce_of_its_row_parallel_layers
     finally:
         torch.set_default_dtype(previous)
     model.process_weights_after_loading()
+    assert model.decoder is None  # its one op per stretch has no all-reduce
     for layer, fused in zip(model.model.layers, model.layer_fns, strict=True):
         assert isinstance(fused, FusedCpuDecoderLayer)
         assert fused.qkv_proj is layer.self_attn.qkv_proj.packed

@@ -1,0 +1,117 @@
+// The elementwise kernels of a bf16/fp32 decoder layer on CPU: RMSNorm (with the residual
+// add), neox RoPE in place, SiLU(gate) * up. One pass each, in fp32, rounded once on store.
+// cpu_ops.cpp registers them as ops; cpu_decoder.cpp runs them inside its fused stretch.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_bf16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace plugserve {
+
+// Rows per task: enough work that a task outweighs handing it to another thread.
+inline int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements));
+}
+
+template <typename T>
+inline float inverse_rms(const T* x, int64_t n, float eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    sum += v * v;
+  }
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * x_stride;
+      T* dst = op + r * out_stride;
+      const float scale = inverse_rms(row, n, static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) store(dst + i, to_float(row[i]) * scale * to_float(wp[i]));
+    }
+  });
+}
+
+// residual += x (rounded to T, as an unfused add would store it); x = rms_norm(residual).
+template <typename T>
+void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                             double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * x_stride;
+      T* rr = rp + r * r_stride;
+      for (int64_t i = 0; i < n; ++i) store(rr + i, to_float(xr[i]) + to_float(rr[i]));
+      const float scale = inverse_rms(rr, n, static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) store(xr + i, to_float(rr[i]) * scale * to_float(wp[i]));
+    }
+  });
+}
+
+// Rotates the first num_heads heads of each row of qk in place (rotate-half / neox form):
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of a head.
+template <typename T>
+void rotary_embedding_impl(at::Tensor& qk, const at::Tensor& positions, const at::Tensor& cos_sin,
+                           int64_t num_heads, int64_t head_dim) {
+  const int64_t rows = qk.size(0), half = head_dim / 2, max_positions = cos_sin.size(0);
+  T* base = qk.data_ptr<T>();
+  const int64_t row_stride = qk.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < max_positions, "position ", pos[r],
+                " is outside the RoPE table (", max_positions, " positions)");
+  at::parallel_for(0, rows, grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* cos = table + pos[r] * head_dim;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x = base + r * row_stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+          store(x + i, x1 * cos[i] - x2 * sin[i]);
+          store(x + i + half, x2 * cos[i] + x1 * sin[i]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = out.size(0), n = out.size(1);
+  const T* in = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t in_stride = gate_up.stride(0), out_stride = out.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * in_stride;
+      const T* up = gate + n;
+      T* dst = op + r * out_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = to_float(gate[i]);
+        store(dst + i, g / (1.0f + std::exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace plugserve
