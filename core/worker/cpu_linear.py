@@ -81,7 +81,8 @@ def huge_page_buffer(num_bytes: int) -> torch.Tensor:
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if advise is None or num_bytes == 0:  # not Linux: ordinary pages
         return torch.empty(num_bytes, dtype=torch.uint8)
-    region = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES)
+    # Private: shared anonymous memory is shmem, which THP's madvise mode leaves alone.
+    region = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
     region.madvise(advise)  # before the first touch, which is when pages are chosen
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
     start = -raw.data_ptr() % HUGE_PAGE_BYTES

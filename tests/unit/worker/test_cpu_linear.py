@@ -6,6 +6,8 @@ the result is the fp32 product rounded once to bf16, up to fp32 summation order.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -118,8 +120,32 @@ def test_an_arena_holds_packed_weights_back_to_back_from_a_huge_page_boundary() 
         cpu_linear.PackedLinear(weights[0], arena=arena)
 
 
-def test_huge_page_buffer_is_aligned_and_writable() -> None:
+def test_huge_page_buffer_is_aligned_writable_and_eligible_for_huge_pages() -> None:
     buffer = cpu_linear.huge_page_buffer(3 * cpu_linear.HUGE_PAGE_BYTES + 5)
     assert buffer.numel() == 3 * cpu_linear.HUGE_PAGE_BYTES + 5
+    assert buffer.data_ptr() % cpu_linear.HUGE_PAGE_BYTES == 0
     buffer.fill_(7)
     assert int(buffer[-1]) == 7 and int(buffer.sum()) == 7 * buffer.numel()
+    if thp_mode() in ("always", "madvise"):  # the kernel may then back it with 2 MB pages
+        assert vma_field(buffer.data_ptr(), "THPeligible") == "1"
+
+
+def thp_mode() -> str | None:
+    try:
+        modes = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return modes.split("[")[1].split("]")[0]
+
+
+def vma_field(address: int, field: str) -> str:
+    """A field of /proc/self/smaps for the mapping holding `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == f"{field}:":
+            return line.split()[1]
+    raise AssertionError(f"no {field} for address {address:#x}")
