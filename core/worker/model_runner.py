@@ -1,7 +1,7 @@
 """ModelRunner: turns one SchedulerOutput into one forward pass, then into tokens.
 
 `execute_model` (phase 7) applies the step's changes to the persistent batch, builds
-the flat varlen inputs with numpy, runs the model over every scheduled token, keeps the
+the flat varlen inputs with numpy into reused buffers (step_inputs.py), runs the model over every scheduled token, keeps the
 logits of the rows that sample this step and parks them. `sample_tokens` (phase 8)
 samples from the parked logits.
 
@@ -27,7 +27,7 @@ import torch
 
 from plugserve.config import StackConfig
 from plugserve.engine.scheduler_output import SchedulerOutput
-from plugserve.interfaces import AttentionBatch, AttentionSpec, KVCacheInfo
+from plugserve.interfaces import AttentionSpec, KVCacheInfo
 from plugserve.plugins import get_registry
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
@@ -41,6 +41,7 @@ from plugserve.worker.sampler import (
     SamplingMetadata,
     make_padded_token_tensor,
 )
+from plugserve.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,11 @@ class ModelRunner:
             max_blocks_per_req=max_blocks_per_req,
             device=self.device,
         )
+        self._step_inputs = StepInputBuilder(
+            self.config.engine.max_num_batched_tokens,
+            self.config.engine.max_num_seqs,
+            self.block_size,
+        )
         self.vocab_size = hf_config.vocab_size
         return KVCacheInfo(
             num_blocks=num_blocks,
@@ -218,48 +224,19 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch
-        num_reqs = batch.num_reqs
-        num_scheduled = np.zeros(num_reqs, dtype=np.int64)
-        for req_id, n in so.num_scheduled_tokens.items():
-            num_scheduled[batch.req_id_to_row[req_id]] = n
-        rows = np.flatnonzero(num_scheduled)
-        query_lens = num_scheduled[rows]
-        starts = batch.num_computed_tokens[rows]
-        cu_query = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu_query[1:])
-        total = int(cu_query[-1])
-
-        token_rows = np.repeat(rows, query_lens)
-        positions = np.repeat(starts, query_lens) + (
-            np.arange(total) - np.repeat(cu_query[:-1], query_lens)
-        )
-        input_ids = batch.token_ids[token_rows, positions]
-        block_numbers = batch.block_table[token_rows, positions // self.block_size]
-        slot_mapping = (
-            block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
-        )
-        seq_lens = (starts + query_lens).astype(np.int32)
-        max_blocks = int(batch.num_blocks[rows].max())
-        attn_batch = AttentionBatch(
-            query_start_loc=cu_query,
-            seq_lens=seq_lens,
-            block_table=batch.block_table[rows, :max_blocks],
-            slot_mapping=slot_mapping,
-        )
-        # Only rows that reach the end of their known tokens sample; a prefill chunk that
-        # stops short computes no logits at all.
-        samples = seq_lens == batch.num_tokens[rows]
+        step = self._step_inputs.build(batch, so.num_scheduled_tokens)
+        attn_batch = step.attention
         ids_t, positions_t, logits_indices = self._inputs_to_device(
-            input_ids, positions, (cu_query[1:][samples] - 1).astype(np.int64)
+            step.input_ids, step.positions, step.logits_indices
         )
-        graph_size = self._graphs.padded_size(query_lens) if self._graphs else None
+        graph_size = self._graphs.padded_size(step.query_lens) if self._graphs else None
         if graph_size is not None:
             assert self._graphs is not None
             hidden = self._graphs.run(attn_batch, graph_size, ids_t, positions_t)
         else:
             self.attention.prepare(attn_batch)
             hidden = self.model(ids_t, positions_t)
-        sample_rows = rows[samples]
+        sample_rows = step.sample_rows
         # Skipped (on every rank alike) when no row samples: a collective over empty
         # tensors is pointless and not every backend accepts one.
         logits = self.model.compute_logits(hidden[logits_indices]) if len(sample_rows) else None

@@ -1,0 +1,102 @@
+"""A step's flat model inputs, built from the persistent batch into reused numpy buffers.
+
+The per-token arrays (input ids, positions, KV slots) and the per-row ones (query starts,
+sequence lengths) are written with numpy's `out=` into buffers allocated once for the
+engine's token budget, so a step allocates only the few temporaries numpy's repeat and
+fancy indexing make. The arrays returned are views into those buffers: valid until the
+next `build`, which is the next step (the model runner consumes them within its step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from plugserve.interfaces import AttentionBatch
+from plugserve.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    rows: np.ndarray  # persistent-batch rows scheduled this step, ascending
+    input_ids: np.ndarray  # int64 [tokens]
+    positions: np.ndarray  # int64 [tokens]
+    attention: AttentionBatch
+    query_lens: np.ndarray  # int64 [rows]
+    # Rows that reach the end of their known tokens sample this step; a prefill chunk
+    # that stops short computes no logits at all.
+    sample_rows: np.ndarray  # a fresh array: it outlives the step (parked logits)
+    logits_indices: np.ndarray  # int64 [sample rows]: each one's last token
+
+
+class StepInputBuilder:
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._max_num_reqs = max_num_reqs
+        self._allocate_tokens(max_num_tokens)
+        self._num_scheduled = np.zeros(max_num_reqs, dtype=np.int64)
+        self._query_start = np.zeros(max_num_reqs + 1, dtype=np.int32)
+        self._seq_lens = np.zeros(max_num_reqs, dtype=np.int32)
+        self._logits_indices = np.zeros(max_num_reqs, dtype=np.int64)
+
+    def _allocate_tokens(self, num_tokens: int) -> None:
+        self._arange = np.arange(num_tokens, dtype=np.int64)
+        self._input_ids = np.zeros(num_tokens, dtype=np.int64)
+        self._positions = np.zeros(num_tokens, dtype=np.int64)
+        self._slots = np.zeros(num_tokens, dtype=np.int64)
+        self._block_index = np.zeros(num_tokens, dtype=np.int64)
+        self._offset = np.zeros(num_tokens, dtype=np.int64)
+
+    def build(self, batch: InputBatch, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+        num_reqs = batch.num_reqs
+        scheduled = self._num_scheduled[:num_reqs]
+        scheduled.fill(0)
+        for req_id, n in num_scheduled_tokens.items():
+            scheduled[batch.req_id_to_row[req_id]] = n
+        rows = np.flatnonzero(scheduled)
+        query_lens = scheduled[rows]
+        starts = batch.num_computed_tokens[rows]
+        query_start = self._query_start[: len(rows) + 1]
+        np.cumsum(query_lens, out=query_start[1:])
+        total = int(query_start[-1])
+        if total > len(self._arange):  # never under the scheduler's token budget
+            self._allocate_tokens(total)
+
+        # Token t of row r sits at position starts[r] + (t - query_start[r]).
+        token_rows = np.repeat(rows, query_lens)
+        positions = self._positions[:total]
+        np.add(
+            np.repeat(starts - query_start[:-1], query_lens), self._arange[:total], out=positions
+        )
+        input_ids = self._input_ids[:total]
+        input_ids[:] = batch.token_ids[token_rows, positions]
+        block_index, offset = np.divmod(
+            positions, self.block_size, out=(self._block_index[:total], self._offset[:total])
+        )
+        slots = np.multiply(
+            batch.block_table[token_rows, block_index], self.block_size, out=self._slots[:total]
+        )
+        slots += offset
+
+        seq_lens = self._seq_lens[: len(rows)]
+        np.add(starts, query_lens, out=seq_lens, casting="unsafe")
+        max_blocks = int(batch.num_blocks[rows].max())
+        samples = seq_lens == batch.num_tokens[rows]
+        num_samples = int(samples.sum())
+        logits_indices = self._logits_indices[:num_samples]
+        np.subtract(query_start[1:][samples], 1, out=logits_indices, casting="unsafe")
+        return StepInputs(
+            rows=rows,
+            input_ids=input_ids,
+            positions=positions,
+            attention=AttentionBatch(
+                query_start_loc=query_start,
+                seq_lens=seq_lens,
+                block_table=batch.block_table[rows, :max_blocks],
+                slot_mapping=slots,
+            ),
+            query_lens=query_lens,
+            sample_rows=rows[samples],
+            logits_indices=logits_indices,
+        )
