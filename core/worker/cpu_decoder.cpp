@@ -22,12 +22,6 @@ namespace {
 
 using BF16 = c10::BFloat16;
 
-void check_norm_weight(const at::Tensor& weight, int64_t hidden) {
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden &&
-                  weight.scalar_type() == at::kBFloat16,
-              "norm weights must be contiguous bfloat16 [hidden]");
-}
-
 at::Tensor between_attentions(const at::Tensor& attention_out, at::Tensor residual,
                               const at::Tensor& positions, const at::Tensor& o_proj,
                               const c10::optional<at::Tensor>& o_bias,
@@ -47,8 +41,8 @@ at::Tensor between_attentions(const at::Tensor& attention_out, at::Tensor residu
               "residual must be contiguous bfloat16 [tokens, hidden]");
   const int64_t hidden = residual.size(1);
   const int64_t intermediate = 2 * down_proj.size(1);  // down's input, in k-pairs
-  check_norm_weight(post_attention_norm, hidden);
-  check_norm_weight(next_norm, hidden);
+  plugserve::check_norm_weight(post_attention_norm, residual);
+  plugserve::check_norm_weight(next_norm, residual);
 
   at::Tensor h = plugserve::linear_bf16(attention_out, o_proj, hidden, o_bias);
   plugserve::fused_add_rms_norm_impl<BF16>(h, residual, post_attention_norm, eps);
@@ -59,15 +53,8 @@ at::Tensor between_attentions(const at::Tensor& attention_out, at::Tensor residu
   plugserve::fused_add_rms_norm_impl<BF16>(m, residual, next_norm, eps);
   if (!next_qkv_proj.has_value()) return m;  // the last layer: m is the model's output
 
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.numel() == m.size(0),
-              "positions must be contiguous int64 [tokens]");
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
-                  cos_sin.dim() == 2 && cos_sin.size(1) == head_dim && head_dim % 2 == 0 &&
-                  qkv_features >= num_qk_heads * head_dim,
-              "cos_sin must be contiguous float32 [positions, head_dim], head_dim even, "
-              "and the q and k heads within qkv_features");
   at::Tensor qkv = plugserve::linear_bf16(m, *next_qkv_proj, qkv_features, next_qkv_bias);
+  plugserve::check_rotary(qkv, positions, cos_sin, num_qk_heads, head_dim);
   plugserve::rotary_embedding_impl<BF16>(qkv, positions, cos_sin, num_qk_heads, head_dim);
   return qkv;
 }

@@ -94,8 +94,7 @@ class WeightArena:
     they are packed (a step's order, so one step reads the buffer front to back)."""
 
     def __init__(self, weight_shapes: list[tuple[int, int]]) -> None:
-        self._sizes = {shape: math.prod(k_pairs_shape(*shape)) for shape in weight_shapes}
-        numel = sum(self._sizes[shape] for shape in weight_shapes)
+        numel = sum(math.prod(k_pairs_shape(*shape)) for shape in weight_shapes)
         self._buffer = huge_page_buffer(2 * numel).view(torch.bfloat16)
         self._offset = 0
 
@@ -106,7 +105,7 @@ class WeightArena:
         shapes = [
             (w.shape[0], w.shape[1])
             for w in weights
-            if w.dim() == 2 and packs_k_pairs(w.dtype, w.device, w.shape[1])
+            if packs_k_pairs(w.dtype, w.device, w.shape[1])
         ]
         return cls(shapes) if shapes else None
 

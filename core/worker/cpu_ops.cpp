@@ -20,6 +20,9 @@
 
 namespace {
 
+using plugserve::check_norm;
+using plugserve::check_rotary;
+using plugserve::check_rows;
 using plugserve::fused_add_rms_norm_impl;
 using plugserve::rms_norm_impl;
 using plugserve::rotary_embedding_impl;
@@ -56,24 +59,6 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with a dense last dim");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16");
-}
-
-// Checks for a norm: `other` (out or residual) shaped and typed as x, weight [hidden].
-void check_norm(const at::Tensor& x, const at::Tensor& other, const char* other_name,
-                const at::Tensor& weight) {
-  check_rows(x, "x");
-  check_rows(other, other_name);
-  TORCH_CHECK(other.sizes() == x.sizes() && other.scalar_type() == x.scalar_type(), other_name,
-              " must match x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [hidden] of x's dtype");
-}
-
 // f(T{}) with T the element type of t: float or c10::BFloat16 (check_rows admits no other).
 template <typename F>
 void dispatch(const at::Tensor& t, F&& f) {
@@ -97,15 +82,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
 
 void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tensor& cos_sin,
                       int64_t num_heads, int64_t head_dim) {
-  check_rows(qk, "qk");
-  TORCH_CHECK(head_dim % 2 == 0 && qk.size(1) >= num_heads * head_dim,
-              "qk rows must hold num_heads heads of an even head_dim");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.numel() == qk.size(0),
-              "positions must be contiguous int64 [rows]");
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
-                  cos_sin.dim() == 2 && cos_sin.size(1) == head_dim,
-              "cos_sin must be contiguous float32 [positions, head_dim]");
+  check_rotary(qk, positions, cos_sin, num_heads, head_dim);
   dispatch(qk, [&](auto t) {
     rotary_embedding_impl<decltype(t)>(qk, positions, cos_sin, num_heads, head_dim);
   });

@@ -1,6 +1,7 @@
 // The elementwise kernels of a bf16/fp32 decoder layer on CPU: RMSNorm (with the residual
 // add), neox RoPE in place, SiLU(gate) * up. One pass each, in fp32, rounded once on store.
-// cpu_ops.cpp registers them as ops; cpu_decoder.cpp runs them inside its fused stretch.
+// cpu_ops.cpp registers them as ops; cpu_decoder.cpp runs them inside its fused stretch;
+// both check their arguments with the checks at the end.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -112,6 +113,44 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
       }
     }
   });
+}
+
+// Argument checks, shared by the ops that run these kernels.
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with a dense last dim");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+// A norm's weight for rows x: contiguous [hidden] of x's dtype.
+inline void check_norm_weight(const at::Tensor& weight, const at::Tensor& x) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] of x's dtype");
+}
+
+// Checks for a norm: `other` (out or residual) shaped and typed as x, weight [hidden].
+inline void check_norm(const at::Tensor& x, const at::Tensor& other, const char* other_name,
+                       const at::Tensor& weight) {
+  check_rows(x, "x");
+  check_rows(other, other_name);
+  TORCH_CHECK(other.sizes() == x.sizes() && other.scalar_type() == x.scalar_type(), other_name,
+              " must match x");
+  check_norm_weight(weight, x);
+}
+
+// Checks for RoPE over the first num_heads heads of each row of qk.
+inline void check_rotary(const at::Tensor& qk, const at::Tensor& positions,
+                         const at::Tensor& cos_sin, int64_t num_heads, int64_t head_dim) {
+  check_rows(qk, "qk");
+  TORCH_CHECK(head_dim % 2 == 0 && qk.size(1) >= num_heads * head_dim,
+              "qk rows must hold num_heads heads of an even head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == qk.size(0),
+              "positions must be contiguous int64 [rows]");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
+                  cos_sin.dim() == 2 && cos_sin.size(1) == head_dim,
+              "cos_sin must be contiguous float32 [positions, head_dim]");
 }
 
 }  // namespace plugserve

@@ -1,8 +1,9 @@
 """ModelRunner: turns one SchedulerOutput into one forward pass, then into tokens.
 
 `execute_model` (phase 7) applies the step's changes to the persistent batch, builds
-the flat varlen inputs with numpy into reused buffers (step_inputs.py), runs the model over every scheduled token, keeps the
-logits of the rows that sample this step and parks them. `sample_tokens` (phase 8)
+the flat varlen inputs with numpy into reused buffers (step_inputs.py), runs the model
+over every scheduled token, keeps the logits of the rows that sample this step and
+parks them. `sample_tokens` (phase 8)
 samples from the parked logits.
 
 Under tensor parallelism every rank runs this same runner on the same SchedulerOutput,

@@ -19,7 +19,6 @@ from plugserve.worker.input_batch import InputBatch
 
 @dataclass
 class StepInputs:
-    rows: np.ndarray  # persistent-batch rows scheduled this step, ascending
     input_ids: np.ndarray  # int64 [tokens]
     positions: np.ndarray  # int64 [tokens]
     attention: AttentionBatch
@@ -33,7 +32,6 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(self, max_num_tokens: int, max_num_reqs: int, block_size: int) -> None:
         self.block_size = block_size
-        self._max_num_reqs = max_num_reqs
         self._allocate_tokens(max_num_tokens)
         self._num_scheduled = np.zeros(max_num_reqs, dtype=np.int64)
         self._query_start = np.zeros(max_num_reqs + 1, dtype=np.int32)
@@ -87,7 +85,6 @@ class StepInputBuilder:
         logits_indices = self._logits_indices[:num_samples]
         np.subtract(query_start[1:][samples], 1, out=logits_indices, casting="unsafe")
         return StepInputs(
-            rows=rows,
             input_ids=input_ids,
             positions=positions,
             attention=AttentionBatch(

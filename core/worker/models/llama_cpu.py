@@ -49,6 +49,7 @@ class FusedCpuDecoderLayer:
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads)  # q, k, v
+        self.num_qkv_heads = sum(self.heads)
         self.num_qk_heads = attn.num_heads + attn.num_kv_heads
         self.q_size = attn.q_size
 
@@ -64,15 +65,18 @@ class FusedCpuDecoderLayer:
 
         qkv = self.qkv_proj(h)
         ops.rotary_embedding(qkv, rope.positions, self.cos_sin, self.num_qk_heads, self.head_dim)
-        # [T, q + k + v heads, D] split into views; the backend takes any row stride.
-        q, k, v = qkv.view(-1, sum(self.heads), self.head_dim).split(self.heads, dim=1)
-        out = self.attention.forward(self.layer_idx, q, k, v)
-        h = self.o_proj(out.view(-1, self.q_size))
+        h = self.o_proj(self.attend(qkv))
 
         ops.fused_add_rms_norm(h, residual, self.post_attention_norm, self.eps)
         if self.fused_mlp is not None and h.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
             return self.fused_mlp(h), residual
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Rotated qkv [T, (q + k + v heads) * D] → attention output [T, q heads * D]."""
+        # Split into views; the backend takes any row stride.
+        q, k, v = qkv.view(-1, self.num_qkv_heads, self.head_dim).split(self.heads, dim=1)
+        return self.attention.forward(self.layer_idx, q, k, v).view(-1, self.q_size)
 
 
 class FusedCpuDecoder:
@@ -102,21 +106,11 @@ class FusedCpuDecoder:
         )
 
     def __init__(self, layers: list[FusedCpuDecoderLayer], final_norm: torch.Tensor) -> None:
-        first = layers[0]
-        self.first_norm, self.eps = first.input_norm, first.eps
-        self.first_qkv = first.qkv_proj
-        self.cos_sin, self.head_dim = first.cos_sin, first.head_dim
-        self.heads, self.num_qk_heads, self.q_size = first.heads, first.num_qk_heads, first.q_size
-        self.attention = first.attention
-        self.layer_indices = [layer.layer_idx for layer in layers]
+        self.layers = layers
         # The op's arguments after (attention output, residual, positions), per layer.
         self.stretch_args: list[tuple[Any, ...]] = []
         for layer, following in zip(layers, [*layers[1:], None], strict=True):
-            o, gate_up, down = (
-                _packed(layer.o_proj),
-                _packed(layer.gate_up_proj),
-                _packed(layer.down_proj),
-            )
+            o, gate_up, down = map(_packed, (layer.o_proj, layer.gate_up_proj, layer.down_proj))
             qkv = None if following is None else _packed(following.qkv_proj)
             self.stretch_args.append(
                 (
@@ -128,13 +122,13 @@ class FusedCpuDecoder:
                     down.weight,
                     down.bias,
                     final_norm if following is None else following.input_norm,
-                    self.eps,
+                    layer.eps,
                     None if qkv is None else qkv.weight,
                     None if qkv is None else qkv.bias,
                     0 if qkv is None else qkv.out_features,
-                    self.cos_sin,
-                    self.num_qk_heads,
-                    self.head_dim,
+                    layer.cos_sin,
+                    layer.num_qk_heads,
+                    layer.head_dim,
                 )
             )
 
@@ -142,13 +136,12 @@ class FusedCpuDecoder:
         ops = torch.ops.plugserve_ops
         between_attentions = torch.ops.plugserve_decoder.between_attentions
         positions = rope.positions
+        first = self.layers[0]
         residual = x
-        qkv = self.first_qkv(ops.rms_norm(x, self.first_norm, self.eps))
-        ops.rotary_embedding(qkv, positions, self.cos_sin, self.num_qk_heads, self.head_dim)
-        for layer_idx, args in zip(self.layer_indices, self.stretch_args, strict=True):
-            q, k, v = qkv.view(-1, sum(self.heads), self.head_dim).split(self.heads, dim=1)
-            out = self.attention.forward(layer_idx, q, k, v)
-            qkv = between_attentions(out.view(-1, self.q_size), residual, positions, *args)
+        qkv = first.qkv_proj(ops.rms_norm(x, first.input_norm, first.eps))
+        ops.rotary_embedding(qkv, positions, first.cos_sin, first.num_qk_heads, first.head_dim)
+        for layer, args in zip(self.layers, self.stretch_args, strict=True):
+            qkv = between_attentions(layer.attend(qkv), residual, positions, *args)
         return qkv  # after the last layer, the final-normed hidden states
 
 

@@ -66,7 +66,6 @@ def test_a_mixed_step_lays_out_every_token_of_every_scheduled_row() -> None:
     assert step.input_ids.tolist() == want["ids"]
     assert step.positions.tolist() == want["positions"]
     assert step.attention.slot_mapping.tolist() == want["slots"]
-    assert step.rows.tolist() == [0, 2, 3]
     assert step.attention.query_start_loc.tolist() == [0, 1, 11, 15]
     assert step.attention.seq_lens.tolist() == [7, 10, 8]
     assert step.attention.block_table.tolist() == [[5, 2, 0], [9, 1, 4], [3, 8, 6]]

@@ -1,0 +1,88 @@
+"""between_attentions (cpu_decoder.cpp) against the ops it fuses, called one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve.worker import cpp_extension, cpu_linear, cpu_ops
+from plugserve.worker.models import llama_cpu
+
+pytestmark = pytest.mark.skipif(
+    not (
+        cpu_linear.uses_own_kernel()
+        and cpu_ops.load()
+        and cpp_extension.load(llama_cpu._DECODER_SOURCE)
+    ),
+    reason="needs AVX512_BF16 and a C++ compiler",
+)
+
+TOKENS, HIDDEN, INTER, HEAD_DIM, Q_HEADS, KV_HEADS, EPS = 3, 64, 96, 16, 4, 2, 1e-5
+QKV = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return (torch.randn(*shape) * 0.3).to(torch.bfloat16)
+
+
+def make_args(last: bool) -> dict[str, object]:
+    torch.manual_seed(0)
+    return {
+        "o": cpu_linear.PackedLinear(bf16(HIDDEN, Q_HEADS * HEAD_DIM), bf16(HIDDEN)),
+        "post_norm": bf16(HIDDEN),
+        "gate_up": cpu_linear.PackedLinear(bf16(2 * INTER, HIDDEN)),
+        "down": cpu_linear.PackedLinear(bf16(HIDDEN, INTER)),
+        "next_norm": bf16(HIDDEN),
+        "qkv": None if last else cpu_linear.PackedLinear(bf16(QKV, HIDDEN), bf16(QKV)),
+        "cos_sin": torch.randn(32, HEAD_DIM),
+    }
+
+
+def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    qkv = a["qkv"]
+    return torch.ops.plugserve_decoder.between_attentions(
+        attention_out, residual, torch.tensor([3, 0, 17]),
+        a["o"].weight, a["o"].bias, a["post_norm"],
+        a["gate_up"].weight, a["gate_up"].bias, a["down"].weight, a["down"].bias,
+        a["next_norm"], EPS,
+        None if qkv is None else qkv.weight, None if qkv is None else qkv.bias,
+        0 if qkv is None else qkv.out_features,
+        a["cos_sin"], Q_HEADS + KV_HEADS, HEAD_DIM,
+    )  # fmt: skip
+
+
+def one_by_one(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    h = a["o"](attention_out)
+    cpu_ops.fused_add_rms_norm(h, residual, a["post_norm"], EPS)
+    m = a["down"](cpu_ops.silu_and_mul(a["gate_up"](h)))
+    cpu_ops.fused_add_rms_norm(m, residual, a["next_norm"], EPS)
+    if a["qkv"] is None:
+        return m
+    qkv = a["qkv"](m)
+    cpu_ops.rotary_embedding(
+        qkv, torch.tensor([3, 0, 17]), a["cos_sin"], Q_HEADS + KV_HEADS, HEAD_DIM
+    )
+    return qkv
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["to-next-qkv", "last-layer"])
+def test_equals_the_ops_it_fuses_in_their_order(last: bool) -> None:
+    a = make_args(last)
+    attention_out, residual = bf16(TOKENS, Q_HEADS * HEAD_DIM), bf16(TOKENS, HIDDEN)
+    expected_residual = residual.clone()
+    expected = one_by_one(a, attention_out, expected_residual)
+
+    actual = call_op(a, attention_out, residual)
+
+    assert actual.shape == ((TOKENS, HIDDEN) if last else (TOKENS, QKV))
+    assert torch.equal(actual, expected)
+    assert torch.equal(residual, expected_residual)  # the residual stream, in place
+
+
+def test_rejects_a_norm_weight_of_another_width_and_a_position_past_the_table() -> None:
+    a = make_args(last=False)
+    attention_out, residual = bf16(TOKENS, Q_HEADS * HEAD_DIM), bf16(TOKENS, HIDDEN)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        call_op({**a, "next_norm": bf16(HIDDEN // 2)}, attention_out, residual)
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        call_op({**a, "cos_sin": torch.randn(4, HEAD_DIM)}, attention_out, residual)
