@@ -13,7 +13,8 @@
 //
 // One row (a batch-1 decode step) is a pure weight stream and runs its own loop: one block
 // at a time with four accumulators over alternating k-pairs (one would wait on the
-// previous VDPBF16PS). Threads split the work into contiguous shares (for_each_item).
+// previous VDPBF16PS). Threads split the work into contiguous shares and take what is left
+// of each other's at the end (for_each_item).
 // With the weights on huge pages (cpu_linear.WeightArena), SmolLM2's 269 MB per step
 // read in 3.8 ms instead of 4.8 at a 75 GB/s phase of this VM, 5.2 instead of 6.0 at 49.
 //
@@ -127,21 +128,68 @@ inline TileFn tile_for(int64_t rows, int64_t blocks) {
   }
 }
 
-// Runs work(i) for every i in [0, items) on torch's threads, each thread over its own
-// contiguous share, so that its weight reads form one sequential stream (runs taken from a
-// shared counter interleave the threads' streams: 25% slower at one row); the few items
-// left over (items % threads) go one at a time to whichever thread is free first.
-// Leaving a tenth of the items shared, for a thread that loses its core to the API server
-// for a moment, did no better in serving at batch 1 (7.63/8.49 vs 8.00/8.29 ms ITL).
+// Runs work(i) for every i in [0, items) on torch's threads. Each thread works its own
+// contiguous share front to back, so that its weight reads form one sequential stream (runs
+// taken from a shared counter interleave the threads' streams: 25% slower at one row).
+// A thread done with its share then takes items one at a time from the back of a share
+// still being worked: when the API server or the client takes one of two cores for a
+// moment, the other thread finishes the matmul instead of waiting for it at the barrier.
+// A share's unclaimed items [front, end) are one 64-bit word, so owner and thief claim
+// through one compare-and-swap and never take the same item.
+class ItemShares {
+ public:
+  static constexpr int64_t kMaxThreads = 256;
+
+  ItemShares(int64_t items, int64_t threads) : threads_(threads) {
+    for (int64_t t = 0; t < threads; ++t)
+      shares_[t].range.store(pack(items * t / threads, items * (t + 1) / threads),
+                             std::memory_order_relaxed);
+  }
+
+  // The next item of share t from its front (the owner) or its back (a thief); -1 when
+  // none is left.
+  int64_t claim(int64_t t, bool from_front) {
+    std::atomic<uint64_t>& range = shares_[t].range;
+    uint64_t current = range.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t front = current & 0xffffffffu, end = current >> 32;
+      if (front >= end) return -1;
+      const uint64_t next = from_front ? pack(front + 1, end) : pack(front, end - 1);
+      if (range.compare_exchange_weak(current, next, std::memory_order_relaxed))
+        return static_cast<int64_t>(from_front ? front : end - 1);
+    }
+  }
+
+  int64_t threads() const { return threads_; }
+
+ private:
+  static uint64_t pack(uint64_t front, uint64_t end) { return front | (end << 32); }
+
+  struct alignas(64) Share {
+    std::atomic<uint64_t> range;
+  };
+  int64_t threads_;
+  Share shares_[kMaxThreads];
+};
+
 template <typename Work>
 void for_each_item(int64_t items, const Work& work) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  const int64_t share = items / threads;
-  std::atomic<int64_t> next{share * threads};
+  const int64_t threads = std::clamp<int64_t>(
+      std::min<int64_t>(at::get_num_threads(), items), 1, ItemShares::kMaxThreads);
+  if (threads == 1) {
+    for (int64_t i = 0; i < items; ++i) work(i);
+    return;
+  }
+  ItemShares shares(items, threads);
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t end_thread) {
-    for (int64_t t = first_thread; t < end_thread; ++t)
-      for (int64_t i = t * share; i < (t + 1) * share; ++i) work(i);
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) work(i);
+    for (int64_t t = first_thread; t < end_thread; ++t) {
+      for (int64_t i = shares.claim(t, true); i >= 0; i = shares.claim(t, true)) work(i);
+      for (int64_t k = 1; k < threads; ++k) {
+        const int64_t victim = (t + k) % threads;
+        for (int64_t i = shares.claim(victim, false); i >= 0; i = shares.claim(victim, false))
+          work(i);
+      }
+    }
   });
 }
 
