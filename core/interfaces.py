@@ -344,7 +344,14 @@ class AttentionBackend(Protocol):
 
     A backend that can run inside CUDA graphs also defines `init_cuda_graphs(sizes,
     max_blocks_per_req)` and `prepare_graph(batch, padded_size)` (see
-    worker/cuda_graphs.py); without them decode steps run eagerly."""
+    worker/cuda_graphs.py); without them decode steps run eagerly.
+
+    A CPU backend whose kernel is C++ may also define `cpu_layer_call() -> (function,
+    context) | None`: two addresses, of a `plugserve::LayerAttentionFn`
+    (worker/layer_attention.h) and of the state it takes for the step prepared last, valid
+    until the next prepare(). The fused bf16 CPU decoder then runs every layer of a step in
+    one C++ op instead of calling `forward` from Python per layer; None (or no such
+    method) keeps the per-layer calls."""
 
     def __init__(self, *, spec: AttentionSpec) -> None: ...
 

@@ -8,13 +8,22 @@
 // many of them take: eight calls and a frame per layer become one. The arithmetic is
 // cpu_gemm.h's and cpu_ops.h's, in the same order, so results equal the per-op path's.
 //
-// Registered as torch.ops.plugserve_decoder.between_attentions; built and loaded by
-// models/llama_cpu.py. Only where cpu_gemm.h builds (AVX512_BF16), since it takes the
+// Where the attention backend offers its kernel as a C++ call (layer_attention.h), the whole
+// layer stack runs as one op, decode_layers over a LayerStack of every layer's weights: a
+// batch-1 step then makes one call from Python instead of sixty, and no Python runs while
+// the weights stream.
+//
+// Registered as torch.ops.plugserve_decoder.between_attentions and decode_layers (with
+// torch.classes.plugserve_decoder.LayerStack); built and loaded by models/llama_cpu.py. Only where cpu_gemm.h builds (AVX512_BF16), since it takes the
 // weights in that kernel's packed layout.
+#include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #include "cpu_gemm.h"
 #include "cpu_ops.h"
+#include "layer_attention.h"
 
 #ifdef PLUGSERVE_HAS_BF16_GEMM
 
@@ -59,19 +68,97 @@ at::Tensor between_attentions(const at::Tensor& attention_out, at::Tensor residu
   return qkv;
 }
 
+// Every layer's weights, in the order of between_attentions' arguments, built once at load.
+struct LayerStack : torch::CustomClassHolder {
+  struct Layer {
+    int64_t attention_layer;
+    at::Tensor o_proj;
+    c10::optional<at::Tensor> o_bias;
+    at::Tensor post_attention_norm, gate_up_proj;
+    c10::optional<at::Tensor> gate_up_bias;
+    at::Tensor down_proj;
+    c10::optional<at::Tensor> down_bias;
+    at::Tensor next_norm;
+    double eps;
+    c10::optional<at::Tensor> next_qkv_proj, next_qkv_bias;
+    int64_t qkv_features;
+  };
+
+  LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+      : cos_sin(std::move(cos_sin)),
+        num_heads(num_heads),
+        num_kv_heads(num_kv_heads),
+        head_dim(head_dim) {}
+
+  void add_layer(int64_t attention_layer, at::Tensor o_proj, c10::optional<at::Tensor> o_bias,
+                 at::Tensor post_attention_norm, at::Tensor gate_up_proj,
+                 c10::optional<at::Tensor> gate_up_bias, at::Tensor down_proj,
+                 c10::optional<at::Tensor> down_bias, at::Tensor next_norm, double eps,
+                 c10::optional<at::Tensor> next_qkv_proj,
+                 c10::optional<at::Tensor> next_qkv_bias, int64_t qkv_features) {
+    TORCH_CHECK(layers.empty() || layers.back().next_qkv_proj.has_value(),
+                "the last layer added has no next qkv_proj: the stack is complete");
+    layers.push_back({attention_layer, std::move(o_proj), std::move(o_bias),
+                      std::move(post_attention_norm), std::move(gate_up_proj),
+                      std::move(gate_up_bias), std::move(down_proj), std::move(down_bias),
+                      std::move(next_norm), eps, std::move(next_qkv_proj),
+                      std::move(next_qkv_bias), qkv_features});
+  }
+
+  std::vector<Layer> layers;
+  at::Tensor cos_sin;
+  int64_t num_heads, num_kv_heads, head_dim;
+};
+
+// The first layer's rotated qkv [T, (q + k + v heads) * D] → the final-normed hidden states.
+at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor qkv,
+                         at::Tensor residual, const at::Tensor& positions,
+                         int64_t attention_fn, int64_t attention_context) {
+  TORCH_CHECK(attention_fn != 0, "no attention call");
+  TORCH_CHECK(!stack->layers.empty() && !stack->layers.back().next_qkv_proj.has_value(),
+              "the stack must end with a layer that has no next qkv_proj");
+  const auto attend = reinterpret_cast<plugserve::LayerAttentionFn>(attention_fn);
+  const auto* context = reinterpret_cast<const void*>(attention_context);
+  const int64_t heads = stack->num_heads, kv_heads = stack->num_kv_heads, d = stack->head_dim;
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim]");
+  for (const LayerStack::Layer& layer : stack->layers) {
+    const at::Tensor by_head = qkv.view({tokens, heads + 2 * kv_heads, d});
+    const at::Tensor attention_out =
+        attend(context, layer.attention_layer, by_head.narrow(1, 0, heads),
+               by_head.narrow(1, heads, kv_heads), by_head.narrow(1, heads + kv_heads, kv_heads))
+            .view({tokens, heads * d});
+    qkv = between_attentions(attention_out, residual, positions, layer.o_proj, layer.o_bias,
+                             layer.post_attention_norm, layer.gate_up_proj, layer.gate_up_bias,
+                             layer.down_proj, layer.down_bias, layer.next_norm, layer.eps,
+                             layer.next_qkv_proj, layer.next_qkv_bias, layer.qkv_features,
+                             stack->cos_sin, heads + kv_heads, d);
+  }
+  return qkv;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(plugserve_decoder, m) {
+  m.class_<LayerStack>("LayerStack")
+      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
+      .def("add_layer", &LayerStack::add_layer);
   m.def(
       "between_attentions(Tensor attention_out, Tensor(a!) residual, Tensor positions, "
       "Tensor o_proj, Tensor? o_bias, Tensor post_attention_norm, Tensor gate_up_proj, "
       "Tensor? gate_up_bias, Tensor down_proj, Tensor? down_bias, Tensor next_norm, "
       "float eps, Tensor? next_qkv_proj, Tensor? next_qkv_bias, int qkv_features, "
       "Tensor cos_sin, int num_qk_heads, int head_dim) -> Tensor");
+  m.def(
+      "decode_layers(__torch__.torch.classes.plugserve_decoder.LayerStack stack, Tensor qkv, "
+      "Tensor(a!) residual, Tensor positions, int attention_fn, int attention_context) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(plugserve_decoder, CPU, m) {
   m.impl("between_attentions", &between_attentions);
+  m.impl("decode_layers", &decode_layers);
 }
 
 #endif

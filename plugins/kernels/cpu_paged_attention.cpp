@@ -4,13 +4,17 @@
 // chunk has one row per token, whose seq_len is its position + 1 (causal).
 //
 // Registered as torch.ops.plugserve_cpu.paged_attention; built and loaded by
-// cpu_paged_attention.py. Work is split over rows (or row and KV head, when rows are
+// cpu_paged_attention.py. PagedAttentionStep (torch.classes.plugserve_cpu) holds a step's
+// plan and the layers' caches and offers the kernel as a plugserve::LayerAttentionFn, which
+// the core's fused CPU decoder calls for every layer without going back to Python. Work is split over rows (or row and KV head, when rows are
 // few) with ATen's thread pool, so it shares the threads torch already runs on.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "cpu_bf16.h"  // from plugserve.worker, on the include path
+#include "layer_attention.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -370,12 +374,54 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+// A step's plan and every layer's cache, for calls from C++ (plugserve::LayerAttentionFn).
+struct PagedAttentionStep : torch::CustomClassHolder {
+  PagedAttentionStep(std::vector<at::Tensor> k_blocks, std::vector<at::Tensor> v_blocks,
+                     double scale)
+      : k_blocks(std::move(k_blocks)), v_blocks(std::move(v_blocks)), scale(scale) {
+    TORCH_CHECK(this->k_blocks.size() == this->v_blocks.size(), "one K and one V per layer");
+  }
+
+  void plan(at::Tensor slots, at::Tensor block_table, at::Tensor table_index,
+            at::Tensor seq_lens) {
+    this->slots = std::move(slots);
+    this->block_table = std::move(block_table);
+    this->table_index = std::move(table_index);
+    this->seq_lens = std::move(seq_lens);
+  }
+
+  // [function address, context address]: valid while this object lives and until the next
+  // plan(), whose tensors the call reads.
+  std::vector<int64_t> layer_call() const {
+    plugserve::LayerAttentionFn fn = &call;
+    return {reinterpret_cast<int64_t>(fn), reinterpret_cast<int64_t>(this)};
+  }
+
+  static at::Tensor call(const void* context, int64_t layer, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v) {
+    const auto& step = *static_cast<const PagedAttentionStep*>(context);
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(step.k_blocks.size()), "layer ",
+                layer, " is outside the cache");
+    TORCH_CHECK(step.slots.defined(), "plan() must run before the layer call");
+    return paged_attention(q, k, v, step.slots, step.k_blocks[layer], step.v_blocks[layer],
+                           step.block_table, step.table_index, step.seq_lens, step.scale);
+  }
+
+  std::vector<at::Tensor> k_blocks, v_blocks;
+  double scale;
+  at::Tensor slots, block_table, table_index, seq_lens;
+};
+
 }  // namespace
 
 TORCH_LIBRARY(plugserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor(a!) k_blocks, "
         "Tensor(b!) v_blocks, Tensor block_table, Tensor table_index, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.class_<PagedAttentionStep>("PagedAttentionStep")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double>())
+      .def("plan", &PagedAttentionStep::plan)
+      .def("layer_call", &PagedAttentionStep::layer_call);
 }
 
 TORCH_LIBRARY_IMPL(plugserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -13,6 +13,7 @@ torch backend keeps SDPA.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,3 +47,12 @@ def paged_attention(
     return torch.ops.plugserve_cpu.paged_attention(
         q, k, v, slots, k_blocks, v_blocks, block_table, table_index, seq_lens, scale
     )
+
+
+def paged_attention_step(
+    k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor], scale: float
+) -> Any:
+    """Each layer's K/V blocks and, after `plan(slots, block_table, table_index, seq_lens)`,
+    a step's plan, in C++: `layer_call()` gives [function, context] addresses of the
+    kernel as a plugserve::LayerAttentionFn (layer_attention.h) over them."""
+    return torch.classes.plugserve_cpu.PagedAttentionStep(k_blocks, v_blocks, scale)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pydantic
@@ -100,6 +100,8 @@ class TorchPagedAttention:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.kv_cache: torch.Tensor | None = None
         self._plan: _StepPlan | None = None
+        self._native_step: Any = None  # the plan in C++ (native kernel only)
+        self._native_call: tuple[int, int] | None = None
 
     def _use_native_kernel(self, choice: str) -> bool:
         if choice == "sdpa":
@@ -138,6 +140,19 @@ class TorchPagedAttention:
             )
             for layer in range(s.num_layers)
         ]
+        # The native plan, held in C++ as well, for a fused decoder's calls (cpu_layer_call).
+        self._native_step = (
+            cpu_paged_attention.paged_attention_step(
+                [c.k_blocks for c in self._layer_caches],
+                [c.v_blocks for c in self._layer_caches],
+                self.scale,
+            )
+            if self.native
+            else None
+        )
+        self._native_call = (
+            None if self._native_step is None else tuple(self._native_step.layer_call())
+        )
 
     # ------------------------------------------------------------------ per step
 
@@ -152,13 +167,12 @@ class TorchPagedAttention:
         slots = self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64))
         num_tokens = int(query_start[-1])
         if self.native:
-            self._plan = _StepPlan(
-                num_tokens,
-                slots,
-                None,
-                (),
-                self._plan_native(batch.block_table, seq_lens, query_lens),
-            )
+            native = self._plan_native(batch.block_table, seq_lens, query_lens)
+            self._plan = _StepPlan(num_tokens, slots, None, (), native)
+            if self._native_step is not None:
+                self._native_step.plan(
+                    slots, native.block_table, native.table_index, native.seq_lens
+                )
             return
         decode_rows = np.flatnonzero(query_lens == 1)
         decodes = None
@@ -227,6 +241,11 @@ class TorchPagedAttention:
         query_pos = torch.arange(context_len, seq_len, device=self.device)[:, None]
         mask = torch.arange(seq_len, device=self.device)[None, :] <= query_pos
         return _Prefill(start, end, block_ids, mask)
+
+    def cpu_layer_call(self) -> tuple[int, int] | None:
+        """The C++ kernel as a plugserve::LayerAttentionFn and its context (see
+        interfaces.AttentionBackend), for the step prepared last; None under SDPA."""
+        return self._native_call if self._plan is not None else None
 
     # ------------------------------------------------------------------ per layer
 

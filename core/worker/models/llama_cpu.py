@@ -131,15 +131,31 @@ class FusedCpuDecoder:
                     layer.head_dim,
                 )
             )
+        # The same arguments once more, held in C++ for decode_layers.
+        first = layers[0]
+        self.stack = torch.classes.plugserve_decoder.LayerStack(
+            first.cos_sin, first.heads[0], first.heads[1], first.head_dim
+        )
+        for layer, args in zip(layers, self.stretch_args, strict=True):
+            self.stack.add_layer(layer.layer_idx, *args[:12])
+        self.attention = first.attention
 
     def __call__(self, x: torch.Tensor, rope: Any) -> torch.Tensor:
         ops = torch.ops.plugserve_ops
-        between_attentions = torch.ops.plugserve_decoder.between_attentions
         positions = rope.positions
         first = self.layers[0]
         residual = x
         qkv = first.qkv_proj(ops.rms_norm(x, first.input_norm, first.eps))
         ops.rotary_embedding(qkv, positions, first.cos_sin, first.num_qk_heads, first.head_dim)
+        # Where the backend offers its kernel as a C++ call (for this step: it may offer it
+        # only for some), decode_layers runs every layer in one op.
+        layer_call = getattr(self.attention, "cpu_layer_call", None)
+        call = None if layer_call is None else layer_call()
+        if call is not None:
+            return torch.ops.plugserve_decoder.decode_layers(
+                self.stack, qkv, residual, positions, *call
+            )
+        between_attentions = torch.ops.plugserve_decoder.between_attentions
         for layer, args in zip(self.layers, self.stretch_args, strict=True):
             qkv = between_attentions(layer.attend(qkv), residual, positions, *args)
         return qkv  # after the last layer, the final-normed hidden states

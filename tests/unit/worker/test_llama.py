@@ -326,6 +326,97 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
 
 
 @pytest.mark.skipif(
+    not cpu_linear.uses_own_kernel() or not cpu_ops.supported(torch.bfloat16, torch.device("cpu")),
+    reason="FusedCpuDecoder needs AVX512_BF16 and the fused ops",
+)
+def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the attention backend offers its kernel as a C++ call (cpu_layer_call), the
+    whole stack runs as decode_layers; it makes the same calls in the same order as the
+    per-stretch loop, so prefill and decode logits are equal bit for bit."""
+    config = LlamaConfig(**TINY, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+    def build() -> tuple[LlamaForCausalLM, TorchPagedAttention]:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            backend = make_backend(config, num_blocks=16, dtype=torch.bfloat16)
+            model = LlamaForCausalLM(hf_config=config, attention=backend)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(hf_model.state_dict().items())
+        model.process_weights_after_loading()
+        assert isinstance(model.decoder, FusedCpuDecoder)
+        return model, backend
+
+    (one_op, one_op_backend), (per_stretch, per_stretch_backend) = build(), build()
+    one_op_calls: list[tuple[int, int] | None] = []
+    offered = one_op_backend.cpu_layer_call
+    monkeypatch.setattr(
+        one_op_backend, "cpu_layer_call", lambda: one_op_calls.append(offered()) or offered()
+    )
+    # A backend without the C++ call: the decoder falls back to one op per stretch.
+    monkeypatch.setattr(per_stretch_backend, "cpu_layer_call", lambda: None)
+
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (20, 3, 40)]
+    steps = [
+        [(str(i), p) for i, p in enumerate(prompts)],  # prefill
+        [(str(i), [7 + i]) for i in range(3)],  # decode, every row
+        [("1", [9])],  # decode, one row
+    ]
+    a, b = (
+        PagedRunner(one_op, one_op_backend, 16),
+        PagedRunner(per_stretch, per_stretch_backend, 16),
+    )
+    for rows in steps:
+        assert torch.equal(a.step(rows), b.step(rows))
+    assert len(one_op_calls) == len(steps) and all(c is not None for c in one_op_calls)
+
+
+def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_layer() -> None:
+    if not cpu_linear.uses_own_kernel() or not cpu_ops.supported(
+        torch.bfloat16, torch.device("cpu")
+    ):
+        pytest.skip("FusedCpuDecoder needs AVX512_BF16 and the fused ops")
+    config = LlamaConfig(**TINY)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        backend = make_backend(config, num_blocks=4, dtype=torch.bfloat16)
+        model = LlamaForCausalLM(hf_config=config, attention=backend)
+    finally:
+        torch.set_default_dtype(previous)
+    model.process_weights_after_loading()
+    decoder = model.decoder
+    assert isinstance(decoder, FusedCpuDecoder)
+    qkv = torch.zeros(1, (4 + 2 * 2) * 16, dtype=torch.bfloat16)
+    residual = torch.zeros(1, 64, dtype=torch.bfloat16)
+    positions = torch.zeros(1, dtype=torch.long)
+    decode_layers = torch.ops.plugserve_decoder.decode_layers
+    with pytest.raises(RuntimeError, match="no attention call"):
+        decode_layers(decoder.stack, qkv, residual, positions, 0, 0)
+    # A stack over more layers than the backend's cache holds.
+    backend.prepare(
+        AttentionBatch(
+            query_start_loc=np.array([0, 1], dtype=np.int32),
+            seq_lens=np.array([1], dtype=np.int32),
+            block_table=np.zeros((1, 1), dtype=np.int32),
+            slot_mapping=np.zeros(1, dtype=np.int64),
+        )
+    )
+    stack = torch.classes.plugserve_decoder.LayerStack(model.rotary.cos_sin, 4, 2, 16)
+    for index, args in enumerate(decoder.stretch_args):
+        stack.add_layer(index + 5, *args[:12])
+    call = backend.cpu_layer_call()
+    assert call is not None
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_layers(stack, qkv, residual, positions, *call)
+
+
+@pytest.mark.skipif(
     not cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu"))
     or not cpu_ops.supported(torch.bfloat16, torch.device("cpu")),
     reason="no bf16 packing or fused ops on this CPU",
