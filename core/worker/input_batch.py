@@ -27,6 +27,9 @@ class InputBatch:
         self.device = device
         self.req_ids: list[str] = []  # row i holds req_ids[i]; rows stay dense
         self.req_id_to_row: dict[str, int] = {}
+        # Bumped whenever a row is added, removed or moved: what is derived from the rows'
+        # sampling parameters (the sampler's metadata) holds while it stays the same.
+        self.version = 0
 
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -58,6 +61,7 @@ class InputBatch:
         row = self.num_reqs
         if row >= self.max_num_reqs:
             raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
+        self.version += 1
         self.req_ids.append(new.req_id)
         self.req_id_to_row[new.req_id] = row
 
@@ -96,6 +100,7 @@ class InputBatch:
     def remove_requests(self, req_ids: set[str], finished: set[str]) -> None:
         """Drop rows (finished, aborted or preempted) and close the gaps by moving rows
         from the end. Generators of truly finished requests are dropped too."""
+        self.version += 1
         for req_id in finished:
             self.generators.pop(req_id, None)
         rows = sorted(

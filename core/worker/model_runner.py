@@ -84,6 +84,9 @@ class ModelRunner:
         self.block_size = engine.block_size
         self.sampler = Sampler()
         self._parked: _ParkedLogits | None = None
+        # The last step's sampling metadata and what it was built for (batch version,
+        # rows): reused while neither changes, as at every decode step of a steady batch.
+        self._metadata: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         self._staging = (
             # input ids, positions (one per token), logits indices (one per row)
             PinnedStaging(
@@ -240,7 +243,10 @@ class ModelRunner:
         sample_rows = step.sample_rows
         # Skipped (on every rank alike) when no row samples: a collective over empty
         # tensors is pointless and not every backend accepts one.
-        logits = self.model.compute_logits(hidden[logits_indices]) if len(sample_rows) else None
+        if len(logits_indices) < hidden.shape[0]:
+            hidden = hidden[logits_indices]
+        # (Else every token is its row's last, in order: as at a decode step, all of them.)
+        logits = self.model.compute_logits(hidden) if len(sample_rows) else None
         self._parked = _ParkedLogits(
             logits=logits, rows=sample_rows, req_ids=[batch.req_ids[r] for r in sample_rows]
         )
@@ -284,6 +290,15 @@ class ModelRunner:
         return result
 
     def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
+        key = (self.input_batch.version, rows.tobytes())
+        if self._metadata is not None and self._metadata[0] == key:
+            return self._metadata[1]
+        metadata = self._build_sampling_metadata(rows, req_ids)
+        # Penalties read the tokens so far, which change every step: never reused.
+        self._metadata = None if metadata.uses_penalties else (key, metadata)
+        return metadata
+
+    def _build_sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
         batch = self.input_batch
         device = self.device
         temperature = batch.temperature[rows]

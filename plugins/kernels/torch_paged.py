@@ -198,13 +198,17 @@ class TorchPagedAttention:
         self, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray
     ) -> _NativePlan:
         rows = np.arange(len(seq_lens))
-        # Each token sees its request's context plus the step's tokens up to itself.
-        ends = np.cumsum(query_lens)
-        offsets = np.arange(int(ends[-1])) - np.repeat(ends - query_lens, query_lens)
-        token_seq_lens = np.repeat(seq_lens - query_lens, query_lens) + offsets + 1
+        if len(seq_lens) == int(query_lens.sum()):  # one token per row: every row a decode
+            table_index, token_seq_lens = rows, seq_lens
+        else:
+            # Each token sees its request's context plus the step's tokens up to itself.
+            ends = np.cumsum(query_lens)
+            offsets = np.arange(int(ends[-1])) - np.repeat(ends - query_lens, query_lens)
+            token_seq_lens = np.repeat(seq_lens - query_lens, query_lens) + offsets + 1
+            table_index = np.repeat(rows, query_lens)
         return _NativePlan(
             block_table=self._to_device(self._used_blocks(block_table, seq_lens)),
-            table_index=self._to_device(np.repeat(rows, query_lens)),
+            table_index=self._to_device(table_index),
             seq_lens=self._to_device(token_seq_lens),
         )
 

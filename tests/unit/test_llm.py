@@ -179,3 +179,22 @@ def test_max_model_len_is_capped_at_what_the_kv_pool_holds():
     [out] = llm.generate({"prompt_token_ids": [100] * 40}, SamplingParams(max_tokens=100))
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+
+
+def test_sampling_metadata_is_rebuilt_only_when_the_batch_changes(llm, monkeypatch):
+    runner = llm.engine.executor.runner
+    builds: list[int] = []
+    build = runner._build_sampling_metadata
+    monkeypatch.setattr(
+        runner, "_build_sampling_metadata", lambda *a: builds.append(len(a[0])) or build(*a)
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(PROMPTS[0], greedy)
+    assert builds == [1]  # once for the prefill, reused by the seven decode steps
+    builds.clear()
+    llm.generate(PROMPTS[:2], [greedy, short])
+    assert builds == [2, 1]  # both rows, then the one left when the short one ends
+    builds.clear()
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, presence_penalty=0.5, seed=1))
+    assert builds == [1, 1, 1, 1]  # penalties read the tokens so far: every step
