@@ -126,11 +126,12 @@ def backend(request: pytest.FixtureRequest) -> TorchPagedAttention:
     "rows",
     [
         [(0, 1)],  # (cached context, new tokens) per request: one decode
+        [(299, 1)],  # one row over a long context: its KV heads shared by the threads
         [(5, 1), (40, 1), (299, 1)],  # few rows: the kernel splits work by KV head
         [(n, 1) for n in range(0, 400, 10)],  # many rows: by row
         [(0, 37), (50, 20), (17, 1), (0, 1), (130, 129)],  # prefills, chunks and decodes
     ],
-    ids=["one-decode", "few-decodes", "many-decodes", "mixed"],
+    ids=["one-decode", "one-long-decode", "few-decodes", "many-decodes", "mixed"],
 )
 def test_native_kernel_matches_sdpa_at_model_shapes(
     dtype: torch.dtype, rows: list[tuple[int, int]]
