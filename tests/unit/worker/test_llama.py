@@ -96,6 +96,20 @@ def make_backend(
     return backend
 
 
+def bf16_model(
+    config: Any, num_blocks: int, parallel: ParallelContext | None = None
+) -> tuple[LlamaForCausalLM, TorchPagedAttention]:
+    """A bf16 model (random weights) over its own bf16 backend, weights as built."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        backend = make_backend(config, num_blocks=num_blocks, dtype=torch.bfloat16)
+        model = LlamaForCausalLM(hf_config=config, attention=backend, parallel=parallel)
+    finally:
+        torch.set_default_dtype(previous)
+    return model, backend
+
+
 @torch.inference_mode()
 def hf_last_logits(hf_model: Any, token_ids: list[int], count: int = 1) -> torch.Tensor:
     """Logits of the last `count` positions ([count, vocab]; [vocab] for one)."""
@@ -262,13 +276,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
         monkeypatch.setattr(cpu_linear, "packing_supported", lambda dtype, device: False)
 
     def build() -> LlamaForCausalLM:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            backend = make_backend(config, num_blocks=16, dtype=torch.bfloat16)
-            model = LlamaForCausalLM(hf_config=config, attention=backend)
-        finally:
-            torch.set_default_dtype(previous)
+        model, _ = bf16_model(config, num_blocks=16)
         model.load_weights(hf_model.state_dict().items())
         return model
 
@@ -340,13 +348,7 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
     def build() -> tuple[LlamaForCausalLM, TorchPagedAttention]:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            backend = make_backend(config, num_blocks=16, dtype=torch.bfloat16)
-            model = LlamaForCausalLM(hf_config=config, attention=backend)
-        finally:
-            torch.set_default_dtype(previous)
+        model, backend = bf16_model(config, num_blocks=16)
         model.load_weights(hf_model.state_dict().items())
         model.process_weights_after_loading()
         assert isinstance(model.decoder, FusedCpuDecoder)
@@ -381,14 +383,7 @@ def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_laye
         torch.bfloat16, torch.device("cpu")
     ):
         pytest.skip("FusedCpuDecoder needs AVX512_BF16 and the fused ops")
-    config = LlamaConfig(**TINY)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        backend = make_backend(config, num_blocks=4, dtype=torch.bfloat16)
-        model = LlamaForCausalLM(hf_config=config, attention=backend)
-    finally:
-        torch.set_default_dtype(previous)
+    model, backend = bf16_model(LlamaConfig(**TINY), num_blocks=4)
     model.process_weights_after_loading()
     decoder = model.decoder
     assert isinstance(decoder, FusedCpuDecoder)
@@ -425,17 +420,9 @@ def test_a_tensor_parallel_shard_keeps_the_all_reduce_of_its_row_parallel_layers
     """Rank 0 of 2, bf16 on CPU: the fused layers call the column-parallel projections'
     packed weights, but the row-parallel ones (o_proj, down_proj) through their modules,
     whose forward sums the partial products over ranks."""
-    config = LlamaConfig(**TINY)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = LlamaForCausalLM(
-            hf_config=config,
-            attention=make_backend(config, num_blocks=1, dtype=torch.bfloat16),
-            parallel=ParallelContext(rank=0, world_size=2),
-        )
-    finally:
-        torch.set_default_dtype(previous)
+    model, _ = bf16_model(
+        LlamaConfig(**TINY), num_blocks=1, parallel=ParallelContext(rank=0, world_size=2)
+    )
     model.process_weights_after_loading()
     assert model.decoder is None  # its one op per stretch has no all-reduce
     for layer, fused in zip(model.model.layers, model.layer_fns, strict=True):
