@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
 from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve.worker.cpu_linear import huge_page_buffer
 from plugserve_plugins.kernels import cpu_paged_attention
 
 
@@ -124,11 +125,15 @@ class TorchPagedAttention:
         s = self.spec
         # Zeros, not empty: padded keys are masked, but a NaN left in unused memory would
         # still poison the output through 0 * NaN in the value product.
-        self.kv_cache = torch.zeros(
-            (s.num_layers, 2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim),
-            dtype=s.dtype,
-            device=self.device,
-        )
+        shape = (s.num_layers, 2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        if self.device.type == "cpu":
+            # On 2 MB pages (anonymous memory, zero already, backed as it is first written):
+            # a decode's blocks lie scattered over each layer's many-MB region, and on 4 KB
+            # pages nearly every block read was a TLB miss, cold after the step's weights.
+            element = torch.empty((), dtype=s.dtype).element_size()
+            self.kv_cache = huge_page_buffer(math.prod(shape) * element).view(s.dtype).view(shape)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=s.dtype, device=self.device)
         # Per layer: K and V by block [num_blocks, block_size, KVH, D] and by slot
         # [num_slots, KVH, D]; built once, as a layer's forward is hot.
         self._layer_caches = [
