@@ -14,8 +14,9 @@
 // the weights stream.
 //
 // Registered as torch.ops.plugserve_decoder.between_attentions and decode_layers (with
-// torch.classes.plugserve_decoder.LayerStack); built and loaded by models/llama_cpu.py. Only where cpu_gemm.h builds (AVX512_BF16), since it takes the
-// weights in that kernel's packed layout.
+// torch.classes.plugserve_decoder.LayerStack); built and loaded by models/llama_cpu.py.
+// Only where cpu_gemm.h builds (AVX512_BF16), since it takes the weights in that kernel's
+// packed layout.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 

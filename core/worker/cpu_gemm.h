@@ -140,7 +140,7 @@ class ItemShares {
  public:
   static constexpr int64_t kMaxThreads = 256;
 
-  ItemShares(int64_t items, int64_t threads) : threads_(threads) {
+  ItemShares(int64_t items, int64_t threads) {
     for (int64_t t = 0; t < threads; ++t)
       shares_[t].range.store(pack(items * t / threads, items * (t + 1) / threads),
                              std::memory_order_relaxed);
@@ -160,15 +160,12 @@ class ItemShares {
     }
   }
 
-  int64_t threads() const { return threads_; }
-
  private:
   static uint64_t pack(uint64_t front, uint64_t end) { return front | (end << 32); }
 
   struct alignas(64) Share {
     std::atomic<uint64_t> range;
   };
-  int64_t threads_;
   Share shares_[kMaxThreads];
 };
 

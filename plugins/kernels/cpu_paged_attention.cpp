@@ -4,10 +4,11 @@
 // chunk has one row per token, whose seq_len is its position + 1 (causal).
 //
 // Registered as torch.ops.plugserve_cpu.paged_attention; built and loaded by
-// cpu_paged_attention.py. PagedAttentionStep (torch.classes.plugserve_cpu) holds a step's
-// plan and the layers' caches and offers the kernel as a plugserve::LayerAttentionFn, which
-// the core's fused CPU decoder calls for every layer without going back to Python. Work is split over rows (or row and KV head, when rows are
-// few) with ATen's thread pool, so it shares the threads torch already runs on.
+// cpu_paged_attention.py. Work is split over rows (or row and KV head, when rows are few)
+// with ATen's thread pool, so it shares the threads torch already runs on.
+// PagedAttentionStep (torch.classes.plugserve_cpu) holds a step's plan and the layers'
+// caches and offers the kernel as a plugserve::LayerAttentionFn, which the core's fused CPU
+// decoder calls for every layer without going back to Python.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>

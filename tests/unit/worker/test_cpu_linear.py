@@ -6,6 +6,7 @@ the result is the fp32 product rounded once to bf16, up to fp32 summation order.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,33 @@ def test_lm_head_sized_matmul() -> None:
     weight = torch.randn(49152, 576, dtype=torch.bfloat16) * 0.05
     x = torch.randn(4, 576, dtype=torch.bfloat16)
     assert_rounded_once(cpu_linear.PackedLinear(weight)(x), reference(x, weight, None))
+
+
+@own_kernel
+@pytest.mark.parametrize("rows", [1, 13])
+def test_a_matmul_is_exact_while_another_thread_takes_a_core(rows: int) -> None:
+    """Each kernel thread works its own share of the columns, then takes what is left of
+    the others': with a busy thread beside them (as the API server is, once a token), every
+    column is still computed exactly once, whichever thread computes it."""
+    torch.manual_seed(rows)
+    weight = torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    try:
+        linear = cpu_linear.PackedLinear(weight)
+        expected = linear(x)
+        assert_rounded_once(expected, reference(x, weight, None))
+        busy.start()
+        for _ in range(100):
+            assert torch.equal(linear(x), expected)
+    finally:
+        stop.set()
+        if busy.is_alive():
+            busy.join()
+        torch.set_num_threads(previous)
 
 
 def test_rows_with_a_stride_are_read_in_place() -> None:
