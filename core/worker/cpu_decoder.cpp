@@ -8,13 +8,14 @@
 // many of them take: eight calls and a frame per layer become one. The arithmetic is
 // cpu_gemm.h's and cpu_ops.h's, in the same order, so results equal the per-op path's.
 //
-// Where the attention backend offers its kernel as a C++ call (layer_attention.h), the whole
-// layer stack runs as one op, decode_layers over a LayerStack of every layer's weights: a
-// batch-1 step then makes one call from Python instead of sixty, and no Python runs while
-// the weights stream.
+// The weights of every layer sit in one LayerStack, built once at load. decode_stretch runs
+// one stretch of it (the fallback, with the attention backend's forward called from Python
+// in between); where the backend offers its kernel as a C++ call (layer_attention.h),
+// decode_layers runs the whole stack in one op: a batch-1 step then makes one call from
+// Python instead of sixty, and no Python runs while the weights stream.
 //
-// Registered as torch.ops.plugserve_decoder.between_attentions and decode_layers (with
-// torch.classes.plugserve_decoder.LayerStack); built and loaded by models/llama_cpu.py.
+// Registered as torch.ops.plugserve_decoder.decode_stretch and decode_layers, with
+// torch.classes.plugserve_decoder.LayerStack; built and loaded by models/llama_cpu.py.
 // Only where cpu_gemm.h builds (AVX512_BF16), since it takes the weights in that kernel's
 // packed layout.
 #include <torch/custom_class.h>
@@ -111,6 +112,27 @@ struct LayerStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim;
 };
 
+// Layer `index`'s stretch: its attention output [T, q heads * D] → the next layer's rotated
+// qkv, or after the last layer the final-normed hidden states.
+at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
+                   const at::Tensor& attention_out, const at::Tensor& residual,
+                   const at::Tensor& positions) {
+  return between_attentions(attention_out, residual, positions, layer.o_proj, layer.o_bias,
+                            layer.post_attention_norm, layer.gate_up_proj, layer.gate_up_bias,
+                            layer.down_proj, layer.down_bias, layer.next_norm, layer.eps,
+                            layer.next_qkv_proj, layer.next_qkv_bias, layer.qkv_features,
+                            stack.cos_sin, stack.num_heads + stack.num_kv_heads,
+                            stack.head_dim);
+}
+
+at::Tensor decode_stretch(const c10::intrusive_ptr<LayerStack>& stack, int64_t index,
+                          const at::Tensor& attention_out, at::Tensor residual,
+                          const at::Tensor& positions) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(stack->layers.size()), "layer ",
+              index, " is not in the stack");
+  return stretch(*stack, stack->layers[index], attention_out, residual, positions);
+}
+
 // The first layer's rotated qkv [T, (q + k + v heads) * D] → the final-normed hidden states.
 at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor qkv,
                          at::Tensor residual, const at::Tensor& positions,
@@ -130,11 +152,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor
         attend(context, layer.attention_layer, by_head.narrow(1, 0, heads),
                by_head.narrow(1, heads, kv_heads), by_head.narrow(1, heads + kv_heads, kv_heads))
             .view({tokens, heads * d});
-    qkv = between_attentions(attention_out, residual, positions, layer.o_proj, layer.o_bias,
-                             layer.post_attention_norm, layer.gate_up_proj, layer.gate_up_bias,
-                             layer.down_proj, layer.down_bias, layer.next_norm, layer.eps,
-                             layer.next_qkv_proj, layer.next_qkv_bias, layer.qkv_features,
-                             stack->cos_sin, heads + kv_heads, d);
+    qkv = stretch(*stack, layer, attention_out, residual, positions);
   }
   return qkv;
 }
@@ -146,11 +164,8 @@ TORCH_LIBRARY(plugserve_decoder, m) {
       .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
       .def("add_layer", &LayerStack::add_layer);
   m.def(
-      "between_attentions(Tensor attention_out, Tensor(a!) residual, Tensor positions, "
-      "Tensor o_proj, Tensor? o_bias, Tensor post_attention_norm, Tensor gate_up_proj, "
-      "Tensor? gate_up_bias, Tensor down_proj, Tensor? down_bias, Tensor next_norm, "
-      "float eps, Tensor? next_qkv_proj, Tensor? next_qkv_bias, int qkv_features, "
-      "Tensor cos_sin, int num_qk_heads, int head_dim) -> Tensor");
+      "decode_stretch(__torch__.torch.classes.plugserve_decoder.LayerStack stack, int index, "
+      "Tensor attention_out, Tensor(a!) residual, Tensor positions) -> Tensor");
   m.def(
       "decode_layers(__torch__.torch.classes.plugserve_decoder.LayerStack stack, Tensor qkv, "
       "Tensor(a!) residual, Tensor positions, int attention_fn, int attention_context) "
@@ -158,7 +173,7 @@ TORCH_LIBRARY(plugserve_decoder, m) {
 }
 
 TORCH_LIBRARY_IMPL(plugserve_decoder, CPU, m) {
-  m.impl("between_attentions", &between_attentions);
+  m.impl("decode_stretch", &decode_stretch);
   m.impl("decode_layers", &decode_layers);
 }
 

@@ -83,10 +83,11 @@ class FusedCpuDecoder:
     """The whole layer stack of a single-rank model whose linears all run cpu_gemm, called
     as (embeddings, rope) → final-normed hidden states.
 
-    Between two attention calls it makes one op call (cpu_decoder.cpp: o_proj, the norms,
-    the MLP, the next layer's qkv and RoPE), where FusedCpuDecoderLayer makes eight and a
-    frame: at batch 1 that Python is a tenth of the step. The final norm is the last
-    stretch's "next" norm. Same ops in the same order as FusedCpuDecoderLayer (tested).
+    Where the attention backend offers its kernel as a C++ call, the whole stack is one op
+    (decode_layers). Otherwise, between two calls of the backend's forward, it makes one op
+    call (decode_stretch: o_proj, the norms, the MLP, the next layer's qkv and RoPE), where
+    FusedCpuDecoderLayer makes eight and a frame. The final norm is the last stretch's
+    "next" norm. Same ops in the same order as FusedCpuDecoderLayer (tested).
     """
 
     @staticmethod
@@ -102,46 +103,39 @@ class FusedCpuDecoder:
             bool(layers)
             and all(isinstance(m, cpu_linear.PackedLinear) and m.own_kernel for m in linears)
             and cpp_extension.load(_DECODER_SOURCE)
-            and hasattr(torch.ops.plugserve_decoder, "between_attentions")
+            and hasattr(torch.ops.plugserve_decoder, "decode_layers")
         )
 
     def __init__(self, layers: list[FusedCpuDecoderLayer], final_norm: torch.Tensor) -> None:
         self.layers = layers
-        # The op's arguments after (attention output, residual, positions), per layer.
-        self.stretch_args: list[tuple[Any, ...]] = []
-        for layer, following in zip(layers, [*layers[1:], None], strict=True):
-            o, gate_up, down = map(_packed, (layer.o_proj, layer.gate_up_proj, layer.down_proj))
-            qkv = None if following is None else _packed(following.qkv_proj)
-            self.stretch_args.append(
-                (
-                    o.weight,
-                    o.bias,
-                    layer.post_attention_norm,
-                    gate_up.weight,
-                    gate_up.bias,
-                    down.weight,
-                    down.bias,
-                    final_norm if following is None else following.input_norm,
-                    layer.eps,
-                    None if qkv is None else qkv.weight,
-                    None if qkv is None else qkv.bias,
-                    0 if qkv is None else qkv.out_features,
-                    layer.cos_sin,
-                    layer.num_qk_heads,
-                    layer.head_dim,
-                )
-            )
-        # The same arguments once more, held in C++ for decode_layers.
         first = layers[0]
+        # Every stretch's weights, held in C++ once (decode_stretch, decode_layers).
         self.stack = torch.classes.plugserve_decoder.LayerStack(
             first.cos_sin, first.heads[0], first.heads[1], first.head_dim
         )
-        for layer, args in zip(layers, self.stretch_args, strict=True):
-            self.stack.add_layer(layer.layer_idx, *args[:12])
+        for layer, following in zip(layers, [*layers[1:], None], strict=True):
+            o, gate_up, down = map(_packed, (layer.o_proj, layer.gate_up_proj, layer.down_proj))
+            qkv = None if following is None else _packed(following.qkv_proj)
+            self.stack.add_layer(
+                layer.layer_idx,
+                o.weight,
+                o.bias,
+                layer.post_attention_norm,
+                gate_up.weight,
+                gate_up.bias,
+                down.weight,
+                down.bias,
+                final_norm if following is None else following.input_norm,
+                layer.eps,
+                None if qkv is None else qkv.weight,
+                None if qkv is None else qkv.bias,
+                0 if qkv is None else qkv.out_features,
+            )
         self.attention = first.attention
 
     def __call__(self, x: torch.Tensor, rope: Any) -> torch.Tensor:
         ops = torch.ops.plugserve_ops
+        decoder_ops = torch.ops.plugserve_decoder
         positions = rope.positions
         first = self.layers[0]
         residual = x
@@ -152,12 +146,11 @@ class FusedCpuDecoder:
         layer_call = getattr(self.attention, "cpu_layer_call", None)
         call = None if layer_call is None else layer_call()
         if call is not None:
-            return torch.ops.plugserve_decoder.decode_layers(
-                self.stack, qkv, residual, positions, *call
+            return decoder_ops.decode_layers(self.stack, qkv, residual, positions, *call)
+        for index, layer in enumerate(self.layers):
+            qkv = decoder_ops.decode_stretch(
+                self.stack, index, layer.attend(qkv), residual, positions
             )
-        between_attentions = torch.ops.plugserve_decoder.between_attentions
-        for layer, args in zip(self.layers, self.stretch_args, strict=True):
-            qkv = between_attentions(layer.attend(qkv), residual, positions, *args)
         return qkv  # after the last layer, the final-normed hidden states
 
 

@@ -1,4 +1,5 @@
-"""between_attentions (cpu_decoder.cpp) against the ops it fuses, called one by one."""
+"""A stretch of the layer stack (cpu_decoder.cpp's decode_stretch) against the ops it fuses,
+called one by one."""
 
 from __future__ import annotations
 
@@ -39,16 +40,19 @@ def make_args(last: bool) -> dict[str, object]:
 
 
 def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A one-layer LayerStack of these weights, its stretch run by decode_stretch."""
     qkv = a["qkv"]
-    return torch.ops.plugserve_decoder.between_attentions(
-        attention_out, residual, torch.tensor([3, 0, 17]),
-        a["o"].weight, a["o"].bias, a["post_norm"],
+    stack = torch.classes.plugserve_decoder.LayerStack(a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM)
+    stack.add_layer(
+        0, a["o"].weight, a["o"].bias, a["post_norm"],
         a["gate_up"].weight, a["gate_up"].bias, a["down"].weight, a["down"].bias,
         a["next_norm"], EPS,
         None if qkv is None else qkv.weight, None if qkv is None else qkv.bias,
         0 if qkv is None else qkv.out_features,
-        a["cos_sin"], Q_HEADS + KV_HEADS, HEAD_DIM,
     )  # fmt: skip
+    return torch.ops.plugserve_decoder.decode_stretch(
+        stack, 0, attention_out, residual, torch.tensor([3, 0, 17])
+    )
 
 
 def one_by_one(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -86,3 +90,8 @@ def test_rejects_a_norm_weight_of_another_width_and_a_position_past_the_table() 
         call_op({**a, "next_norm": bf16(HIDDEN // 2)}, attention_out, residual)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         call_op({**a, "cos_sin": torch.randn(4, HEAD_DIM)}, attention_out, residual)
+    stack = torch.classes.plugserve_decoder.LayerStack(a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="layer 0 is not in the stack"):
+        torch.ops.plugserve_decoder.decode_stretch(
+            stack, 0, attention_out, residual, torch.tensor([3, 0, 17])
+        )

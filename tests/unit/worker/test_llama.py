@@ -383,7 +383,7 @@ def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_laye
         torch.bfloat16, torch.device("cpu")
     ):
         pytest.skip("FusedCpuDecoder needs AVX512_BF16 and the fused ops")
-    model, backend = bf16_model(LlamaConfig(**TINY), num_blocks=4)
+    model, _ = bf16_model(LlamaConfig(**TINY), num_blocks=4)
     model.process_weights_after_loading()
     decoder = model.decoder
     assert isinstance(decoder, FusedCpuDecoder)
@@ -393,8 +393,11 @@ def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_laye
     decode_layers = torch.ops.plugserve_decoder.decode_layers
     with pytest.raises(RuntimeError, match="no attention call"):
         decode_layers(decoder.stack, qkv, residual, positions, 0, 0)
-    # A stack over more layers than the backend's cache holds.
-    backend.prepare(
+    # The two-layer stack against a backend whose cache holds one layer.
+    one_layer = make_backend(
+        LlamaConfig(**{**TINY, "num_hidden_layers": 1}), num_blocks=4, dtype=torch.bfloat16
+    )
+    one_layer.prepare(
         AttentionBatch(
             query_start_loc=np.array([0, 1], dtype=np.int32),
             seq_lens=np.array([1], dtype=np.int32),
@@ -402,13 +405,10 @@ def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_laye
             slot_mapping=np.zeros(1, dtype=np.int64),
         )
     )
-    stack = torch.classes.plugserve_decoder.LayerStack(model.rotary.cos_sin, 4, 2, 16)
-    for index, args in enumerate(decoder.stretch_args):
-        stack.add_layer(index + 5, *args[:12])
-    call = backend.cpu_layer_call()
+    call = one_layer.cpu_layer_call()
     assert call is not None
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        decode_layers(stack, qkv, residual, positions, *call)
+    with pytest.raises(RuntimeError, match="layer 1 is outside the cache"):
+        decode_layers(decoder.stack, qkv, residual, positions, *call)
 
 
 @pytest.mark.skipif(
