@@ -172,7 +172,7 @@ class TorchPagedAttention:
         slots = self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64))
         num_tokens = int(query_start[-1])
         if self.native:
-            native = self._plan_native(batch.block_table, seq_lens, query_lens)
+            native = self._plan_native(batch.block_table, seq_lens, query_start, context_lens)
             self._plan = _StepPlan(num_tokens, slots, None, (), native)
             if self._native_step is not None:
                 self._native_step.plan(
@@ -200,21 +200,19 @@ class TorchPagedAttention:
         self._plan = _StepPlan(num_tokens, slots, decodes, prefills, None)
 
     def _plan_native(
-        self, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray
+        self,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        query_start: np.ndarray,
+        context_lens: np.ndarray,
     ) -> _NativePlan:
-        rows = np.arange(len(seq_lens))
-        if len(seq_lens) == int(query_lens.sum()):  # one token per row: every row a decode
-            table_index, token_seq_lens = rows, seq_lens
-        else:
-            # Each token sees its request's context plus the step's tokens up to itself.
-            ends = np.cumsum(query_lens)
-            offsets = np.arange(int(ends[-1])) - np.repeat(ends - query_lens, query_lens)
-            token_seq_lens = np.repeat(seq_lens - query_lens, query_lens) + offsets + 1
-            table_index = np.repeat(rows, query_lens)
+        # Each token sees its request's context plus the step's tokens up to itself.
+        table_index = np.repeat(np.arange(len(seq_lens)), np.diff(query_start))
+        offsets = np.arange(int(query_start[-1])) - query_start[table_index]
         return _NativePlan(
             block_table=self._to_device(self._used_blocks(block_table, seq_lens)),
             table_index=self._to_device(table_index),
-            seq_lens=self._to_device(token_seq_lens),
+            seq_lens=self._to_device(context_lens[table_index] + offsets + 1),
         )
 
     def _used_blocks(self, block_table: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
