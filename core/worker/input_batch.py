@@ -27,8 +27,9 @@ class InputBatch:
         self.device = device
         self.req_ids: list[str] = []  # row i holds req_ids[i]; rows stay dense
         self.req_id_to_row: dict[str, int] = {}
-        # Bumped whenever a row is added, removed or moved: what is derived from the rows'
-        # sampling parameters (the sampler's metadata) holds while it stays the same.
+        # Bumped whenever rows are removed (and others moved into their place): what is
+        # derived from given rows' sampling parameters (the sampler's metadata) holds while
+        # it stays the same. Adding a row leaves every existing row as it was.
         self.version = 0
 
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -61,7 +62,6 @@ class InputBatch:
         row = self.num_reqs
         if row >= self.max_num_reqs:
             raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
-        self.version += 1
         self.req_ids.append(new.req_id)
         self.req_id_to_row[new.req_id] = row
 

@@ -198,3 +198,16 @@ def test_sampling_metadata_is_rebuilt_only_when_the_batch_changes(llm, monkeypat
     builds.clear()
     llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, presence_penalty=0.5, seed=1))
     assert builds == [1, 1, 1, 1]  # penalties read the tokens so far: every step
+
+
+def test_a_request_taking_a_finished_ones_row_samples_with_its_own_parameters(llm):
+    """One row at a time: the seeded request joins in the very step the greedy one leaves,
+    into the same row, so only the batch's version tells the reused metadata is stale."""
+    seeded = SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], seeded)[0].outputs[0].token_ids
+    one_row = LLM(model="smollm2-135m-instruct", kv_cache_memory="16MiB", max_num_seqs=1)
+    after = one_row.generate([PROMPTS[0], PROMPTS[1]], [greedy, seeded])[1].outputs[0].token_ids
+    as_greedy = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))
+    assert after == alone
+    assert alone != as_greedy[0].outputs[0].token_ids
