@@ -3,12 +3,12 @@
 // copy of the context), GQA by KV head. A decode step has one row per request; a prefill
 // chunk has one row per token, whose seq_len is its position + 1 (causal).
 //
-// Registered as torch.ops.plugserve_cpu.paged_attention; built and loaded by
-// cpu_paged_attention.py. Work is split over rows (or row and KV head, when rows are few)
-// with ATen's thread pool, so it shares the threads torch already runs on.
-// PagedAttentionStep (torch.classes.plugserve_cpu) holds a step's plan and the layers'
-// caches and offers the kernel as a plugserve::LayerAttentionFn, which the core's fused CPU
-// decoder calls for every layer without going back to Python.
+// Registered as torch.classes.plugserve_cpu.PagedAttentionStep, which holds a step's plan
+// and the layers' caches, attends one layer from Python (forward) and offers the kernel as
+// a plugserve::LayerAttentionFn, which the core's fused CPU decoder calls for every layer
+// without going back to Python; built and loaded by cpu_paged_attention.py. Work is split
+// over rows (or row and KV head, when rows are few) with ATen's thread pool, so it shares
+// the threads torch already runs on.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
@@ -383,12 +383,58 @@ struct PagedAttentionStep : torch::CustomClassHolder {
     TORCH_CHECK(this->k_blocks.size() == this->v_blocks.size(), "one K and one V per layer");
   }
 
-  void plan(at::Tensor slots, at::Tensor block_table, at::Tensor table_index,
-            at::Tensor seq_lens) {
-    this->slots = std::move(slots);
-    this->block_table = std::move(block_table);
-    this->table_index = std::move(table_index);
-    this->seq_lens = std::move(seq_lens);
+  // A step as the engine builds it (interfaces.AttentionBatch: query_start [R + 1], seq_lens
+  // [R], block_table [R, max_blocks], slot_mapping [T], any integer dtype) → one kernel row
+  // per token, which sees its request's context plus the step's tokens up to itself. In C++
+  // because in numpy these were ~20 calls a step, each one cold after the weights' stream.
+  void plan(const at::Tensor& slot_mapping, const at::Tensor& query_start,
+            const at::Tensor& seq_lens, const at::Tensor& block_table) {
+    TORCH_CHECK_VALUE(!k_blocks.empty(), "the cache has no layers");
+    const int64_t rows = seq_lens.numel();
+    TORCH_CHECK_VALUE(query_start.dim() == 1 && query_start.numel() == rows + 1 &&
+                    block_table.dim() == 2 && block_table.size(0) == rows,
+                "query_start needs one entry more than seq_lens, block_table one row per row");
+    const at::Tensor starts = query_start.to(at::kLong).contiguous();
+    const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+    at::Tensor table = block_table.to(at::kLong).contiguous();
+    at::Tensor step_slots = slot_mapping.to(at::kLong).contiguous();
+    const int64_t* qs = starts.data_ptr<int64_t>();
+    const int64_t* len = lens.data_ptr<int64_t>();
+    const int64_t tokens = qs[rows];
+    TORCH_CHECK_VALUE(qs[0] == 0 && step_slots.numel() == tokens,
+                "slot_mapping needs one slot per token of query_start");
+    const int64_t block_size = k_blocks[0].size(1), num_blocks = k_blocks[0].size(0);
+    const int64_t max_blocks = table.size(1);
+    const int64_t* ids = table.data_ptr<int64_t>();
+    at::Tensor token_table = at::empty({tokens}, at::kLong);
+    at::Tensor token_lens = at::empty({tokens}, at::kLong);
+    int64_t* table_of = token_table.data_ptr<int64_t>();
+    int64_t* sees = token_lens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t context = len[r] - (qs[r + 1] - qs[r]);
+      TORCH_CHECK_VALUE(qs[r + 1] >= qs[r] && context >= 0, "row ", r,
+                  " has more query tokens than its seq_len");
+      const int64_t used = (len[r] + block_size - 1) / block_size;
+      TORCH_CHECK_VALUE(used <= max_blocks, "row ", r, " needs ", used, " blocks; the table has ",
+                  max_blocks);
+      for (int64_t b = 0; b < used; ++b)
+        TORCH_CHECK_VALUE(ids[r * max_blocks + b] >= 0 && ids[r * max_blocks + b] < num_blocks,
+                    "block ", ids[r * max_blocks + b], " is outside the cache");
+      for (int64_t t = qs[r]; t < qs[r + 1]; ++t) {
+        table_of[t] = r;
+        sees[t] = context + (t - qs[r]) + 1;
+      }
+    }
+    slots = std::move(step_slots);
+    this->block_table = std::move(table);
+    table_index = std::move(token_table);
+    this->seq_lens = std::move(token_lens);
+  }
+
+  // One layer from Python (the backend's forward), over the planned step.
+  at::Tensor forward(int64_t layer, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v) {
+    return call(this, layer, q, k, v);
   }
 
   // [function address, context address]: valid while this object lives and until the next
@@ -416,13 +462,10 @@ struct PagedAttentionStep : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY(plugserve_cpu, m) {
-  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor(a!) k_blocks, "
-        "Tensor(b!) v_blocks, Tensor block_table, Tensor table_index, Tensor seq_lens, "
-        "float scale) -> Tensor");
   m.class_<PagedAttentionStep>("PagedAttentionStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double>())
       .def("plan", &PagedAttentionStep::plan)
+      .def("forward", &PagedAttentionStep::forward)
       .def("layer_call", &PagedAttentionStep::layer_call);
 }
 
-TORCH_LIBRARY_IMPL(plugserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -23,36 +23,19 @@ _SOURCE = Path(__file__).with_suffix(".cpp")
 
 
 def load() -> bool:
-    """Make torch.ops.plugserve_cpu.paged_attention available; False (with the reason
-    logged once) if it cannot be built or loaded here."""
+    """Make torch.classes.plugserve_cpu.PagedAttentionStep available; False (with the
+    reason logged once) if it cannot be built or loaded here."""
     return cpp_extension.load(_SOURCE)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-    k_blocks: torch.Tensor,
-    v_blocks: torch.Tensor,
-    block_table: torch.Tensor,
-    table_index: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Writes this step's k and v [T, KVH, D] into cache slots `slots` [T], then one query
-    per row: q [R, H, D] attends to the first seq_lens[r] tokens of block-table row
-    table_index[r]. K/V blocks [num_blocks, block_size, KVH, D]; block_table
-    [requests, max_blocks], table_index and seq_lens [R], all int64 → [R, H, D]."""
-    return torch.ops.plugserve_cpu.paged_attention(
-        q, k, v, slots, k_blocks, v_blocks, block_table, table_index, seq_lens, scale
-    )
 
 
 def paged_attention_step(
     k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor], scale: float
 ) -> Any:
-    """Each layer's K/V blocks and, after `plan(slots, block_table, table_index, seq_lens)`,
-    a step's plan, in C++: `layer_call()` gives [function, context] addresses of the
-    kernel as a plugserve::LayerAttentionFn (layer_attention.h) over them."""
+    """The kernel over each layer's K/V blocks [num_blocks, block_size, KVH, D].
+
+    `plan(slot_mapping, query_start, seq_lens, block_table)` takes a step's
+    interfaces.AttentionBatch arrays (as tensors); then `forward(layer, q, k, v)` writes the
+    step's k and v [T, KVH, D] into the cache and attends q [T, H, D] → [T, H, D], and
+    `layer_call()` gives [function, context] addresses of the same kernel as a
+    plugserve::LayerAttentionFn (layer_attention.h)."""
     return torch.classes.plugserve_cpu.PagedAttentionStep(k_blocks, v_blocks, scale)

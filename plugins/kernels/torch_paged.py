@@ -57,15 +57,6 @@ class _Decodes:
 
 
 @dataclass(frozen=True)
-class _NativePlan:
-    """Every token as one query row of the C++ kernel."""
-
-    block_table: torch.Tensor  # [requests, max_blocks] int64, padded with valid ids
-    table_index: torch.Tensor  # [tokens] the block-table row of each token's request
-    seq_lens: torch.Tensor  # [tokens] how many tokens each one attends to (position + 1)
-
-
-@dataclass(frozen=True)
 class _LayerCache:
     k_blocks: torch.Tensor
     v_blocks: torch.Tensor
@@ -76,10 +67,11 @@ class _LayerCache:
 @dataclass(frozen=True)
 class _StepPlan:
     num_tokens: int
-    slots: torch.Tensor  # [num_tokens] where each token's k/v goes
-    decodes: _Decodes | None
-    prefills: tuple[_Prefill, ...]
-    native: _NativePlan | None
+    # The C++ kernel's plan lives in its PagedAttentionStep; SDPA's is the fields below.
+    native: bool
+    slots: torch.Tensor | None = None  # [num_tokens] where each token's k/v goes
+    decodes: _Decodes | None = None
+    prefills: tuple[_Prefill, ...] = ()
 
 
 class TorchPagedAttention:
@@ -162,23 +154,20 @@ class TorchPagedAttention:
     # ------------------------------------------------------------------ per step
 
     def prepare(self, batch: AttentionBatch) -> None:
+        if self.native:
+            if self._native_step is None:
+                raise RuntimeError("allocate_kv_cache() must run before prepare()")
+            arrays = (batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_table)
+            self._native_step.plan(*(torch.from_numpy(np.asarray(a)) for a in arrays))
+            self._plan = _StepPlan(int(batch.query_start_loc[-1]), native=True)
+            return
         query_start = batch.query_start_loc.astype(np.int64)
         seq_lens = batch.seq_lens.astype(np.int64)
         query_lens = np.diff(query_start)
-        context_lens = seq_lens - query_lens
-        if (context_lens < 0).any():
+        if (seq_lens < query_lens).any():
             raise ValueError("a row has more query tokens than its seq_len")
 
         slots = self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64))
-        num_tokens = int(query_start[-1])
-        if self.native:
-            native = self._plan_native(batch.block_table, seq_lens, query_start, context_lens)
-            self._plan = _StepPlan(num_tokens, slots, None, (), native)
-            if self._native_step is not None:
-                self._native_step.plan(
-                    slots, native.block_table, native.table_index, native.seq_lens
-                )
-            return
         decode_rows = np.flatnonzero(query_lens == 1)
         decodes = None
         if len(decode_rows):
@@ -197,23 +186,7 @@ class TorchPagedAttention:
             )
             for row in np.flatnonzero(query_lens > 1)
         )
-        self._plan = _StepPlan(num_tokens, slots, decodes, prefills, None)
-
-    def _plan_native(
-        self,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        query_start: np.ndarray,
-        context_lens: np.ndarray,
-    ) -> _NativePlan:
-        # Each token sees its request's context plus the step's tokens up to itself.
-        table_index = np.repeat(np.arange(len(seq_lens)), np.diff(query_start))
-        offsets = np.arange(int(query_start[-1])) - query_start[table_index]
-        return _NativePlan(
-            block_table=self._to_device(self._used_blocks(block_table, seq_lens)),
-            table_index=self._to_device(table_index),
-            seq_lens=self._to_device(context_lens[table_index] + offsets + 1),
-        )
+        self._plan = _StepPlan(int(query_start[-1]), False, slots, decodes, prefills)
 
     def _used_blocks(self, block_table: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
         """The table cut to the longest row's blocks, as int64; entries past a row's last
@@ -264,24 +237,12 @@ class TorchPagedAttention:
             raise RuntimeError("allocate_kv_cache() and prepare() must run before forward()")
         if q.shape[0] != plan.num_tokens:
             raise ValueError(f"got {q.shape[0]} tokens, the prepared batch has {plan.num_tokens}")
-        cache = self._layer_caches[layer_idx]
         # (The cache holds the model's dtype: q, k and v need no casts.)
-        if plan.native is not None:  # the kernel writes k and v itself, then reads
-            n = plan.native
-            return cpu_paged_attention.paged_attention(
-                q,
-                k,
-                v,
-                plan.slots,
-                cache.k_blocks,
-                cache.v_blocks,
-                n.block_table,
-                n.table_index,
-                n.seq_lens,
-                self.scale,
-            )
-
+        if plan.native:  # the kernel writes k and v itself, then reads
+            return self._native_step.forward(layer_idx, q, k, v)
+        cache = self._layer_caches[layer_idx]
         # Written before any read, so a row sees the tokens every row adds this step.
+        assert plan.slots is not None
         cache.k_slots.index_copy_(0, plan.slots, k)
         cache.v_slots.index_copy_(0, plan.slots, v)
         if plan.decodes is not None and plan.decodes.token_index is None:

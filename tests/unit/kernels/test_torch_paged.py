@@ -213,3 +213,33 @@ def test_forward_before_prepare_is_an_error() -> None:
     k = torch.zeros(1, KV_HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="prepare"):
         backend.forward(0, q, k, k)
+
+
+def one_row_of_three_tokens(seq_len: int, blocks: list[int]) -> AttentionBatch:
+    return AttentionBatch(
+        query_start_loc=np.array([0, 3], dtype=np.int32),
+        seq_lens=np.array([seq_len], dtype=np.int32),
+        block_table=np.array([blocks], dtype=np.int32),
+        slot_mapping=np.arange(3, dtype=np.int64),
+    )
+
+
+def test_a_row_with_more_query_tokens_than_its_seq_len_is_refused(
+    backend: TorchPagedAttention,
+) -> None:
+    with pytest.raises(ValueError, match="more query tokens than its seq_len"):
+        backend.prepare(one_row_of_three_tokens(2, [0]))
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "blocks", "message"),
+    [(7, [0], "needs 2 blocks; the table has 1"), (3, [NUM_BLOCKS], "outside the cache")],
+    ids=["short-table", "block-outside-cache"],
+)
+def test_the_native_plan_refuses_blocks_the_cache_cannot_hold(
+    seq_len: int, blocks: list[int], message: str
+) -> None:
+    backend = TorchPagedAttention(spec=SPEC, options=TorchPagedAttention.Options(kernel="native"))
+    backend.allocate_kv_cache(NUM_BLOCKS)
+    with pytest.raises(ValueError, match=message):
+        backend.prepare(one_row_of_three_tokens(seq_len, blocks))
