@@ -275,7 +275,10 @@ class KVCacheInfo:
 class Executor(Protocol):
     """Runs the model for the engine core: in-process, or over worker processes.
 
-    Optional class attribute `max_tensor_parallel_size` (absent: no limit)."""
+    Optional class attribute `max_tensor_parallel_size` (absent: no limit). Optional
+    method `measure_weight_read(seconds) -> (weight bytes, bytes/s)`: how fast the model's
+    weights read now where they lie (ValueError where it cannot tell), for the bandwidth
+    floor the benchmarks judge a batch-1 step against."""
 
     def __init__(self, *, config: StackConfig) -> None: ...
 
@@ -401,3 +404,5 @@ class CausalLM(Protocol):
 
     # Optional: `process_weights_after_loading()`, called once after load_weights, to
     # re-lay out weights for the kernels that will run them (e.g. packing for oneDNN).
+    # Optional: `weight_buffer() -> torch.Tensor | None`, the one buffer holding every
+    # weight a batch-1 step reads, if there is one; the engine's floor probe reads it.

@@ -71,6 +71,7 @@ class RequestType:
     ADD = b"A"  # EngineCoreRequest
     ABORT = b"X"  # list[str] of request ids
     PING = b"P"  # int nonce; answered by PONG from the busy loop
+    READ_WEIGHTS = b"W"  # ReadWeights; answered by WEIGHT_READ between two steps
     SHUTDOWN = b"S"
 
 
@@ -80,6 +81,7 @@ class OutputType:
     READY = b"r"  # EngineReady, the handshake
     OUTPUTS = b"o"  # EngineCoreOutputs
     PONG = b"p"  # Pong: the nonce, with fresh scheduler stats
+    WEIGHT_READ = b"w"  # WeightRead
     DEAD = b"d"  # EngineDead, then the process exits
 
 
@@ -99,6 +101,22 @@ class Pong(msgspec.Struct, array_like=True):
     stats: SchedulerStats
 
 
+class ReadWeights(msgspec.Struct, array_like=True):
+    """Ask the engine how fast it reads its own weights now (the bandwidth floor of a
+    batch-1 step, measured on the very memory the step reads)."""
+
+    nonce: int
+    seconds: float
+
+
+class WeightRead(msgspec.Struct, kw_only=True):
+    nonce: int
+    engine_index: int
+    weight_bytes: int = 0
+    bytes_per_second: float = 0.0
+    error: str | None = None  # why this engine cannot measure it
+
+
 class EngineDead(msgspec.Struct, kw_only=True):
     engine_index: int
     error: str
@@ -112,3 +130,5 @@ outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 ready_decoder = msgspec.msgpack.Decoder(EngineReady)
 pong_decoder = msgspec.msgpack.Decoder(Pong)
 dead_decoder = msgspec.msgpack.Decoder(EngineDead)
+read_weights_decoder = msgspec.msgpack.Decoder(ReadWeights)
+weight_read_decoder = msgspec.msgpack.Decoder(WeightRead)

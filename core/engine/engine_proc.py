@@ -35,11 +35,14 @@ from plugserve.messages import (
     EngineReady,
     OutputType,
     Pong,
+    ReadWeights,
     RequestType,
     SchedulerStats,
+    WeightRead,
     abort_decoder,
     encoder,
     int_decoder,
+    read_weights_decoder,
     request_decoder,
 )
 from plugserve.plugins import get_registry
@@ -227,10 +230,26 @@ class EngineCoreProc:
             self.engine.executor.check_health()
             pong = Pong(payload, self.engine_index, self.engine.stats())
             self.output_queue.put((OutputType.PONG, pong, client))
+        elif kind == RequestType.READ_WEIGHTS:
+            self.output_queue.put((OutputType.WEIGHT_READ, self._read_weights(payload), client))
         elif kind == RequestType.SHUTDOWN:
             self._running = False
         elif kind == b"__error__":
             raise payload
+
+    def _read_weights(self, probe: ReadWeights) -> WeightRead:
+        # Between two steps, so running requests wait for it: a benchmark asks while idle.
+        answer = WeightRead(nonce=probe.nonce, engine_index=self.engine_index)
+        measure = getattr(self.engine.executor, "measure_weight_read", None)
+        if measure is None:
+            executor = self.engine.config.stack.executor
+            answer.error = f"executor '{executor}' cannot measure how fast its weights read"
+            return answer
+        try:
+            answer.weight_bytes, answer.bytes_per_second = measure(probe.seconds)
+        except ValueError as exc:
+            answer.error = str(exc)
+        return answer
 
     def _add(self, request: EngineCoreRequest, client: int) -> None:
         request_id = request.request_id
@@ -286,6 +305,7 @@ class EngineCoreProc:
             RequestType.ADD: request_decoder,
             RequestType.ABORT: abort_decoder,
             RequestType.PING: int_decoder,
+            RequestType.READ_WEIGHTS: read_weights_decoder,
         }
         try:
             while True:

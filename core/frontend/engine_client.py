@@ -28,13 +28,16 @@ from plugserve.messages import (
     EngineCoreRequest,
     EngineReady,
     OutputType,
+    ReadWeights,
     RequestType,
     SchedulerStats,
+    WeightRead,
     dead_decoder,
     encoder,
     outputs_decoder,
     pong_decoder,
     ready_decoder,
+    weight_read_decoder,
 )
 from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
@@ -118,6 +121,7 @@ class AsyncEngineClient:
         self._load = [0] * self.num_engines
         self.requests_per_engine = [0] * self.num_engines  # ever assigned, for /metrics
         self._pongs: dict[int, asyncio.Future[None]] = {}
+        self._weight_reads: dict[int, asyncio.Future[WeightRead]] = {}
         self._nonces = itertools.count()
         self._channel: ClientChannel | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -241,7 +245,7 @@ class AsyncEngineClient:
         for state in self._states.values():
             state.queue.put_nowait(error)
         self._states.clear()
-        for future in self._pongs.values():
+        for future in [*self._pongs.values(), *self._weight_reads.values()]:
             if not future.done():
                 future.set_exception(error)
         if self.on_engine_dead is not None:
@@ -335,6 +339,26 @@ class AsyncEngineClient:
             for nonce in nonces:
                 self._pongs.pop(nonce, None)
 
+    async def measure_weight_read(
+        self, seconds: float, timeout: float, engine: int = 0
+    ) -> WeightRead:
+        """How fast engine `engine` reads its own weights now, measured for `seconds`
+        between two of its steps (WeightRead.error says why it cannot). TimeoutError if
+        the answer takes longer than `timeout`."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not 0 <= engine < self.num_engines:
+            raise ValueError(f"no engine {engine}: there are {self.num_engines}")
+        nonce = next(self._nonces)
+        future: asyncio.Future[WeightRead] = asyncio.get_running_loop().create_future()
+        self._weight_reads[nonce] = future
+        try:
+            probe = encoder.encode(ReadWeights(nonce, seconds))
+            await self._send([RequestType.READ_WEIGHTS, probe], engine)
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._weight_reads.pop(nonce, None)
+
     async def _send(self, frames: list[bytes], engine: int = 0) -> None:
         assert self._channel is not None, "start() the client first"
         await self._channel.send(frames, engine)
@@ -358,6 +382,11 @@ class AsyncEngineClient:
                     future = self._pongs.get(pong.nonce)
                     if future is not None and not future.done():
                         future.set_result(None)
+                elif kind == OutputType.WEIGHT_READ:
+                    read = weight_read_decoder.decode(payload)
+                    waiter = self._weight_reads.get(read.nonce)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(read)
                 elif kind == OutputType.DEAD:
                     self._mark_dead(f"the engine core failed: {dead_decoder.decode(payload).error}")
                     return

@@ -109,6 +109,10 @@ class WeightArena:
         ]
         return cls(shapes) if shapes else None
 
+    def packed(self) -> torch.Tensor:
+        """Every weight handed out so far, as one bf16 tensor: what a batch-1 step reads."""
+        return self._buffer[: self._offset]
+
     def take(self, out_features: int, in_features: int) -> torch.Tensor:
         shape = k_pairs_shape(out_features, in_features)
         numel = math.prod(shape)

@@ -206,6 +206,20 @@ class ModelRunner:
             )
         return num_blocks
 
+    def measure_weight_read(self, seconds: float) -> tuple[int, float]:
+        """(weight bytes, bytes/s): how fast this process reads the buffer of weights its
+        batch-1 steps read, now. ValueError where the model keeps no such buffer."""
+        weight_buffer = getattr(self.model, "weight_buffer", None)
+        data = None if weight_buffer is None else weight_buffer()
+        if data is None:
+            raise ValueError(
+                "the model keeps no single weight buffer to read (only bfloat16 on a CPU "
+                "with AVX512-BF16 packs its weights in one)"
+            )
+        from plugserve.bench.roofline import read_bandwidth
+
+        return data.numel() * data.element_size(), read_bandwidth(data, seconds)
+
     # ------------------------------------------------------------------ phase 7
 
     def _update_batch(self, so: SchedulerOutput) -> None:

@@ -45,6 +45,9 @@ class UniProcExecutor:
     def sample_tokens(self, grammar_output: Any | None) -> ModelRunnerOutput:
         return self.runner.sample_tokens(grammar_output)
 
+    def measure_weight_read(self, seconds: float) -> tuple[int, float]:
+        return self.runner.measure_weight_read(seconds)
+
     def check_health(self) -> None:
         return None
 

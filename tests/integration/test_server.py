@@ -11,6 +11,7 @@ import pytest
 
 from plugserve import __version__
 from plugserve.frontend.api_server import API_SERVER_HEADER
+from plugserve.worker import cpu_linear
 
 from .conftest import (
     API_SERVER_TITLE,
@@ -19,6 +20,7 @@ from .conftest import (
     REPO_ROOT,
     SERVER_SETTINGS,
     ServerProcess,
+    assert_openai_error,
     free_port,
     plugserve_command,
     process_cmdline,
@@ -105,3 +107,34 @@ def test_an_api_key_guards_the_v1_routes_only(tmp_path):
     assert allowed.status_code == 200 and allowed.json()["data"][0]["id"] == MODEL
     assert health.status_code == 200
     assert allowed.headers[API_SERVER_HEADER] == health.headers[API_SERVER_HEADER]
+
+
+def test_the_engine_measures_the_floor_on_its_own_weights(tmp_path):
+    """GET /bench/weight_read: the engine reads its packed weights between two steps and
+    answers the batch-1 bandwidth floor; where it keeps no single weight buffer (fp32
+    here), it says so in OpenAI's error shape; bad arguments are 400s."""
+    settings = (*SERVER_SETTINGS, "--dtype", "bfloat16")
+    with (
+        running_server("zmq", tmp_path, settings=settings) as server,
+        httpx.Client(timeout=30) as http,
+    ):
+        read = http.get(server.url("/bench/weight_read"), params={"seconds": 0.2})
+        too_long = http.get(server.url("/bench/weight_read"), params={"seconds": 60})
+        no_engine = http.get(server.url("/bench/weight_read"), params={"engine": 2})
+    if not cpu_linear.uses_own_kernel():  # no AVX512-BF16: oneDNN packs, no one buffer
+        assert_openai_error(read, 409)
+    else:
+        assert read.status_code == 200, read.text
+        body = read.json()
+        assert body["engine"] == 0
+        assert body["weight_bytes"] == pytest.approx(269_030_016, rel=0.01)  # packed ≈ raw
+        assert 0.1 < body["read_bandwidth_gb_s"] < 10_000
+        expected_floor = body["weight_bytes"] / (body["read_bandwidth_gb_s"] * 1e9) * 1e3
+        assert body["floor_ms"] == pytest.approx(expected_floor, rel=0.01)
+    assert "seconds" in assert_openai_error(too_long, 400)["message"]
+    assert "no engine 2" in assert_openai_error(no_engine, 400)["message"]
+
+
+def test_an_fp32_engine_says_it_has_no_weight_buffer_to_read(server: ServerProcess):
+    response = httpx.get(server.url("/bench/weight_read"), params={"seconds": 0.1}, timeout=30)
+    assert "no single weight buffer" in assert_openai_error(response, 409)["message"]

@@ -419,6 +419,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # Or all of them at once, final norm included, where FusedCpuDecoder runs.
         self.decoder: FusedCpuDecoder | None = None
+        self._arena: cpu_linear.WeightArena | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
@@ -445,6 +446,10 @@ class LlamaForCausalLM(nn.Module):
         logits = logits.float()
         return self.parallel.gather_last_dim(logits, self.config.vocab_size)
 
+    def weight_buffer(self) -> torch.Tensor | None:
+        """The packed weights in one buffer (bf16 on CPU with cpu_gemm), else None."""
+        return None if self._arena is None else self._arena.packed()
+
     def process_weights_after_loading(self) -> None:
         """bf16 on CPU: pack every linear weight for the CPU kernel, and run each layer as a
         FusedCpuDecoderLayer over the fused CPU ops (the final norm through them too).
@@ -461,6 +466,7 @@ class LlamaForCausalLM(nn.Module):
                     module.pack(arena)
             if self.lm_head is None:  # tied: the head multiplies by the embedding matrix
                 self._packed_head = cpu_linear.PackedLinear(weight, arena=arena)
+            self._arena = arena
         if cpu_ops.supported(weight.dtype, weight.device):
             self.rotary.use_fused_op()
             assert self.rotary.cos_sin is not None

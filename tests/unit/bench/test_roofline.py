@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from plugserve.bench.roofline import cpu_read_bandwidth, weight_bytes_per_step
+from plugserve.bench.roofline import cpu_read_bandwidth, read_bandwidth, weight_bytes_per_step
 from plugserve.worker.model_loader import iter_weights
 from plugserve.worker.random_model import SHAPES, write_random_model
 
@@ -35,3 +35,11 @@ def test_read_bandwidth_is_a_plausible_rate_and_leaves_the_thread_count() -> Non
     # Between a floppy disk and the fastest HBM: catches unit slips (bits, MiB, ms).
     assert math.isfinite(rate) and 1e8 < rate < 1e13
     assert torch.get_num_threads() == threads
+
+
+def test_read_bandwidth_reads_any_tensor_whatever_its_bits() -> None:
+    # An engine's packed bf16 weights, an odd count of them: NaN and denormal patterns
+    # included, which an int32 reduction reads at full speed.
+    weights = torch.randint(-(2**15), 2**15, (3 * (1 << 20) + 1,), dtype=torch.int16)
+    rate = read_bandwidth(weights.view(torch.bfloat16), seconds=0.05, threads=1)
+    assert math.isfinite(rate) and 1e8 < rate < 1e13
