@@ -11,10 +11,12 @@ callback, and a client that owns no engines never shuts them down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import multiprocessing.connection
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from plugserve.config import StackConfig
@@ -35,6 +37,26 @@ def transport_addresses(config: StackConfig) -> dict[str, str]:
     return transport.addresses(config.engine.data_parallel_size, config.server.api_server_count)
 
 
+# After each parallel region GNU OpenMP's threads spin 300000 turns (~6 ms here) before
+# they sleep: at a batch-1 decode step that kept a second core busy through the step's
+# Python, where the one-row matmuls' helper thread (row_pool.h) and the API server could
+# have run. 2000 turns still cover the gaps between the regions of a batched step.
+ENGINE_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
+
+
+@contextlib.contextmanager
+def _engine_environment() -> Iterator[None]:
+    """ENGINE_ENVIRONMENT for the processes started inside (spawned children read the
+    environment as it is at their start), except what the user has set."""
+    added = {k: v for k, v in ENGINE_ENVIRONMENT.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 class EngineProcesses:
     """The engine-core processes of one server, one per data-parallel rank."""
 
@@ -47,14 +69,15 @@ class EngineProcesses:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         config_json = self.config.model_dump_json()
-        for index in range(self.num_engines):
-            process = ctx.Process(
-                target=run_engine_core,
-                args=(config_json, self.addresses, index),
-                name=engine_process_name(index, self.num_engines),
-            )
-            process.start()
-            self.processes.append(process)
+        with _engine_environment():
+            for index in range(self.num_engines):
+                process = ctx.Process(
+                    target=run_engine_core,
+                    args=(config_json, self.addresses, index),
+                    name=engine_process_name(index, self.num_engines),
+                )
+                process.start()
+                self.processes.append(process)
 
     @property
     def sentinels(self) -> list[int]:

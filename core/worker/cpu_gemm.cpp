@@ -6,8 +6,33 @@
 
 #ifdef PLUGSERVE_HAS_BF16_GEMM
 
+namespace plugserve {
+
+RowPool* shared_row_pool() {
+  static RowPool* pool = new RowPool();  // never deleted: its helper outlives static teardown
+  return pool;
+}
+
+}  // namespace plugserve
+
+namespace {
+
+// The pool's address, for the other libraries that run one-row matmuls (cpu_decoder.cpp).
+int64_t row_pool_address() { return reinterpret_cast<int64_t>(plugserve::shared_row_pool()); }
+
+// For tests of the pool's hand-over (row_pool.h).
+void row_pool_stall_helper_once(int64_t microseconds) {
+  plugserve::shared_row_pool()->stall_helper_once(microseconds);
+}
+int64_t row_pool_blocks_taken_over() { return plugserve::shared_row_pool()->blocks_taken_over(); }
+
+}  // namespace
+
 TORCH_LIBRARY(plugserve_gemm, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("row_pool_address() -> int", &row_pool_address);
+  m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
+  m.def("row_pool_blocks_taken_over() -> int", &row_pool_blocks_taken_over);
 }
 
 TORCH_LIBRARY_IMPL(plugserve_gemm, CPU, m) { m.impl("linear_bf16", &plugserve::linear_bf16); }

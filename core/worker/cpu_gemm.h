@@ -35,7 +35,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "row_pool.h"
+
 namespace plugserve {
+
+// The process's one RowPool (row_pool.h), or nullptr where this library cannot reach it:
+// cpu_gemm.cpp owns it, other libraries that include this header look it up.
+RowPool* shared_row_pool();
 
 
 constexpr int64_t kRowTile = 8;
@@ -213,9 +219,13 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
   if (rows == 1) {
-    for_each_item(blocks, [&](int64_t b) {
-      row_block(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
-    });
+    RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
+    if (pool != nullptr) {
+      pool->run({&row_block, xp, wp, block_stride, pairs, bp, out_features, blocks, op});
+    } else {
+      for (int64_t b = 0; b < blocks; ++b)
+        row_block(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
+    }
     return out;
   }
   const int64_t tiles = (blocks + kBlockTile - 1) / kBlockTile;

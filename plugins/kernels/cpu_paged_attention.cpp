@@ -236,12 +236,13 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
 
   // A work item is a row and a range of its KV heads: all of them when there are
   // enough rows to share among the threads (each token's K/V row of every head is then
-  // one contiguous read), one head each when there are few rows.
-  const int64_t split = rows >= 4 * at::get_num_threads() ? 1 : kv_heads;
+  // one contiguous read) or only one row (run on this thread, below), one head each when
+  // there are a few rows.
+  const int64_t split = rows == 1 || rows >= 4 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t heads_per_item = kv_heads / split;
   const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
 
-  at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
+  auto attend_items = [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       // Rows in zigzag order (first, last, second, second-to-last...): the threads' equal
@@ -309,7 +310,15 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[h * head_dim + d]);
       }
     }
-  });
+  };
+  // One row (a batch-1 decode step) runs on this thread: its ~10 us of work would leave
+  // OpenMP's other thread spinning for far longer afterwards on the core where the
+  // core's one-row matmul helper (row_pool.h) runs next.
+  if (rows == 1) {
+    attend_items(0, 1);
+  } else {
+    at::parallel_for(0, rows * split, 1, attend_items);
+  }
 }
 
 // k/v [T, kv_heads, D] (each token's heads contiguous) into cache slots[t] of the blocks.

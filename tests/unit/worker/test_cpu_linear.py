@@ -7,6 +7,7 @@ the result is the fp32 product rounded once to bf16, up to fp32 summation order.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,75 @@ def test_a_matmul_is_exact_while_another_thread_takes_a_core(rows: int) -> None:
         if busy.is_alive():
             busy.join()
         torch.set_num_threads(previous)
+
+
+@own_kernel
+def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_dropped() -> None:
+    """The one-row path shares its blocks with a helper thread (row_pool.h) that the
+    caller never waits for long: when the helper is displaced in the middle of a block
+    (here: made to sleep 5 ms on it), the caller computes that block itself and returns;
+    the helper's result, ready long after, is dropped, not written into what the caller
+    has since done with its output."""
+    torch.manual_seed(7)
+    weight = torch.randn(1000, 576, dtype=torch.bfloat16) * 0.05  # 63 blocks, the last of 8
+    bias = torch.randn(1000, dtype=torch.bfloat16)
+    inputs = [torch.randn(1, 576, dtype=torch.bfloat16) for _ in range(4)]
+    gemm = torch.ops.plugserve_gemm
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        linear = cpu_linear.PackedLinear(weight, bias)
+        expected = [linear(x) for x in inputs]
+        for x, out in zip(inputs, expected, strict=True):
+            assert_rounded_once(out, reference(x, weight, bias))
+        taken_before = gemm.row_pool_blocks_taken_over()
+        for _ in range(20):
+            linear(inputs[1])  # the helper is awake (it sleeps after 50 us idle)
+            gemm.row_pool_stall_helper_once(5000)
+            started = time.perf_counter()
+            first = linear(inputs[0])
+            waited = time.perf_counter() - started
+            assert torch.equal(first, expected[0])
+            # The result is the caller's now: a late write from the helper would show here.
+            first.zero_()
+            later = [linear(x) for x in inputs[1:] for _ in range(50)]
+            time.sleep(0.006)  # the helper wakes up and finishes its block
+            assert torch.count_nonzero(first) == 0
+            assert all(torch.equal(out, expected[1 + i // 50]) for i, out in enumerate(later))
+            if gemm.row_pool_blocks_taken_over() > taken_before:
+                break
+        assert gemm.row_pool_blocks_taken_over() > taken_before, "the helper never took a block"
+        assert waited < 0.004  # the caller did not sit out the helper's 5 ms
+    finally:
+        torch.set_num_threads(previous)
+
+
+@own_kernel
+def test_one_row_matmuls_from_two_threads_at_once_are_each_exact() -> None:
+    """One caller at a time shares the helper; a second one meanwhile runs alone."""
+    torch.manual_seed(8)
+    weight = torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05
+    linear = cpu_linear.PackedLinear(weight)
+    inputs = [torch.randn(1, 576, dtype=torch.bfloat16) for _ in range(2)]
+    expected = [linear(x) for x in inputs]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    mismatches: list[int] = []
+
+    def call_repeatedly(i: int) -> None:
+        for _ in range(200):
+            if not torch.equal(linear(inputs[i]), expected[i]):
+                mismatches.append(i)
+
+    threads = [threading.Thread(target=call_repeatedly, args=(i,)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert mismatches == []
 
 
 def test_rows_with_a_stride_are_read_in_place() -> None:
