@@ -221,7 +221,8 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   if (rows == 1) {
     RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
     if (pool != nullptr) {
-      pool->run({&row_block, xp, wp, block_stride, pairs, bp, out_features, blocks, op});
+      pool->run({&row_block, xp, wp, block_stride, pairs, bp, out_features, blocks, op,
+                 {x, packed, bias.has_value() ? *bias : at::Tensor()}});
     } else {
       for (int64_t b = 0; b < blocks; ++b)
         row_block(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);

@@ -8,15 +8,17 @@
 // kernel places those bursts on its core and the caller keeps its own; and the caller
 // finishes a matmul alone when the helper is away:
 //
-// - Items (16-column blocks) are claimed from one [front, back) range: the caller from the
-//   front, the helper from the back, each a contiguous stream of weights.
-// - The helper writes its items into the pool's own scratch and marks each done with the
-//   job's generation. Once the range is empty the caller copies the helper's done items
-//   and computes any it finds unfinished after a short wait (the helper was displaced in
-//   the middle of one) itself. A helper that comes back late writes only into scratch,
-//   which the caller of a later job never reads before the helper marks it for that job.
-// - A late helper may still read the old job's input row: one row, small, from the heap,
-//   never unmapped (the pool serves one-row matmuls only, up to kMaxBlocks blocks).
+// - The blocks (16 output columns each) are split into two contiguous shares, one a
+//   thread, each worked front to back (one stream of weights). The caller, done with its
+//   own, takes what is left of the helper's from the back.
+// - The helper takes its blocks one at a time and commits each before taking the next:
+//   a per-block state word goes from whatever an earlier job left there to "writing" (by
+//   compare-and-swap), the block is copied into the output, then "done". Once the shares
+//   are empty, only the helper's last block can be unfinished: the caller waits briefly
+//   for it, then takes it over by moving its state word to "taken" itself. A helper that
+//   comes back late finds the block taken (or moved on by a later job) and drops it.
+// - A late helper still reads its job's row, weight and bias: the job holds references
+//   to those tensors, so they outlive the caller's use of them until the helper is done.
 //
 // One pool per process (cpu_gemm.cpp owns it; other libraries find it through the
 // dispatcher, see shared_row_pool in cpu_gemm.h). One caller at a time: a second
@@ -30,6 +32,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <ATen/ATen.h>
+
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -54,6 +59,10 @@ class RowPool {
     const float* bias;
     int64_t n, blocks;
     uint16_t* out;
+    // The row, the weight and the bias, held by every copy of the job: a helper that comes
+    // back late still reads them (and drops what it computes), so they must not be freed
+    // under it when the caller's tensors go.
+    std::array<at::Tensor, 3> inputs;
   };
 
   RowPool() : helper_([this] { helper_loop(); }) { helper_.detach(); }
@@ -75,6 +84,12 @@ class RowPool {
     }
     const uint64_t g = generation_.load(std::memory_order_relaxed) + 1;
     const uint64_t mid = static_cast<uint64_t>(job.blocks) / 2;
+    if (copying_.load(std::memory_order_seq_cst) == static_cast<int64_t>(g % kSlots)) {
+      // A helper kSlots jobs behind is copying this slot: leave it be.
+      for (int64_t b = 0; b < job.blocks; ++b) compute(job, b);
+      busy_.clear(std::memory_order_release);
+      return;
+    }
     jobs_[g % kSlots] = job;
     mine_.range.store(pack(g, 0, mid), std::memory_order_relaxed);
     theirs_.range.store(pack(g, mid, job.blocks), std::memory_order_relaxed);
@@ -173,10 +188,17 @@ class RowPool {
         continue;
       }
       seen = g;
-      const Job job = jobs_[g % kSlots];
-      // The slot is rewritten only kSlots jobs later, after the shares have moved on: a
-      // copy taken while the share still carries g's tag is g's job.
-      if ((theirs_.range.load(std::memory_order_acquire) >> (2 * kIndexBits)) == tag_of(g)) {
+      // The caller writes slot g % kSlots again only for job g + kSlots, after publishing
+      // g + 1: if g is still the newest job once `copying_` is set, the caller will not
+      // write the slot while it is copied (it checks `copying_` first).
+      copying_.store(static_cast<int64_t>(g % kSlots), std::memory_order_seq_cst);
+      if (generation_.load(std::memory_order_seq_cst) != g) {
+        copying_.store(-1, std::memory_order_relaxed);
+        continue;  // a newer job is out; the next turn takes it
+      }
+      const Job job = jobs_[g % kSlots];  // holds the job's tensors until this turn ends
+      copying_.store(-1, std::memory_order_release);
+      {
         int64_t b;
         while ((b = claim(theirs_, g, true)) >= 0) {
           if (const int64_t stall = stall_us_.exchange(0, std::memory_order_relaxed))
@@ -209,6 +231,7 @@ class RowPool {
   alignas(64) std::atomic<uint32_t> wake_{0};
   std::atomic<bool> sleeping_{false};
   std::atomic<int64_t> stall_us_{0}, taken_over_{0};
+  std::atomic<int64_t> copying_{-1};  // the job slot the helper is copying, or -1
   Job jobs_[kSlots]{};
   alignas(64) uint16_t scratch_[16];  // the helper's block before it commits it
   std::atomic<uint64_t> states_[kMaxBlocks]{};

@@ -130,6 +130,32 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
 
 
 @own_kernel
+def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
+    """The helper made to sleep on a block still reads that job's weight when it wakes;
+    the caller has taken the block over, returned, and freed the weight (3.5 MB: its
+    memory goes back to the system). The job's own reference keeps it mapped until the
+    helper is done."""
+    torch.manual_seed(9)
+    x = torch.randn(1, 576, dtype=torch.bfloat16)
+    gemm = torch.ops.plugserve_gemm
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(5):
+            weight = torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05
+            linear = cpu_linear.PackedLinear(weight)
+            expected = reference(x, weight, None)
+            linear(x)  # the helper is awake
+            gemm.row_pool_stall_helper_once(5000)
+            out = linear(x)
+            del linear, weight
+            time.sleep(0.01)  # the helper wakes and reads its job's weight
+            assert_rounded_once(out, expected)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@own_kernel
 def test_one_row_matmuls_from_two_threads_at_once_are_each_exact() -> None:
     """One caller at a time shares the helper; a second one meanwhile runs alone."""
     torch.manual_seed(8)
