@@ -20,6 +20,8 @@ namespace {
 // The pool's address, for the other libraries that run one-row matmuls (cpu_decoder.cpp).
 int64_t row_pool_address() { return reinterpret_cast<int64_t>(plugserve::shared_row_pool()); }
 
+void row_pool_set_enabled(bool enabled) { plugserve::shared_row_pool()->set_enabled(enabled); }
+
 // For tests of the pool's hand-over (row_pool.h).
 void row_pool_stall_helper_once(int64_t microseconds) {
   plugserve::shared_row_pool()->stall_helper_once(microseconds);
@@ -31,6 +33,7 @@ int64_t row_pool_blocks_taken_over() { return plugserve::shared_row_pool()->bloc
 TORCH_LIBRARY(plugserve_gemm, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("row_pool_address() -> int", &row_pool_address);
+  m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
   m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
   m.def("row_pool_blocks_taken_over() -> int", &row_pool_blocks_taken_over);
 }

@@ -220,12 +220,13 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
   if (rows == 1) {
     RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
-    if (pool != nullptr) {
+    if (pool != nullptr && pool->enabled()) {
       pool->run({&row_block, xp, wp, block_stride, pairs, bp, out_features, blocks, op,
                  {x, packed, bias.has_value() ? *bias : at::Tensor()}});
     } else {
-      for (int64_t b = 0; b < blocks; ++b)
+      for_each_item(blocks, [&](int64_t b) {
         row_block(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
+      });
     }
     return out;
   }

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from functools import cache
 from pathlib import Path
 
@@ -49,7 +50,27 @@ def uses_own_kernel() -> bool:
     flags = cpp_extension.cpu_flags().split()
     if "avx512_bf16" not in flags or "amx_bf16" in flags:
         return False
-    return cpp_extension.load(_GEMM_SOURCE) and hasattr(torch.ops.plugserve_gemm, "linear_bf16")
+    if not (cpp_extension.load(_GEMM_SOURCE) and hasattr(torch.ops.plugserve_gemm, "linear_bf16")):
+        return False
+    if openmp_spins_briefly():
+        torch.ops.plugserve_gemm.row_pool_set_enabled(True)
+    return True
+
+
+# At most this many turns of spinning after a parallel region (GNU OpenMP's default is
+# 300000, milliseconds here) for the one-row matmuls to use their helper thread.
+_BRIEF_SPIN_COUNT = 20000
+
+
+def openmp_spins_briefly() -> bool:
+    """Whether this process started with OpenMP's threads spinning only briefly after a
+    parallel region (GOMP_SPINCOUNT, read when OpenMP loads): engine processes do
+    (frontend/engines.py). Only then do one-row matmuls share their blocks with the
+    helper thread of row_pool.h: a spinning OpenMP thread would starve it."""
+    try:
+        return int(os.environ.get("GOMP_SPINCOUNT", "")) <= _BRIEF_SPIN_COUNT
+    except ValueError:
+        return False
 
 
 def k_pairs_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:

@@ -67,6 +67,12 @@ class RowPool {
 
   RowPool() : helper_([this] { helper_loop(); }) { helper_.detach(); }
 
+  // Off until the process says OpenMP's threads stop spinning soon after a region (see
+  // cpu_linear.py): otherwise one spins for milliseconds on the helper's core after every
+  // region and the idle-class helper gets no time; the matmuls then keep OpenMP.
+  void set_enabled(bool enabled) { enabled_.store(enabled, std::memory_order_relaxed); }
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+
   // For tests: the helper's next block waits this long before it is computed, as if the
   // helper were displaced in the middle of it; and how many blocks the caller has taken
   // over from the helper so far.
@@ -232,6 +238,7 @@ class RowPool {
   std::atomic<bool> sleeping_{false};
   std::atomic<int64_t> stall_us_{0}, taken_over_{0};
   std::atomic<int64_t> copying_{-1};  // the job slot the helper is copying, or -1
+  std::atomic<bool> enabled_{false};
   Job jobs_[kSlots]{};
   alignas(64) uint16_t scratch_[16];  // the helper's block before it commits it
   std::atomic<uint64_t> states_[kMaxBlocks]{};

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,32 @@ def test_a_matmul_is_exact_while_another_thread_takes_a_core(rows: int) -> None:
         torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def row_pool() -> Iterator[None]:
+    """The one-row matmuls on their helper thread (row_pool.h), as in an engine process,
+    whatever this process's OpenMP spinning."""
+    cpu_linear.uses_own_kernel()  # loads the library
+    torch.ops.plugserve_gemm.row_pool_set_enabled(True)
+    yield
+    torch.ops.plugserve_gemm.row_pool_set_enabled(cpu_linear.openmp_spins_briefly())
+
+
+@pytest.mark.parametrize(
+    ("setting", "uses_helper"),
+    [(None, False), ("300000", False), ("2000", True), ("INFINITY", False)],
+)
+def test_the_row_pool_is_for_processes_whose_openmp_spins_briefly(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, uses_helper: bool
+) -> None:
+    if setting is None:
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    else:
+        monkeypatch.setenv("GOMP_SPINCOUNT", setting)
+    assert cpu_linear.openmp_spins_briefly() is uses_helper
+
+
 @own_kernel
+@pytest.mark.usefixtures("row_pool")
 def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_dropped() -> None:
     """The one-row path shares its blocks with a helper thread (row_pool.h) that the
     caller never waits for long: when the helper is displaced in the middle of a block
@@ -130,6 +156,7 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
 
 
 @own_kernel
+@pytest.mark.usefixtures("row_pool")
 def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
     """The helper made to sleep on a block still reads that job's weight when it wakes;
     the caller has taken the block over, returned, and freed the weight (3.5 MB: its
@@ -156,6 +183,7 @@ def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
 
 
 @own_kernel
+@pytest.mark.usefixtures("row_pool")
 def test_one_row_matmuls_from_two_threads_at_once_are_each_exact() -> None:
     """One caller at a time shares the helper; a second one meanwhile runs alone."""
     torch.manual_seed(8)
