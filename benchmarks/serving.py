@@ -219,6 +219,22 @@ def engine_floor_ms(url: str) -> float | None:
     return response.json()["floor_ms"] if response.status_code == 200 else None
 
 
+def floors_ms(url: str, weight_bytes: int) -> dict[str, float]:
+    """Every floor there is to measure now, by FLOORS key."""
+    floors = {"floor_ms": bandwidth_floor_ms(weight_bytes)}
+    engine = engine_floor_ms(url)
+    if engine is not None:
+        floors["engine_floor_ms"] = engine
+    return floors
+
+
+# The c=1 ITL's floors: (result key, what it is).
+FLOORS = (
+    ("floor_ms", "the bf16 bandwidth floor (weights / a fresh buffer's median read bandwidth)"),
+    ("engine_floor_ms", "the floor on the engine's own weights"),
+)
+
+
 def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     server = Server(transport, args, log_dir)
     weight_bytes = weight_bytes_per_step(StackConfig().model, dtype_bytes=2)
@@ -228,18 +244,14 @@ def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> li
         for conc in args.concurrency:
             print(f"\n=== transport={transport} concurrency={conc}", flush=True)
             bargs = bench.parse_args(bench_args(args, server.url, transport, conc))
-            floors_before = None
-            if conc == 1:
-                floors_before = bandwidth_floor_ms(weight_bytes), engine_floor_ms(server.url)
+            floors_before = floors_ms(server.url, weight_bytes) if conc == 1 else {}
             before = step_counters(server.url)
             result = bench.run_benchmark(bargs)
-            if floors_before is not None:
-                result["floor_ms_before"], engine_before = floors_before
-                result["floor_ms_after"] = bandwidth_floor_ms(weight_bytes)
-                engine_after = engine_floor_ms(server.url)
-                if engine_before is not None and engine_after is not None:
-                    result["engine_floor_ms_before"] = engine_before
-                    result["engine_floor_ms_after"] = engine_after
+            if floors_before:
+                floors_after = floors_ms(server.url, weight_bytes)
+                for key in floors_before.keys() & floors_after.keys():
+                    result[f"{key}_before"] = floors_before[key]
+                    result[f"{key}_after"] = floors_after[key]
             result.update(engine_overhead(before, step_counters(server.url)))
             results.append({"transport": transport, "concurrency": conc, **result})
             if server.proc is not None and server.proc.poll() is not None:
@@ -267,20 +279,15 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         )
     print("(latencies in ms; step ms and engine overhead from the engine's own counters)")
     for r in rows:
-        if "floor_ms_before" in r:
-            floor = (r["floor_ms_before"] + r["floor_ms_after"]) / 2
+        for key, what in FLOORS:
+            if f"{key}_before" not in r:
+                continue
+            before, after, itl = r[f"{key}_before"], r[f"{key}_after"], r["median_itl_ms"]
+            floor = (before + after) / 2
             print(
-                f"{r['transport']}: c=1 ITL p50 {r['median_itl_ms']:.2f} ms = "
-                f"{r['median_itl_ms'] / floor:.2f}x the bf16 bandwidth floor {floor:.2f} ms "
-                f"(weights / median read bandwidth, {r['floor_ms_before']:.2f} ms just before "
-                f"the run and {r['floor_ms_after']:.2f} ms just after); target <= 1.5x"
-            )
-        if "engine_floor_ms_before" in r:
-            floor = (r["engine_floor_ms_before"] + r["engine_floor_ms_after"]) / 2
-            print(
-                f"{r['transport']}: c=1 ITL p50 = {r['median_itl_ms'] / floor:.2f}x the floor "
-                f"on the engine's own weights, {floor:.2f} ms "
-                f"({r['engine_floor_ms_before']:.2f} before, {r['engine_floor_ms_after']:.2f} after)"
+                f"{r['transport']}: c=1 ITL p50 {itl:.2f} ms = {itl / floor:.2f}x {what}, "
+                f"{floor:.2f} ms ({before:.2f} just before the run, {after:.2f} just after); "
+                "target <= 1.5x"
             )
 
 

@@ -8,9 +8,9 @@
 // kernel places those bursts on its core and the caller keeps its own; and the caller
 // finishes a matmul alone when the helper is away:
 //
-// - The blocks (16 output columns each) are split into two contiguous shares, one a
-//   thread, each worked front to back (one stream of weights). The caller, done with its
-//   own, takes what is left of the helper's from the back.
+// - The blocks (16 output columns each) are split into two contiguous halves, each worked
+//   front to back (one stream of weights). The caller, done with its own, takes what is
+//   left of the helper's from the back; only the helper's half is claimed by CAS.
 // - The helper takes its blocks one at a time and commits each before taking the next:
 //   a per-block state word goes from whatever an earlier job left there to "writing" (by
 //   compare-and-swap), the block is copied into the output, then "done". Once the shares
@@ -97,14 +97,13 @@ class RowPool {
       return;
     }
     jobs_[g % kSlots] = job;
-    mine_.range.store(pack(g, 0, mid), std::memory_order_relaxed);
     theirs_.range.store(pack(g, mid, job.blocks), std::memory_order_relaxed);
     generation_.store(g, std::memory_order_seq_cst);
     wake_.store(static_cast<uint32_t>(g), std::memory_order_seq_cst);
     if (sleeping_.load(std::memory_order_seq_cst)) futex(FUTEX_WAKE_PRIVATE, 1);
 
     int64_t b;
-    while ((b = claim(mine_, g, true)) >= 0) compute(job, b);
+    for (b = 0; b < static_cast<int64_t>(mid); ++b) compute(job, b);  // no one else takes these
     while ((b = claim(theirs_, g, false)) >= 0) compute(job, b);  // what the helper left
     // The helper took [mid, front) in order, committing each before taking the next: only
     // the last may still be in its hands.
@@ -233,7 +232,7 @@ class RowPool {
 
   std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
   alignas(64) std::atomic<uint64_t> generation_{0};
-  Share mine_, theirs_;
+  Share theirs_;  // the helper's share; the caller's own needs no claims
   alignas(64) std::atomic<uint32_t> wake_{0};
   std::atomic<bool> sleeping_{false};
   std::atomic<int64_t> stall_us_{0}, taken_over_{0};
