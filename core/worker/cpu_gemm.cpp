@@ -21,6 +21,7 @@ namespace {
 int64_t row_pool_address() { return reinterpret_cast<int64_t>(plugserve::shared_row_pool()); }
 
 void row_pool_set_enabled(bool enabled) { plugserve::shared_row_pool()->set_enabled(enabled); }
+bool row_pool_enabled() { return plugserve::shared_row_pool()->enabled(); }
 
 // For tests of the pool's hand-over (row_pool.h).
 void row_pool_stall_helper_once(int64_t microseconds) {
@@ -34,6 +35,7 @@ TORCH_LIBRARY(plugserve_gemm, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("row_pool_address() -> int", &row_pool_address);
   m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
+  m.def("row_pool_enabled() -> bool", &row_pool_enabled);
   m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
   m.def("row_pool_blocks_taken_over() -> int", &row_pool_blocks_taken_over);
 }

@@ -6,6 +6,9 @@ the result is the fp32 product rounded once to bf16, up to fp32 summation order.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -111,6 +114,27 @@ def test_the_row_pool_is_for_processes_whose_openmp_spins_briefly(
     else:
         monkeypatch.setenv("GOMP_SPINCOUNT", setting)
     assert cpu_linear.openmp_spins_briefly() is uses_helper
+
+
+@own_kernel
+@pytest.mark.parametrize(("setting", "uses_helper"), [(None, False), ("2000", True)])
+def test_loading_the_kernel_turns_the_row_pool_on_only_where_openmp_spins_briefly(
+    setting: str | None, uses_helper: bool
+) -> None:
+    """In a fresh process (OpenMP reads GOMP_SPINCOUNT once, when it loads), as an engine
+    process (2000) and as an offline one (unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if setting is not None:
+        env["GOMP_SPINCOUNT"] = setting
+    code = (
+        "import torch\n"
+        "from plugserve.worker import cpu_linear\n"
+        "assert cpu_linear.uses_own_kernel()\n"
+        "print(torch.ops.plugserve_gemm.row_pool_enabled())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(uses_helper)
 
 
 @own_kernel
