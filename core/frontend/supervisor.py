@@ -22,7 +22,6 @@ they share one socket (and whichever process accepts first takes the connection)
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -44,7 +43,7 @@ from plugserve.frontend.engines import (
     join_all,
     transport_addresses,
 )
-from plugserve.frontend.launcher import ApiServerSetup, http_url, name_process, run_api_server
+from plugserve.frontend.launcher import ApiServerSetup, http_url, name_process, run_api_server_loop
 from plugserve.worker.model_loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ def run_api_server_process(
         stop_signals=(signal.SIGTERM,),
         on_serving=lambda: control.send((SERVING, None)),
     )
-    sys.exit(asyncio.run(run_api_server(config, setup)))
+    sys.exit(run_api_server_loop(config, setup))
 
 
 class Launcher:
