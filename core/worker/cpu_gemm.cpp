@@ -32,7 +32,9 @@ int64_t row_pool_blocks_taken_over() { return plugserve::shared_row_pool()->bloc
 }  // namespace
 
 TORCH_LIBRARY(plugserve_gemm, m) {
-  m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias, "
+      "ScalarType? out_dtype=None) -> Tensor");
   m.def("row_pool_address() -> int", &row_pool_address);
   m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
   m.def("row_pool_enabled() -> bool", &row_pool_enabled);

@@ -48,9 +48,16 @@ constexpr int64_t kRowTile = 8;
 constexpr int64_t kBlockTile = 3;  // 16-column blocks per tile
 constexpr int64_t kPairBytes = 64;  // one k-pair of one block
 
-template <int M, int NB>
+// 16 fp32 sums into the output, masked: rounded to bf16, or kept in fp32 (the LM head's
+// logits, which the sampler reads in fp32 anyway).
+inline void store16(uint16_t* out, __mmask16 mask, __m512 sum) {
+  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+}
+inline void store16(float* out, __mmask16 mask, __m512 sum) { _mm512_mask_storeu_ps(out, mask, sum); }
+
+template <int M, int NB, typename Out>
 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_stride,
-          int64_t pairs, const float* bias, uint16_t* out, int64_t out_stride, int64_t n0,
+          int64_t pairs, const float* bias, Out* out, int64_t out_stride, int64_t n0,
           int64_t n) {
   __m512 acc[M][NB];
   for (int m = 0; m < M; ++m)
@@ -74,16 +81,16 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_
     const int64_t valid = std::min<int64_t>(16, n - col);
     const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
     const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) {
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], bias_v));
-      _mm256_mask_storeu_epi16(out + m * out_stride + col, mask, rounded);
-    }
+    for (int m = 0; m < M; ++m)
+      store16(out + m * out_stride + col, mask, _mm512_add_ps(acc[m][b], bias_v));
   }
 }
 
-// One row against one 16-column block: out[col:col+16] = x . W_block (+ bias).
-inline void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* bias,
-               uint16_t* out, int64_t col, int64_t n) {
+// One row against one 16-column block: out[col:col+16] = x . W_block (+ bias); `out` is
+// Out (uint16_t: bf16, or float) behind the pool's untyped pointer.
+template <typename Out>
+void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* bias,
+               void* out, int64_t col, int64_t n) {
   constexpr int kChains = 4;
   constexpr int64_t kPrefetchPairs = 32;  // 2 KB ahead in this block's stream
   __m512 acc[kChains];
@@ -110,27 +117,29 @@ inline void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const
   const int64_t valid = std::min<int64_t>(16, n - col);
   const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
   if (bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + col));
-  _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+  store16(static_cast<Out*>(out) + col, mask, sum);
 }
 
+template <typename Out>
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
-                        const float*, uint16_t*, int64_t, int64_t, int64_t);
+                        const float*, Out*, int64_t, int64_t, int64_t);
 
-template <int M>
-constexpr TileFn pick(int64_t nb) {
-  return nb == 1 ? tile<M, 1> : nb == 2 ? tile<M, 2> : tile<M, 3>;
+template <int M, typename Out>
+constexpr TileFn<Out> pick(int64_t nb) {
+  return nb == 1 ? tile<M, 1, Out> : nb == 2 ? tile<M, 2, Out> : tile<M, 3, Out>;
 }
 
-inline TileFn tile_for(int64_t rows, int64_t blocks) {
+template <typename Out>
+TileFn<Out> tile_for(int64_t rows, int64_t blocks) {
   switch (rows) {
-    case 1: return pick<1>(blocks);
-    case 2: return pick<2>(blocks);
-    case 3: return pick<3>(blocks);
-    case 4: return pick<4>(blocks);
-    case 5: return pick<5>(blocks);
-    case 6: return pick<6>(blocks);
-    case 7: return pick<7>(blocks);
-    default: return pick<8>(blocks);
+    case 1: return pick<1, Out>(blocks);
+    case 2: return pick<2, Out>(blocks);
+    case 3: return pick<3, Out>(blocks);
+    case 4: return pick<4, Out>(blocks);
+    case 5: return pick<5, Out>(blocks);
+    case 6: return pick<6, Out>(blocks);
+    case 7: return pick<7, Out>(blocks);
+    default: return pick<8, Out>(blocks);
   }
 }
 
@@ -196,14 +205,50 @@ void for_each_item(int64_t items, const Work& work) {
   });
 }
 
+template <typename Out>
+void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                 const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* op = reinterpret_cast<Out*>(out.data_ptr());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
+  if (rows == 1) {
+    RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
+    if (pool != nullptr && pool->enabled()) {
+      pool->run({&row_block<Out>, xp, wp, block_stride, pairs, bp, out_features, blocks, op,
+                 sizeof(Out), {x, packed, bias.has_value() ? *bias : at::Tensor()}});
+    } else {
+      for_each_item(blocks, [&](int64_t b) {
+        row_block<Out>(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
+      });
+    }
+    return;
+  }
+  const int64_t tiles = (blocks + kBlockTile - 1) / kBlockTile;
+  for_each_item(tiles, [&](int64_t t) {
+    const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
+    for (int64_t r = 0; r < rows; r += kRowTile) {
+      const int64_t m = std::min(kRowTile, rows - r);
+      tile_for<Out>(m, nb)(xp + r * x_stride, x_stride, wp + b0 * block_stride, block_stride,
+                           pairs, bp, op + r * out_features, out_features, b0 * 16,
+                           out_features);
+    }
+  });
+}
+
+// x [rows, K] bf16 @ the packed weight (+ bias) → [rows, out_features], in bf16 or, with
+// out_dtype float32, the fp32 sums unrounded.
 inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const c10::optional<at::Tensor>& bias) {
+                              const c10::optional<at::Tensor>& bias,
+                              c10::optional<at::ScalarType> out_dtype = c10::nullopt) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be bfloat16 [rows, in_features] with a dense last dim");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.scalar_type() == at::kBFloat16,
               "packed must be bfloat16 [N/16, K/2, 16, 2] from cpu_linear.pack_k_pairs");
-  const int64_t rows = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
+  const int64_t pairs = packed.size(1), blocks = packed.size(0);
   TORCH_CHECK(x.size(1) == 2 * pairs, "x has ", x.size(1), " features, the weight ",
               2 * pairs);
   TORCH_CHECK(out_features > (blocks - 1) * 16 && out_features <= blocks * 16,
@@ -212,33 +257,15 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
     TORCH_CHECK(bias->numel() == out_features && bias->is_contiguous() &&
                     bias->scalar_type() == at::kFloat,
                 "bias must be contiguous float32 [out_features]");
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
-  if (rows == 1) {
-    RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
-    if (pool != nullptr && pool->enabled()) {
-      pool->run({&row_block, xp, wp, block_stride, pairs, bp, out_features, blocks, op,
-                 {x, packed, bias.has_value() ? *bias : at::Tensor()}});
-    } else {
-      for_each_item(blocks, [&](int64_t b) {
-        row_block(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
-      });
-    }
-    return out;
+  const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "out_dtype must be bfloat16 or float32");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    linear_rows<float>(x, packed, out_features, bias, out);
+  } else {
+    linear_rows<uint16_t>(x, packed, out_features, bias, out);
   }
-  const int64_t tiles = (blocks + kBlockTile - 1) / kBlockTile;
-  for_each_item(tiles, [&](int64_t t) {
-    const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
-    for (int64_t r = 0; r < rows; r += kRowTile) {
-      const int64_t m = std::min(kRowTile, rows - r);
-      tile_for(m, nb)(xp + r * x_stride, x_stride, wp + b0 * block_stride, block_stride, pairs,
-                      bp, op + r * out_features, out_features, b0 * 16, out_features);
-    }
-  });
   return out;
 }
 

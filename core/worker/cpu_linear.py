@@ -183,10 +183,12 @@ class PackedLinear:
             self.weight = pack_onednn(weight)
             self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype=torch.float32 asks for the fp32 sums unrounded (the LM head's logits);
+        the own kernel writes them directly, oneDNN's result stays bf16 (callers convert)."""
         if self.own_kernel:
             return torch.ops.plugserve_gemm.linear_bf16(
-                x, self.weight, self.out_features, self.bias
+                x, self.weight, self.out_features, self.bias, out_dtype
             )
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 

@@ -43,9 +43,10 @@
 
 namespace plugserve {
 
-// What one item computes: out[col:col+16] = x . W_block(b) (+ bias), masked at n.
+// What one item computes: out[col:col+16] = x . W_block(b) (+ bias), masked at n; out's
+// elements are the job's out_bytes wide (bf16 or fp32).
 using RowBlockFn = void (*)(const uint16_t* x, const uint16_t* w, int64_t pairs,
-                            const float* bias, uint16_t* out, int64_t col, int64_t n);
+                            const float* bias, void* out, int64_t col, int64_t n);
 
 class RowPool {
  public:
@@ -58,7 +59,8 @@ class RowPool {
     int64_t block_stride, pairs;
     const float* bias;
     int64_t n, blocks;
-    uint16_t* out;
+    void* out;
+    int64_t out_bytes;  // per element
     // The row, the weight and the bias, held by every copy of the job: a helper that comes
     // back late still reads them (and drops what it computes), so they must not be freed
     // under it when the caller's tensors go.
@@ -218,7 +220,8 @@ class RowPool {
           if ((s >> 2) >= g ||
               !state.compare_exchange_strong(s, (g << 2) | kWriting, std::memory_order_acq_rel))
             break;
-          std::memcpy(job.out + b * 16, scratch_, valid * sizeof(uint16_t));
+          std::memcpy(static_cast<char*>(job.out) + b * 16 * job.out_bytes, scratch_,
+                      valid * job.out_bytes);
           state.store((g << 2) | kDone, std::memory_order_release);
         }
       }
@@ -239,7 +242,7 @@ class RowPool {
   std::atomic<int64_t> copying_{-1};  // the job slot the helper is copying, or -1
   std::atomic<bool> enabled_{false};
   Job jobs_[kSlots]{};
-  alignas(64) uint16_t scratch_[16];  // the helper's block before it commits it
+  alignas(64) float scratch_[16];  // the helper's block before it commits it (either width)
   std::atomic<uint64_t> states_[kMaxBlocks]{};
   std::thread helper_;  // last: starts once every member above is initialized
 };

@@ -437,13 +437,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] → fp32 logits [N, vocab]. With tensor parallelism each rank
         computes its vocabulary slice and rank 0 gathers them; the others get None."""
-        if self.lm_head is not None:
+        # Packed (bf16 on CPU), the head writes fp32 logits itself: converting them after
+        # was the one OpenMP region left in a batch-1 step (~60 us, its thread asleep).
+        head = self._packed_head if self.lm_head is None else self.lm_head.packed
+        if head is not None:
+            logits = head(hidden_states, torch.float32)
+        elif self.lm_head is not None:
             logits = self.lm_head(hidden_states)
-        elif self._packed_head is not None:  # tied, bf16 on CPU
-            logits = self._packed_head(hidden_states)
         else:
             logits = F.linear(hidden_states, self.model.embed_tokens.weight)
-        logits = logits.float()
+        logits = logits.float()  # a no-op where the head gave fp32
         return self.parallel.gather_last_dim(logits, self.config.vocab_size)
 
     def weight_buffer(self) -> torch.Tensor | None:

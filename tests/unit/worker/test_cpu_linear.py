@@ -257,6 +257,36 @@ def test_k_pair_layout_puts_sixteen_columns_of_a_k_pair_together() -> None:
 
 
 @own_kernel
+@pytest.mark.usefixtures("row_pool")
+@pytest.mark.parametrize("rows", [1, 3, 13])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_output_is_the_fp32_product_unrounded(rows: int, with_bias: bool) -> None:
+    """out_dtype=float32 (the LM head's logits) keeps the kernel's fp32 sums: its bf16
+    rounding is exactly the bf16 output. At one row the row pool's helper, once awake,
+    computes blocks too and commits them at fp32 width; two inputs alternate so that a
+    block left unwritten would show the other one's result."""
+    torch.manual_seed(rows)
+    weight = torch.randn(1000, 576, dtype=torch.bfloat16) * 0.05
+    bias = torch.randn(1000, dtype=torch.bfloat16) if with_bias else None
+    inputs = [torch.randn(rows, 576, dtype=torch.bfloat16) for _ in range(2)]
+    linear = cpu_linear.PackedLinear(weight, bias)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = [linear(x, torch.float32) for x in inputs]
+        rounded = [linear(x) for x in inputs]
+        repeated = [(i % 2, linear(inputs[i % 2], torch.float32)) for i in range(400)]
+    finally:
+        torch.set_num_threads(previous)
+
+    for x, out, bf16 in zip(inputs, expected, rounded, strict=True):
+        assert out.dtype == torch.float32 and out.shape == (rows, 1000)
+        torch.testing.assert_close(out, reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+        assert torch.equal(out.bfloat16(), bf16)
+    assert all(torch.equal(out, expected[i]) for i, out in repeated)
+
+
+@own_kernel
 def test_own_kernel_rejects_mismatched_inputs() -> None:
     packed = cpu_linear.pack_k_pairs(torch.zeros(32, 16, dtype=torch.bfloat16))
     op = torch.ops.plugserve_gemm.linear_bf16
@@ -266,6 +296,8 @@ def test_own_kernel_rejects_mismatched_inputs() -> None:
         op(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 8, None)
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
         op(torch.zeros(2, 16), packed, 32, None)
+    with pytest.raises(RuntimeError, match="out_dtype must be bfloat16 or float32"):
+        op(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 32, None, torch.float16)
 
 
 def test_odd_input_width_falls_back_to_onednn() -> None:
