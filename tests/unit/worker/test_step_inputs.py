@@ -97,3 +97,31 @@ def test_a_step_past_the_token_budget_grows_the_buffers() -> None:
     step = builder.build(batch, {"long": 40})
     assert step.input_ids.tolist() == list(range(40))
     assert step.attention.slot_mapping.tolist() == list(range(40))
+
+
+def test_a_decode_step_lays_out_one_token_per_scheduled_row() -> None:
+    """Every scheduled row computes one token: idle rows left out, a row short of the end
+    of its known tokens not sampled."""
+    batch = make_batch(
+        {
+            "a": (list(range(100, 107)), [5, 2], 6),  # its 7th token: samples
+            "idle": ([1, 2, 3], [7], 3),
+            "b": ([40, 41, 42, 43, 44], [3, 8], 4),  # its 5th token, in the second block
+            "behind": (list(range(300, 306)), [6, 1], 2),  # 3rd of 6 known: no sample
+        }
+    )
+    scheduled = {"a": 1, "b": 1, "behind": 1}
+    builder = StepInputBuilder(max_num_tokens=32, max_num_reqs=8, block_size=BLOCK_SIZE)
+
+    step = builder.build(batch, scheduled)
+
+    want = expected(batch, scheduled)
+    assert step.input_ids.tolist() == want["ids"] == [106, 44, 302]
+    assert step.positions.tolist() == want["positions"] == [6, 4, 2]
+    assert step.attention.slot_mapping.tolist() == want["slots"]
+    assert step.attention.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert step.attention.seq_lens.tolist() == [7, 5, 3]
+    assert step.attention.block_table.tolist() == [[5, 2], [3, 8], [6, 1]]
+    assert step.query_lens.tolist() == [1, 1, 1]
+    assert step.sample_rows.tolist() == [0, 2]
+    assert step.logits_indices.tolist() == want["last"] == [0, 1]
