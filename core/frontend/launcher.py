@@ -107,6 +107,9 @@ class _Server(uvicorn.Server):
         if sockets is not None:  # uvicorn only announces the sockets it binds itself
             url = http_url(self.config.host, self.config.port)
             logger.info("%s accepting requests on %s", self.setup.name, url)
+        loop = type(asyncio.get_running_loop())
+        http = self.config.http_protocol_class
+        logger.info("event loop %s.%s, HTTP %s", loop.__module__, loop.__name__, http.__name__)
         if self.setup.on_serving is not None:
             self.setup.on_serving()
 
