@@ -93,17 +93,17 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
                void* out, int64_t col, int64_t n) {
   constexpr int kChains = 4;
   constexpr int64_t kPrefetchPairs = 32;  // 2 KB ahead in this block's stream
-  // Non-temporal: each weight line is read once a step, and a batch-1 step streams 270 MB
-  // through the caches. Fetched as T0 they evicted everything the step's Python, numpy
-  // and small ops touch between matmuls (a numpy call cold cost 5-18 us against ~1 hot);
-  // with NTA a step is 0.16-0.30 ms faster (paired, in the engine). The batched tiles
-  // keep T0: each reads its weight tile once per 8 rows.
   __m512 acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = _mm512_setzero_ps();
   int64_t kp = 0;
   for (; kp + kChains <= pairs; kp += kChains) {
     for (int c = 0; c < kChains; ++c) {
       const uint16_t* p = w + (kp + c) * 32;
+      // Non-temporal: each weight line is read once a step, and a batch-1 step streams
+      // 270 MB through the caches. Fetched as T0 they evicted everything the step's Python,
+      // numpy and small ops touch between matmuls (a numpy call cold cost 5-18 us against
+      // ~1 hot); with NTA a step is 0.16-0.30 ms faster (paired, in the engine). The
+      // batched tiles keep T0: each reads its weight tile once per 8 rows.
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchPairs * kPairBytes,
                    _MM_HINT_NTA);
       int32_t pair;

@@ -184,13 +184,14 @@ class PackedLinear:
             self.bias = bias
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """out_dtype=torch.float32 asks for the fp32 sums unrounded (the LM head's logits);
-        the own kernel writes them directly, oneDNN's result stays bf16 (callers convert)."""
+        """out_dtype=torch.float32 asks for fp32 (the LM head's logits): the own kernel
+        writes its sums unrounded, oneDNN's bf16 result is converted."""
         if self.own_kernel:
             return torch.ops.plugserve_gemm.linear_bf16(
                 x, self.weight, self.out_features, self.bias, out_dtype
             )
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 # Below this many tokens the MLP keeps one fused gate-up matmul and separate passes.

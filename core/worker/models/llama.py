@@ -437,8 +437,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] → fp32 logits [N, vocab]. With tensor parallelism each rank
         computes its vocabulary slice and rank 0 gathers them; the others get None."""
-        # Packed (bf16 on CPU), the head writes fp32 logits itself: converting them after
-        # was the one OpenMP region left in a batch-1 step (~60 us, its thread asleep).
+        # Packed (bf16 on CPU), the head gives fp32 logits itself (the own kernel unrounded):
+        # converting them after was the one OpenMP region left in a batch-1 step (~60 us,
+        # its thread asleep).
         head = self._packed_head if self.lm_head is None else self.lm_head.packed
         if head is not None:
             logits = head(hidden_states, torch.float32)

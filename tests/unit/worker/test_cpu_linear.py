@@ -307,6 +307,8 @@ def test_odd_input_width_falls_back_to_onednn() -> None:
     linear = cpu_linear.PackedLinear(weight)
     assert not linear.own_kernel
     assert_rounded_once(linear(x), reference(x, weight, None))
+    as_fp32 = linear(x, torch.float32)  # asked for fp32, as the LM head asks
+    assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32, linear(x).float())
 
 
 @own_kernel

@@ -333,6 +333,33 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.99
 
 
+@pytest.mark.skipif(not cpu_linear.uses_own_kernel(), reason="needs AVX512_BF16")
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(LlamaConfig(**TINY, tie_word_embeddings=True), id="tied"),
+        pytest.param(LlamaConfig(**TINY, tie_word_embeddings=False), id="untied"),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_packed_lm_head_gives_the_fp32_logits_unrounded(config: Any, rows: int) -> None:
+    """The packed head writes the kernel's fp32 sums: logits not rounded to bf16 (which
+    would be ~2^-9 off relative) and no conversion pass after it."""
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model, _ = bf16_model(config, num_blocks=16)
+    model.load_weights(hf_model.state_dict().items())
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    weight = head.weight.detach().float().clone()  # packing frees an untied head's copy
+    model.process_weights_after_loading()
+    hidden = torch.randn(rows, config.hidden_size, dtype=torch.bfloat16)
+
+    logits = model.compute_logits(hidden)
+
+    assert logits is not None and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ weight.T, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(
     not cpu_linear.uses_own_kernel() or not cpu_ops.supported(torch.bfloat16, torch.device("cpu")),
     reason="FusedCpuDecoder needs AVX512_BF16 and the fused ops",
