@@ -133,22 +133,24 @@ def backend(request: pytest.FixtureRequest) -> TorchPagedAttention:
     ],
     ids=["one-decode", "one-long-decode", "few-decodes", "many-decodes", "mixed"],
 )
+# The kernel is compiled for block sizes 16 and 32, and reads any other at run time.
+@pytest.mark.parametrize("block_size", [16, 32, 5])
 def test_native_kernel_matches_sdpa_at_model_shapes(
-    dtype: torch.dtype, rows: list[tuple[int, int]]
+    dtype: torch.dtype, rows: list[tuple[int, int]], block_size: int
 ) -> None:
     # SmolLM2's heads: 9 query, 3 KV, dim 64, the shapes the kernel's fast paths serve.
     spec = AttentionSpec(
-        num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+        num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size,
         dtype=dtype, device=torch.device("cpu"),
     )  # fmt: skip
     generator = torch.Generator().manual_seed(len(rows))
     seq_lens = np.array([c + n for c, n in rows])
     query_lens = np.array([n for _, n in rows])
-    num_blocks = int(sum(-(-seq_lens // 16))) + 1
-    block_table = np.zeros((len(rows), int(-(-seq_lens.max() // 16))), dtype=np.int32)
+    num_blocks = int(sum(-(-seq_lens // block_size))) + 1
+    block_table = np.zeros((len(rows), int(-(-seq_lens.max() // block_size))), dtype=np.int32)
     pool = torch.randperm(num_blocks, generator=generator).tolist()
     for row, length in enumerate(seq_lens):
-        used = -(-length // 16)
+        used = -(-length // block_size)
         block_table[row, :used], pool = pool[:used], pool[used:]
     positions = [np.arange(c, c + n) for c, n in rows]
     batch = AttentionBatch(
@@ -156,11 +158,14 @@ def test_native_kernel_matches_sdpa_at_model_shapes(
         seq_lens=seq_lens.astype(np.int32),
         block_table=block_table,
         slot_mapping=np.concatenate(
-            [block_table[r, p // 16] * 16 + p % 16 for r, p in enumerate(positions)]
+            [
+                block_table[r, p // block_size] * block_size + p % block_size
+                for r, p in enumerate(positions)
+            ]
         ),
     )
     tokens = int(query_lens.sum())
-    cache = torch.randn(1, 2, num_blocks, 16, 3, 64, generator=generator).to(dtype)
+    cache = torch.randn(1, 2, num_blocks, block_size, 3, 64, generator=generator).to(dtype)
     q, k, v = (torch.randn(tokens, h, 64, generator=generator).to(dtype) for h in (9, 3, 3))
     outputs = []
     for kernel in ("native", "sdpa"):
