@@ -10,7 +10,7 @@ request admitted as soon as one finishes) and reports:
 - with --torch-profile, a torch.profiler table of a window of steps, grouped by op.
 
     .venv/bin/python benchmarks/profile_engine.py [--concurrency 32] [--dtype bfloat16]
-        [--torch-profile] [--engine-args "async_scheduling=true"]
+        [--torch-profile] [--engine-args "max_num_batched_tokens=4096"]
 """
 
 from __future__ import annotations
