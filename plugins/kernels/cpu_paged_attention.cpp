@@ -8,7 +8,8 @@
 // a plugserve::LayerAttentionFn, which the core's fused CPU decoder calls for every layer
 // without going back to Python; built and loaded by cpu_paged_attention.py. Work is split
 // over rows (or row and KV head, when rows are few) with ATen's thread pool, so it shares
-// the threads torch already runs on.
+// the threads torch already runs on; each thread streams its next row's K/V into cache
+// while it computes the current one.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
@@ -52,7 +53,6 @@ inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
-
 
 // q_g . k over head_dim for each of `group` queries (qf holds them in fp32).
 template <typename T>
