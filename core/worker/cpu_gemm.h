@@ -58,7 +58,7 @@ inline void store16(float* out, __mmask16 mask, __m512 sum) { _mm512_mask_storeu
 template <int M, int NB, typename Out>
 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_stride,
           int64_t pairs, const float* bias, Out* out, int64_t out_stride, int64_t n0,
-          int64_t n, const char* ahead, const char* ahead_end, int64_t ahead_per_pair) {
+          int64_t n, const char* ahead, int64_t ahead_lines, int64_t ahead_per_pair) {
   __m512 acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
@@ -69,10 +69,10 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_
       wv[b] = _mm512_loadu_si512(p);
       _mm_prefetch(reinterpret_cast<const char*>(p) + 16 * kPairBytes, _MM_HINT_T0);
     }
-    for (int64_t l = 0; l < ahead_per_pair; ++l) {
-      const char* line = ahead + (kp * ahead_per_pair + l) * kPairBytes;
-      if (line < ahead_end) _mm_prefetch(line, _MM_HINT_T0);
-    }
+    // This k-pair's share of the next tile's lines that this chunk streams in.
+    const int64_t ahead_stop = std::min(ahead_lines, (kp + 1) * ahead_per_pair);
+    for (int64_t line = kp * ahead_per_pair; line < ahead_stop; ++line)
+      _mm_prefetch(ahead + line * kPairBytes, _MM_HINT_T0);
     for (int m = 0; m < M; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * x_stride + 2 * kp, sizeof(pair));
@@ -131,7 +131,7 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
 
 template <typename Out>
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
-                        const float*, Out*, int64_t, int64_t, int64_t, const char*, const char*,
+                        const float*, Out*, int64_t, int64_t, int64_t, const char*, int64_t,
                         int64_t);
 
 template <int M, typename Out>
@@ -250,10 +250,11 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
     const int64_t per_pair = (next_lines + chunks * pairs - 1) / (chunks * pairs);
     for (int64_t r = 0, c = 0; r < rows; r += kRowTile, ++c) {
       const int64_t m = std::min(kRowTile, rows - r);
+      const int64_t first = std::min(next_lines, c * per_pair * pairs);  // this chunk's lines
       tile_for<Out>(m, nb)(xp + r * x_stride, x_stride, wp + b0 * block_stride, block_stride,
                            pairs, bp, op + r * out_features, out_features, b0 * 16,
-                           out_features, next + c * per_pair * pairs * kPairBytes,
-                           next + next_lines * kPairBytes, per_pair);
+                           out_features, next + first * kPairBytes,
+                           std::min(next_lines - first, per_pair * pairs), per_pair);
     }
   });
 }

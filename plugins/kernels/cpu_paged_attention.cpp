@@ -289,10 +289,11 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
       // cache cold: 3.5 ms for 30 layers, from 5.5). Not where the next item reads what
       // this one does (a prefill's rows share their context), and only its first
       // kAheadTokens, so that two items' contexts stay within L2.
-      const Item next = item + 1 < end ? item_at(item + 1) : it;
+      const bool has_next = item + 1 < end;
+      const Item next = has_next ? item_at(item + 1) : it;
       const bool same_context =
           table_of[next.row] == table_of[it.row] && next.first_kvh == it.first_kvh;
-      const int64_t ahead = same_context ? 0 : std::min(next.len, kAheadTokens);
+      const int64_t ahead = has_next && !same_context ? std::min(next.len, kAheadTokens) : 0;
       const int64_t runs = 2 * heads_per_item * ((len + kRunTokens - 1) / kRunTokens);
       int64_t runs_done = 0, streamed = 0;
       auto stream_next = [&] {
