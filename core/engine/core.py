@@ -171,6 +171,11 @@ class EngineCore:
             self._registry.hook.engine_step_finished(stats=self.last_step)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
+    def count_output_time(self, seconds: float) -> None:
+        """Time the caller spent handing a step's outputs on after step() returned (the
+        engine process sends them from its busy loop on a CPU): step time, and overhead."""
+        self.step_seconds += seconds
+
     def _notify_finished(self, request: Request) -> None:
         self._registry.hook.request_finished(
             request_id=request.request_id,

@@ -1,9 +1,17 @@
-"""The engine-core process: two IO threads around a busy loop (phases 4 and 10).
+"""The engine-core process: IO threads around a busy loop (phases 4 and 10).
 
-The input thread receives frames, decodes them and queues them; the output thread
-encodes outputs and sends them. The busy loop never touches the transport: it drains
-the input queue, steps the engine and queues outputs, and blocks on the input queue
-when there is nothing to do, so an idle engine burns no core.
+The input thread receives frames, decodes them and queues them. The busy loop drains the
+input queue, steps the engine and hands each step's outputs on, and blocks on the input
+queue when there is nothing to do, so an idle engine burns no core.
+
+Who sends the outputs depends on where the forward pass runs. On a GPU an output thread
+encodes and sends them while the busy loop goes on to the next step, so that work
+overlaps the device's. On a CPU the forward pass keeps every core busy and there is no
+such overlap to gain: an output thread only gets the GIL once the next forward pass
+releases it, and then takes a core from it. There the busy loop sends each step's outputs
+itself, before it prepares the next step, and the API server and its client handle them
+while the engine's Python runs (served c=1 ITL: a median 0.29 ms lower over 22 paired
+runs, lower in 19; docs/benchmarks.md).
 
 Several API servers (clients) may share the engine. The channel says which client each
 message came from; the busy loop remembers which client sent each request and answers
@@ -20,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from plugserve import __version__
@@ -46,6 +55,7 @@ from plugserve.messages import (
     request_decoder,
 )
 from plugserve.plugins import get_registry
+from plugserve.worker.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +116,8 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     )
     channel.send_ready([OutputType.READY, encoder.encode(ready)])
     num_clients = config.server.api_server_count
-    EngineCoreProc(engine, channel, engine_index, num_clients, inputs).run()
+    on_cpu = resolve_device(config.engine.device).type == "cpu"
+    EngineCoreProc(engine, channel, engine_index, num_clients, inputs, on_cpu).run()
 
 
 def _exit_with_parent() -> None:
@@ -156,13 +167,17 @@ class EngineCoreProc:
         engine_index: int = 0,
         num_clients: int = 1,
         input_queue: queue.Queue[_Input] | None = None,
+        send_from_busy_loop: bool = False,
     ) -> None:
+        """`send_from_busy_loop`: the busy loop sends every output itself, and there is
+        no output thread (for engines whose forward pass runs on the CPU)."""
         self.engine = engine
         self.engine_index = engine_index
         self.channel = channel
         self.num_clients = num_clients
         self.input_queue: queue.Queue[_Input] = input_queue or queue.Queue()
-        # (message type, message, client or _BROADCAST)
+        self.send_from_busy_loop = send_from_busy_loop
+        # (message type, message, client or _BROADCAST), for the output thread
         self.output_queue: queue.Queue[Any] = queue.Queue()
         # The client (API server) that sent each unfinished request: its outputs go back
         # there. Only the busy loop touches it.
@@ -170,23 +185,28 @@ class EngineCoreProc:
         self._running = True
 
     def run(self) -> None:
-        threads = [
-            threading.Thread(target=self._input_thread, name="EngineInput", daemon=True),
-            threading.Thread(target=self._output_thread, name="EngineOutput", daemon=True),
-        ]
-        for thread in threads:
-            thread.start()
+        threading.Thread(target=self._input_thread, name="EngineInput", daemon=True).start()
+        output_thread = None
+        if not self.send_from_busy_loop:
+            output_thread = threading.Thread(
+                target=self._output_thread, name="EngineOutput", daemon=True
+            )
+            output_thread.start()
         exit_code = 0
         try:
             self._busy_loop()
         except BaseException as exc:
             logger.exception("engine core died")
             dead = EngineDead(engine_index=self.engine_index, error=_one_line(exc))
-            self.output_queue.put((OutputType.DEAD, dead, _BROADCAST))
+            try:
+                self._output(OutputType.DEAD, dead, _BROADCAST)
+            except Exception:  # what died may be the channel itself
+                logger.exception("the clients could not be told")
             exit_code = 1
         finally:
-            self.output_queue.put(_STOP)
-            threads[1].join(timeout=5)
+            if output_thread is not None:
+                self.output_queue.put(_STOP)
+                output_thread.join(timeout=5)
             self.engine.shutdown()
             self.channel.close()
         if exit_code:
@@ -229,9 +249,9 @@ class EngineCoreProc:
             # A worker that died while the engine was idle fails the ping, not a request.
             self.engine.executor.check_health()
             pong = Pong(payload, self.engine_index, self.engine.stats())
-            self.output_queue.put((OutputType.PONG, pong, client))
+            self._output(OutputType.PONG, pong, client)
         elif kind == RequestType.READ_WEIGHTS:
-            self.output_queue.put((OutputType.WEIGHT_READ, self._read_weights(payload), client))
+            self._output(OutputType.WEIGHT_READ, self._read_weights(payload), client)
         elif kind == RequestType.SHUTDOWN:
             self._running = False
         elif kind == b"__error__":
@@ -274,7 +294,7 @@ class EngineCoreProc:
         self._send_outputs(client, [refusal], self.engine.stats())
 
     def _emit(self, outputs: list[EngineCoreOutput]) -> None:
-        """Queue one step's outputs, one message per client that has some."""
+        """Send one step's outputs, one message per client that has some."""
         by_client: dict[int, list[EngineCoreOutput]] = {}
         for output in outputs:
             request_id = output.request_id
@@ -286,9 +306,12 @@ class EngineCoreProc:
                 logger.warning("output for request %s, which no client sent", request_id)
                 continue
             by_client.setdefault(client, []).append(output)
+        started = time.perf_counter()
         stats = self.engine.stats()
         for client, client_outputs in by_client.items():
             self._send_outputs(client, client_outputs, stats)
+        if self.send_from_busy_loop:
+            self.engine.count_output_time(time.perf_counter() - started)
 
     def _send_outputs(
         self, client: int, outputs: list[EngineCoreOutput], stats: SchedulerStats
@@ -296,7 +319,19 @@ class EngineCoreProc:
         batch = EngineCoreOutputs(
             outputs=outputs, scheduler_stats=stats, engine_index=self.engine_index
         )
-        self.output_queue.put((OutputType.OUTPUTS, batch, client))
+        self._output(OutputType.OUTPUTS, batch, client)
+
+    def _output(self, kind: bytes, message: Any, client: int) -> None:
+        """Send a message now (send_from_busy_loop) or leave it to the output thread."""
+        if self.send_from_busy_loop:
+            self._send(kind, message, client)
+        else:
+            self.output_queue.put((kind, message, client))
+
+    def _send(self, kind: bytes, message: Any, client: int) -> None:
+        frames = [kind, encoder.encode(message)]
+        for each in range(self.num_clients) if client == _BROADCAST else (client,):
+            self.channel.send(frames, each)
 
     # ------------------------------------------------------------------ IO threads
 
@@ -327,12 +362,8 @@ class EngineCoreProc:
             item = self.output_queue.get()
             if item is _STOP:
                 return
-            kind, message, client = item
-            frames = [kind, encoder.encode(message)]
-            clients = range(self.num_clients) if client == _BROADCAST else (client,)
             try:
-                for each in clients:
-                    self.channel.send(frames, each)
+                self._send(*item)
             except Exception as exc:
                 # Outputs can no longer leave: the busy loop must fail loudly (the
                 # frontend sees the process exit) rather than generate into the void.

@@ -3,7 +3,9 @@ the client that sent the request, and a client cannot touch another's requests.
 
 A real engine (the embedded model, small KV cache) runs its busy loop and IO threads in
 a thread of this process, joined by a real transport to two client channels in this
-test's event loop, exactly as two API-server processes would talk to it.
+test's event loop, exactly as two API-server processes would talk to it. The outputs
+leave from the busy loop (as on a CPU) unless a test asks for the output thread (as on
+a GPU).
 """
 
 from __future__ import annotations
@@ -49,13 +51,17 @@ def config():
 
 
 @contextlib.asynccontextmanager
-async def engine_with_two_clients(config, transport_name: str) -> AsyncIterator[list[Any]]:
+async def engine_with_two_clients(
+    config, transport_name: str, send_from_busy_loop: bool = True
+) -> AsyncIterator[list[Any]]:
     """Two client channels to one running EngineCoreProc; stopped with SHUTDOWN."""
     transport = get_registry().build("transport", transport_name, None)
     addresses = transport.addresses(1, 2)
     clients = [transport.client(addresses, index) for index in range(2)]
     channel = transport.engine(addresses, 0)
-    proc = EngineCoreProc(EngineCore(config), channel, 0, num_clients=2)
+    proc = EngineCoreProc(
+        EngineCore(config), channel, 0, num_clients=2, send_from_busy_loop=send_from_busy_loop
+    )
     channel.send_ready([OutputType.READY, b""])
     for client in clients:
         assert bytes((await client.wait_ready(10))[0]) == OutputType.READY
@@ -98,10 +104,13 @@ async def nothing_more(client) -> bool:
     return True
 
 
+@pytest.mark.parametrize("sender", ["busy loop", "output thread"])
 @pytest.mark.parametrize("transport_name", ["zmq", "shm"])
-def test_each_client_gets_the_outputs_of_its_own_requests_only(config, transport_name):
+def test_each_client_gets_the_outputs_of_its_own_requests_only(config, transport_name, sender):
     async def main():
-        async with engine_with_two_clients(config, transport_name) as clients:
+        async with engine_with_two_clients(
+            config, transport_name, send_from_busy_loop=sender == "busy loop"
+        ) as clients:
             for index, client in enumerate(clients):
                 await add(client, f"request-{index}", max_tokens=8)
             for index, client in enumerate(clients):
