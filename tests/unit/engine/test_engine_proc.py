@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,13 +53,15 @@ def config():
 
 @contextlib.asynccontextmanager
 async def engine_with_two_clients(
-    config, transport_name: str, send_from_busy_loop: bool = True
+    config, transport_name: str, send_from_busy_loop: bool = True, wrap_channel=None
 ) -> AsyncIterator[list[Any]]:
     """Two client channels to one running EngineCoreProc; stopped with SHUTDOWN."""
     transport = get_registry().build("transport", transport_name, None)
     addresses = transport.addresses(1, 2)
     clients = [transport.client(addresses, index) for index in range(2)]
     channel = transport.engine(addresses, 0)
+    if wrap_channel is not None:
+        channel = wrap_channel(channel)
     proc = EngineCoreProc(
         EngineCore(config), channel, 0, num_clients=2, send_from_busy_loop=send_from_busy_loop
     )
@@ -156,3 +159,48 @@ def test_pings_are_answered_to_their_sender_and_aborts_touch_only_the_senders_re
             assert pong.nonce == 8 and pong.stats.num_running == 0
 
     asyncio.run(main())
+
+
+SEND_S = 0.02
+
+
+class SlowSends:
+    """The engine's end of a real channel, each of whose sends takes SEND_S longer."""
+
+    def __init__(self, channel) -> None:
+        self._channel = channel
+
+    def send(self, frames, client: int = 0) -> None:
+        time.sleep(SEND_S)
+        self._channel.send(frames, client)
+
+    def __getattr__(self, name: str):
+        return getattr(self._channel, name)
+
+
+def test_the_time_the_busy_loop_spends_sending_counts_as_engine_overhead(config):
+    async def main():
+        async with engine_with_two_clients(config, "zmq", wrap_channel=SlowSends) as clients:
+            client = clients[0]
+            pong = await ping(client, 1)
+            await add(client, "timed", max_tokens=6)
+            messages, finished = 0, False
+            while not finished:
+                kind, payload = await asyncio.wait_for(client.recv(), 30)
+                assert bytes(kind) == OutputType.OUTPUTS
+                messages += 1
+                finished = any(o.finished for o in outputs_decoder.decode(payload).outputs)
+            after = await ping(client, 2)
+            step_s = after.stats.step_seconds - pong.stats.step_seconds
+            forward_s = after.stats.forward_seconds - pong.stats.forward_seconds
+            assert messages >= 2
+            assert step_s - forward_s >= messages * SEND_S
+
+    asyncio.run(main())
+
+
+async def ping(client, nonce: int):
+    await client.send([RequestType.PING, encoder.encode(nonce)])
+    kind, payload = await asyncio.wait_for(client.recv(), 10)
+    assert bytes(kind) == OutputType.PONG
+    return pong_decoder.decode(payload)
