@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import httpx
 
-from plugserve.bench.client import send_request
+from plugserve.bench import client as bench_client
 from plugserve.bench.dataset import get_tokenizer, sample_random_prompts
 
 
@@ -52,43 +52,47 @@ async def floor_ms(client: httpx.AsyncClient, base_url: str, seconds: float) -> 
 
 
 async def measure(args: argparse.Namespace) -> list[Sample]:
+    # The workload's requests exactly as `plugserve bench serve` sends them.
+    workload = bench_client.parse_args(
+        [
+            "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len),
+            "--temperature", "0",
+            "--ignore-eos",
+        ]
+    )  # fmt: skip
     tokenizer = get_tokenizer(args.tokenizer)
     prompts = sample_random_prompts(tokenizer, args.num_requests, args.input_len, args.seed)
+    model = bench_client.first_model_id(args.base_url)
+    url = f"{args.base_url}/v1/completions"
     samples = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-        model = (await client.get(f"{args.base_url}/v1/models")).json()["data"][0]["id"]
-        url = f"{args.base_url}/v1/completions"
         for text, prompt_len in prompts:
-            body = {
-                "model": model,
-                "prompt": text,
-                "max_tokens": args.output_len,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-            }
+            body = bench_client.request_body(workload, model, text)
             before = await floor_ms(client, args.base_url, args.floor_seconds)
-            out = await send_request(client, url, body, prompt_len, chat=False)
+            out = await bench_client.send_request(client, url, body, prompt_len, chat=False)
             after = await floor_ms(client, args.base_url, args.floor_seconds)
             if not out.success:
                 raise SystemExit(f"request failed: {out.error}")
-            itl = statistics.median(out.itl) * 1e3
-            samples.append(Sample(before, after, itl))
+            samples.append(Sample(before, after, statistics.median(out.itl) * 1e3))
     return samples
 
 
-def summarize(samples: list[Sample], tolerance: float, target: float) -> list[str]:
+def summarize(
+    samples: list[Sample], tolerance: float, target: float, fast_floor_ms: float
+) -> list[str]:
     lines = []
     stable = [s for s in samples if s.stable(tolerance)]
     groups = {
         f"floors within {tolerance:.0%} of each other": stable,
         "phase changed during the request": [s for s in samples if not s.stable(tolerance)],
     }
-    for fast in (True, False):
-        name = "stable, fast (floor < 4.5 ms)" if fast else "stable, slow (floor >= 4.5 ms)"
-        groups[name] = [
-            s for s in stable if (min(s.floor_before_ms, s.floor_after_ms) < 4.5) == fast
-        ]
+
+    def fast(s: Sample) -> bool:
+        return min(s.floor_before_ms, s.floor_after_ms) < fast_floor_ms
+
+    groups[f"stable, fast (floor < {fast_floor_ms} ms)"] = [s for s in stable if fast(s)]
+    groups[f"stable, slow (floor >= {fast_floor_ms} ms)"] = [s for s in stable if not fast(s)]
     lines.append(
         f"{'requests':<40}{'n':>5}{'floor p50':>11}{'ITL p50':>9}"
         f"{'ITL/floor p50':>15}{'max':>7}{f'<= {target}x':>9}"
@@ -117,12 +121,15 @@ def main() -> int:
     parser.add_argument("--floor-seconds", type=float, default=0.3)
     parser.add_argument("--stable", type=float, default=0.10, help="floors this close: one phase")
     parser.add_argument("--target", type=float, default=1.5, help="ITL / floor to count as met")
+    parser.add_argument(
+        "--fast-floor-ms", type=float, default=4.5, help="floors below this: a fast phase"
+    )
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default=None, help="write every sample here")
     args = parser.parse_args()
     samples = asyncio.run(measure(args))
-    for line in summarize(samples, args.stable, args.target):
+    for line in summarize(samples, args.stable, args.target, args.fast_floor_ms):
         print(line)
     if args.json:
         with open(args.json, "w") as f:

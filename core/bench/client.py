@@ -113,7 +113,8 @@ def _percentiles(text: str) -> list[float]:
 # --------------------------------------------------------------------------- requests
 
 
-def _payload(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
+def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
+    """The JSON body of one workload request, from `plugserve bench serve`'s flags."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": args.random_output_len,
@@ -191,7 +192,8 @@ async def send_request(
 # --------------------------------------------------------------------------- the run
 
 
-def _first_model_id(base_url: str) -> str:
+def first_model_id(base_url: str) -> str:
+    """The first model id the server at `base_url` lists."""
     import httpx
 
     try:
@@ -233,7 +235,7 @@ async def _benchmark(
     async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
 
         async def one(prompt: str, prompt_len: int) -> RequestOutput:
-            body = _payload(args, model, prompt)
+            body = request_body(args, model, prompt)
             if semaphore is None:
                 out = await send_request(client, url, body, prompt_len, chat)
             else:
@@ -247,7 +249,7 @@ async def _benchmark(
             print(f"Warming up with {args.num_warmups} requests...")
             warm = [prompts[i % len(prompts)] for i in range(args.num_warmups)]
             warm_outs = await asyncio.gather(
-                *(send_request(client, url, _payload(args, model, p), n, chat) for p, n in warm)
+                *(send_request(client, url, request_body(args, model, p), n, chat) for p, n in warm)
             )
             failed = [o for o in warm_outs if not o.success]
             if failed:
@@ -297,7 +299,7 @@ def run_benchmark(args: argparse.Namespace, *, transport: Any = None) -> dict[st
         "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     )
     url = base_url + endpoint
-    model = args.model or _first_model_id(base_url)
+    model = args.model or first_model_id(base_url)
     tokenizer_id = args.tokenizer or EMBEDDED_MODEL
     tokenizer = get_tokenizer(tokenizer_id)
     prompts = sample_random_prompts(tokenizer, args.num_prompts, args.random_input_len, args.seed)

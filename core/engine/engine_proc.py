@@ -116,8 +116,7 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     )
     channel.send_ready([OutputType.READY, encoder.encode(ready)])
     num_clients = config.server.api_server_count
-    on_cpu = resolve_device(config.engine.device).type == "cpu"
-    EngineCoreProc(engine, channel, engine_index, num_clients, inputs, on_cpu).run()
+    EngineCoreProc(engine, channel, engine_index, num_clients, inputs).run()
 
 
 def _exit_with_parent() -> None:
@@ -167,15 +166,17 @@ class EngineCoreProc:
         engine_index: int = 0,
         num_clients: int = 1,
         input_queue: queue.Queue[_Input] | None = None,
-        send_from_busy_loop: bool = False,
+        send_from_busy_loop: bool | None = None,
     ) -> None:
         """`send_from_busy_loop`: the busy loop sends every output itself, and there is
-        no output thread (for engines whose forward pass runs on the CPU)."""
+        no output thread; None: so where the engine's forward pass runs on the CPU."""
         self.engine = engine
         self.engine_index = engine_index
         self.channel = channel
         self.num_clients = num_clients
         self.input_queue: queue.Queue[_Input] = input_queue or queue.Queue()
+        if send_from_busy_loop is None:
+            send_from_busy_loop = resolve_device(engine.config.engine.device).type == "cpu"
         self.send_from_busy_loop = send_from_busy_loop
         # (message type, message, client or _BROADCAST), for the output thread
         self.output_queue: queue.Queue[Any] = queue.Queue()

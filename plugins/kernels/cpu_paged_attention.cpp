@@ -225,9 +225,8 @@ bool weighted_sum_fast(int64_t group, int64_t head_dim, const float* p, int64_t 
 }
 
 // BS is the cache's block size where it is a common one, 0 for any other (read at run
-// time): with BS known the token → block arithmetic is shifts, and a 16-token run of
-// scores_in_registers finds its block once instead of dividing per token, which was ~10 %
-// of the kernel with the context in cache.
+// time): with BS known, finding a token's block and offset is a shift and a mask instead of
+// a division per token, which was ~10 % of the kernel with the context in cache.
 template <typename T, int BS>
 void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                           const at::Tensor& v_blocks, const at::Tensor& block_table,

@@ -3,9 +3,9 @@ the client that sent the request, and a client cannot touch another's requests.
 
 A real engine (the embedded model, small KV cache) runs its busy loop and IO threads in
 a thread of this process, joined by a real transport to two client channels in this
-test's event loop, exactly as two API-server processes would talk to it. The outputs
-leave from the busy loop (as on a CPU) unless a test asks for the output thread (as on
-a GPU).
+test's event loop, exactly as two API-server processes would talk to it. The engine runs
+on the CPU, so its outputs leave from the busy loop unless a test asks for the output
+thread (a GPU engine's sender).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def config():
 
 @contextlib.asynccontextmanager
 async def engine_with_two_clients(
-    config, transport_name: str, send_from_busy_loop: bool = True, wrap_channel=None
+    config, transport_name: str, send_from_busy_loop: bool | None = None, wrap_channel=None
 ) -> AsyncIterator[list[Any]]:
     """Two client channels to one running EngineCoreProc; stopped with SHUTDOWN."""
     transport = get_registry().build("transport", transport_name, None)
@@ -112,7 +112,7 @@ async def nothing_more(client) -> bool:
 def test_each_client_gets_the_outputs_of_its_own_requests_only(config, transport_name, sender):
     async def main():
         async with engine_with_two_clients(
-            config, transport_name, send_from_busy_loop=sender == "busy loop"
+            config, transport_name, send_from_busy_loop=None if sender == "busy loop" else False
         ) as clients:
             for index, client in enumerate(clients):
                 await add(client, f"request-{index}", max_tokens=8)
@@ -178,7 +178,7 @@ class SlowSends:
         return getattr(self._channel, name)
 
 
-def test_the_time_the_busy_loop_spends_sending_counts_as_engine_overhead(config):
+def test_a_cpu_engine_sends_from_its_busy_loop_and_counts_that_time_as_overhead(config):
     async def main():
         async with engine_with_two_clients(config, "zmq", wrap_channel=SlowSends) as clients:
             client = clients[0]
