@@ -34,12 +34,7 @@ namespace plugserve {
 RowPool* shared_row_pool() {
   // cpu_gemm.cpp's pool: the packed weights this library multiplies come from its loader,
   // so it is loaded first. Without it the one-row matmuls run on the calling thread.
-  static RowPool* pool = [] {
-    auto handle = c10::Dispatcher::singleton().findSchema({"plugserve_gemm::row_pool_address", ""});
-    if (!handle.has_value()) return static_cast<RowPool*>(nullptr);
-    return reinterpret_cast<RowPool*>(handle->typed<int64_t()>().call());
-  }();
-  return pool;
+  return lookup_row_pool();
 }
 
 }  // namespace plugserve

@@ -17,7 +17,8 @@ RowPool* shared_row_pool() {
 
 namespace {
 
-// The pool's address, for the other libraries that run one-row matmuls (cpu_decoder.cpp).
+// The pool's address, for the other libraries that run jobs on it (row_pool.h's
+// lookup_row_pool: cpu_decoder.cpp, the CPU paged attention plugin).
 int64_t row_pool_address() { return reinterpret_cast<int64_t>(plugserve::shared_row_pool()); }
 
 void row_pool_set_enabled(bool enabled) { plugserve::shared_row_pool()->set_enabled(enabled); }
@@ -27,7 +28,7 @@ bool row_pool_enabled() { return plugserve::shared_row_pool()->enabled(); }
 void row_pool_stall_helper_once(int64_t microseconds) {
   plugserve::shared_row_pool()->stall_helper_once(microseconds);
 }
-int64_t row_pool_blocks_taken_over() { return plugserve::shared_row_pool()->blocks_taken_over(); }
+int64_t row_pool_items_taken_over() { return plugserve::shared_row_pool()->items_taken_over(); }
 
 }  // namespace
 
@@ -39,7 +40,7 @@ TORCH_LIBRARY(plugserve_gemm, m) {
   m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
   m.def("row_pool_enabled() -> bool", &row_pool_enabled);
   m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
-  m.def("row_pool_blocks_taken_over() -> int", &row_pool_blocks_taken_over);
+  m.def("row_pool_items_taken_over() -> int", &row_pool_items_taken_over);
 }
 
 TORCH_LIBRARY_IMPL(plugserve_gemm, CPU, m) { m.impl("linear_bf16", &plugserve::linear_bf16); }

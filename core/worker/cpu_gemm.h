@@ -129,6 +129,22 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
   store16(static_cast<Out*>(out) + col, mask, sum);
 }
 
+// A one-row matmul as a RowPool job: item b is block b's 16 outputs (fewer in the last).
+struct RowArgs {
+  const uint16_t* x;
+  const uint16_t* w;
+  int64_t block_stride, pairs;
+  const float* bias;
+  int64_t n;
+};
+
+template <typename Out>
+void row_item(const void* args, int64_t b, void* out) {
+  const auto& a = *static_cast<const RowArgs*>(args);
+  row_block<Out>(a.x, a.w + b * a.block_stride, a.pairs, a.bias ? a.bias + b * 16 : nullptr,
+                 out, 0, std::min<int64_t>(16, a.n - b * 16));
+}
+
 template <typename Out>
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
                         const float*, Out*, int64_t, int64_t, int64_t, const char*, int64_t,
@@ -227,8 +243,10 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
   if (rows == 1) {
     RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
     if (pool != nullptr && pool->enabled()) {
-      pool->run({&row_block<Out>, xp, wp, block_stride, pairs, bp, out_features, blocks, op,
-                 sizeof(Out), {x, packed, bias.has_value() ? *bias : at::Tensor()}});
+      const int64_t last = out_features - (blocks - 1) * 16;
+      pool->run(RowPool::make_job(&row_item<Out>, RowArgs{xp, wp, block_stride, pairs, bp, out_features},
+                                  blocks, op, 16 * sizeof(Out), last * sizeof(Out),
+                                  {x, packed, bias.has_value() ? *bias : at::Tensor()}));
     } else {
       for_each_item(blocks, [&](int64_t b) {
         row_block<Out>(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);

@@ -1,28 +1,30 @@
-// The one-row matmul (a batch-1 decode step's weight stream) over the calling thread and
-// one helper thread that the caller never waits for.
+// Work split over the calling thread and one helper thread that the caller never waits for:
+// a batch-1 decode step's one-row matmuls (cpu_gemm.h) and its attention (the CPU paged
+// attention plugin), each a job of independent items written to their own places.
 //
 // On two cores the API server, the benchmark client and the engine's own IO threads need
 // ~0.7 ms of CPU per token. Under OpenMP every matmul ends at a barrier, so whichever
 // compute thread such a burst displaced held up the whole step: a 0.35 ms burst every 5 ms
 // made a batch-1 step 0.6-1.2 ms slower. Here the helper is a SCHED_IDLE thread, so the
 // kernel places those bursts on its core and the caller keeps its own; and the caller
-// finishes a matmul alone when the helper is away:
+// finishes a job alone when the helper is away:
 //
-// - The blocks (16 output columns each) are split into two contiguous halves, each worked
-//   front to back (one stream of weights). The caller, done with its own, takes what is
-//   left of the helper's from the back; only the helper's half is claimed by CAS.
-// - The helper takes its blocks one at a time and commits each before taking the next:
-//   a per-block state word goes from whatever an earlier job left there to "writing" (by
-//   compare-and-swap), the block is copied into the output, then "done". Once the shares
-//   are empty, only the helper's last block can be unfinished: the caller waits briefly
+// - The items (a matmul's 16-column blocks) are split into two contiguous halves, each
+//   worked front to back (one stream of weights). The caller, done with its own, takes
+//   what is left of the helper's from the back; only the helper's half is claimed by CAS.
+// - The helper computes each item into its scratch and commits it before taking the next:
+//   a per-item state word goes from whatever an earlier job left there to "writing" (by
+//   compare-and-swap), the item is copied into the output, then "done". Once the shares
+//   are empty, only the helper's last item can be unfinished: the caller waits briefly
 //   for it, then takes it over by moving its state word to "taken" itself. A helper that
-//   comes back late finds the block taken (or moved on by a later job) and drops it.
-// - A late helper still reads its job's row, weight and bias: the job holds references
-//   to those tensors, so they outlive the caller's use of them until the helper is done.
+//   comes back late finds the item taken (or moved on by a later job) and drops it.
+// - A job carries its arguments by value, and a late helper still reads the tensors they
+//   point into: the job holds references to those, so they outlive the caller's use of
+//   them until the helper is done.
 //
 // One pool per process (cpu_gemm.cpp owns it; other libraries find it through the
-// dispatcher, see shared_row_pool in cpu_gemm.h). One caller at a time: a second
-// concurrent caller finds the pool busy and runs its matmul alone.
+// dispatcher, lookup_row_pool below). One caller at a time: a second concurrent caller
+// finds the pool busy and runs its job alone.
 #pragma once
 
 #include <immintrin.h>
@@ -33,6 +35,7 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
 #include <atomic>
@@ -40,32 +43,42 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 
 namespace plugserve {
 
-// What one item computes: out[col:col+16] = x . W_block(b) (+ bias), masked at n; out's
-// elements are the job's out_bytes wide (bf16 or fp32).
-using RowBlockFn = void (*)(const uint16_t* x, const uint16_t* w, int64_t pairs,
-                            const float* bias, void* out, int64_t col, int64_t n);
+// Computes item `item` of a job into `out` (its place in the job's output, or the
+// helper's scratch), from the arguments the job was made with.
+using ItemFn = void (*)(const void* args, int64_t item, void* out);
 
 class RowPool {
  public:
-  static constexpr int64_t kMaxBlocks = 1 << 13;  // 131072 outputs: any LM head here
+  static constexpr int64_t kMaxItems = 1 << 13;  // items per job: 131072 outputs, any LM head
+  static constexpr int64_t kArgBytes = 128;
+  static constexpr int64_t kScratchBytes = 4096;  // the most an item may write
 
   struct Job {
-    RowBlockFn block;
-    const uint16_t* x;
-    const uint16_t* w;
-    int64_t block_stride, pairs;
-    const float* bias;
-    int64_t n, blocks;
-    void* out;
-    int64_t out_bytes;  // per element
-    // The row, the weight and the bias, held by every copy of the job: a helper that comes
+    ItemFn fn;
+    int64_t items;
+    void* out;  // item i at out + i * item_bytes
+    int64_t item_bytes, last_item_bytes;  // the last may be shorter (a partial block)
+    // What the arguments point into, held by every copy of the job: a helper that comes
     // back late still reads them (and drops what it computes), so they must not be freed
     // under it when the caller's tensors go.
-    std::array<at::Tensor, 3> inputs;
+    std::array<at::Tensor, 4> inputs;
+    alignas(16) unsigned char args[kArgBytes];
   };
+
+  // A job of `items` items computed by fn from a copy of `args`.
+  template <typename Args>
+  static Job make_job(ItemFn fn, const Args& args, int64_t items, void* out, int64_t item_bytes,
+                      int64_t last_item_bytes, std::array<at::Tensor, 4> inputs) {
+    static_assert(std::is_trivially_copyable_v<Args> && sizeof(Args) <= kArgBytes,
+                  "job arguments are copied as bytes into the job");
+    Job job{fn, items, out, item_bytes, last_item_bytes, std::move(inputs), {}};
+    std::memcpy(job.args, &args, sizeof(Args));
+    return job;
+  }
 
   RowPool() : helper_([this] { helper_loop(); }) { helper_.detach(); }
 
@@ -75,31 +88,31 @@ class RowPool {
   void set_enabled(bool enabled) { enabled_.store(enabled, std::memory_order_relaxed); }
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
 
-  // For tests: the helper's next block waits this long before it is computed, as if the
-  // helper were displaced in the middle of it; and how many blocks the caller has taken
+  // For tests: the helper's next item waits this long before it is computed, as if the
+  // helper were displaced in the middle of it; and how many items the caller has taken
   // over from the helper so far.
   void stall_helper_once(int64_t microseconds) {
     stall_us_.store(microseconds, std::memory_order_relaxed);
   }
-  int64_t blocks_taken_over() const { return taken_over_.load(std::memory_order_relaxed); }
+  int64_t items_taken_over() const { return taken_over_.load(std::memory_order_relaxed); }
 
-  // Runs every block of `job`; returns once all of them are written to job.out.
+  // Runs every item of `job`; returns once all of them are written to job.out.
   void run(const Job& job) {
-    if (job.blocks < 2 || job.blocks > kMaxBlocks ||
+    if (job.items < 2 || job.items > kMaxItems || job.item_bytes > kScratchBytes ||
         busy_.test_and_set(std::memory_order_acquire)) {
-      for (int64_t b = 0; b < job.blocks; ++b) compute(job, b);
+      for (int64_t b = 0; b < job.items; ++b) compute(job, b);
       return;
     }
     const uint64_t g = generation_.load(std::memory_order_relaxed) + 1;
-    const uint64_t mid = static_cast<uint64_t>(job.blocks) / 2;
+    const uint64_t mid = static_cast<uint64_t>(job.items) / 2;
     if (copying_.load(std::memory_order_seq_cst) == static_cast<int64_t>(g % kSlots)) {
       // A helper kSlots jobs behind is copying this slot: leave it be.
-      for (int64_t b = 0; b < job.blocks; ++b) compute(job, b);
+      for (int64_t b = 0; b < job.items; ++b) compute(job, b);
       busy_.clear(std::memory_order_release);
       return;
     }
     jobs_[g % kSlots] = job;
-    theirs_.range.store(pack(g, mid, job.blocks), std::memory_order_relaxed);
+    theirs_.range.store(pack(g, mid, job.items), std::memory_order_relaxed);
     generation_.store(g, std::memory_order_seq_cst);
     wake_.store(static_cast<uint32_t>(g), std::memory_order_seq_cst);
     if (sleeping_.load(std::memory_order_seq_cst)) futex(FUTEX_WAKE_PRIVATE, 1);
@@ -118,8 +131,8 @@ class RowPool {
   static constexpr uint64_t kSlots = 4;
   static constexpr int kTagBits = 24, kIndexBits = 20;
   static constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
-  // A block's state for job g: (g << 2) | one of these. Helper and caller both move it from
-  // whatever an earlier job left there, so exactly one of them writes the block.
+  // An item's state for job g: (g << 2) | one of these. Helper and caller both move it from
+  // whatever an earlier job left there, so exactly one of them writes the item.
   static constexpr uint64_t kWriting = 1, kDone = 2, kTaken = 3;
   static constexpr auto kHelperWait = std::chrono::microseconds(20);
   static constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
@@ -137,10 +150,10 @@ class RowPool {
   }
 
   static void compute(const Job& job, int64_t b) {
-    job.block(job.x, job.w + b * job.block_stride, job.pairs, job.bias, job.out, b * 16, job.n);
+    job.fn(job.args, b, static_cast<char*>(job.out) + b * job.item_bytes);
   }
 
-  // The next block of a share for job g, from its front or its back; -1 when none is left
+  // The next item of a share for job g, from its front or its back; -1 when none is left
   // or the share belongs to another job.
   static int64_t claim(Share& share, uint64_t g, bool from_front) {
     uint64_t r = share.range.load(std::memory_order_acquire);
@@ -153,9 +166,9 @@ class RowPool {
     }
   }
 
-  // The helper's last block of job g: done, being written (wait), or still in the hands of
+  // The helper's last item of job g: done, being written (wait), or still in the hands of
   // a helper that was displaced: after a short wait the caller takes it over, and the
-  // helper, when it comes back, finds the block taken and drops its result.
+  // helper, when it comes back, finds the item taken and drops its result.
   void settle(const Job& job, int64_t b, uint64_t g) {
     std::atomic<uint64_t>& state = states_[b];
     const auto deadline = std::chrono::steady_clock::now() + kHelperWait;
@@ -210,18 +223,16 @@ class RowPool {
         while ((b = claim(theirs_, g, true)) >= 0) {
           if (const int64_t stall = stall_us_.exchange(0, std::memory_order_relaxed))
             std::this_thread::sleep_for(std::chrono::microseconds(stall));
-          const int64_t valid = std::min<int64_t>(16, job.n - b * 16);
-          job.block(job.x, job.w + b * job.block_stride, job.pairs,
-                    job.bias ? job.bias + b * 16 : nullptr, scratch_, 0, valid);
-          // Write the block only if the caller has not taken it over (then, or in a later
+          job.fn(job.args, b, scratch_);
+          // Write the item only if the caller has not taken it over (then, or in a later
           // job, which moved its state past g).
           std::atomic<uint64_t>& state = states_[b];
           uint64_t s = state.load(std::memory_order_acquire);
           if ((s >> 2) >= g ||
               !state.compare_exchange_strong(s, (g << 2) | kWriting, std::memory_order_acq_rel))
             break;
-          std::memcpy(static_cast<char*>(job.out) + b * 16 * job.out_bytes, scratch_,
-                      valid * job.out_bytes);
+          std::memcpy(static_cast<char*>(job.out) + b * job.item_bytes, scratch_,
+                      b == job.items - 1 ? job.last_item_bytes : job.item_bytes);
           state.store((g << 2) | kDone, std::memory_order_release);
         }
       }
@@ -242,9 +253,21 @@ class RowPool {
   std::atomic<int64_t> copying_{-1};  // the job slot the helper is copying, or -1
   std::atomic<bool> enabled_{false};
   Job jobs_[kSlots]{};
-  alignas(64) float scratch_[16];  // the helper's block before it commits it (either width)
-  std::atomic<uint64_t> states_[kMaxBlocks]{};
+  alignas(64) unsigned char scratch_[kScratchBytes];  // the helper's item before it commits it
+  std::atomic<uint64_t> states_[kMaxItems]{};
   std::thread helper_;  // last: starts once every member above is initialized
 };
+
+// The process's pool as another library finds it (the one cpu_gemm.cpp owns and exposes as
+// plugserve_gemm::row_pool_address), or nullptr where that library is not loaded: its jobs
+// then run on the calling thread alone.
+inline RowPool* lookup_row_pool() {
+  static RowPool* pool = [] {
+    auto handle = c10::Dispatcher::singleton().findSchema({"plugserve_gemm::row_pool_address", ""});
+    if (!handle.has_value()) return static_cast<RowPool*>(nullptr);
+    return reinterpret_cast<RowPool*>(handle->typed<int64_t()>().call());
+  }();
+  return pool;
+}
 
 }  // namespace plugserve

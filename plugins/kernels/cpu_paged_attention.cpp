@@ -9,7 +9,8 @@
 // without going back to Python; built and loaded by cpu_paged_attention.py. Work is split
 // over rows (or row and KV head, when rows are few) with ATen's thread pool, so it shares
 // the threads torch already runs on; each thread streams its next row's K/V into cache
-// while it computes the current one.
+// while it computes the current one. A single row (a decode step at batch 1) is split over
+// its context instead, with the one-row matmuls' helper thread (core's row_pool.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
@@ -20,6 +21,11 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__linux__)
+#define PLUGSERVE_SPLIT_DECODE 1
+#include "row_pool.h"  // core's: the one-row matmuls' helper thread
 #endif
 
 #include <algorithm>
@@ -224,6 +230,148 @@ bool weighted_sum_fast(int64_t group, int64_t head_dim, const float* p, int64_t 
   return false;
 }
 
+#ifdef PLUGSERVE_SPLIT_DECODE
+// A batch-1 decode row's attention as a RowPool job (row_pool.h), so that the matmuls'
+// helper thread, idle while the caller attends, reads half of the context: one item per KV
+// head and half of the context, each the unnormalized softmax of its slice
+// (flash-decoding), merged by the caller. At 192 tokens the row took 9-12 us a layer on
+// one thread, the context mostly coming from memory.
+constexpr int64_t kSplitMinTokens = 64;  // below this the hand-over costs more than it saves
+constexpr int64_t kSlices = 2;
+
+struct SliceArgs {
+  const float* q;  // [heads, head_dim] in fp32, scaled
+  const void* k;   // the layer's cache, [blocks, block_size, kv_heads, head_dim]
+  const void* v;
+  const int64_t* blocks;  // the row's block table
+  int64_t len, slice_tokens, kv_heads, group, head_dim, block_size, token_stride, block_stride;
+};
+
+// What an item writes: the group's weighted sums of V [group, head_dim], then each query
+// head's score maximum [group] and sum of exp(score - maximum) [group].
+inline int64_t slice_floats(int64_t group, int64_t head_dim) { return group * (head_dim + 2); }
+
+template <typename T, int BS>
+void attend_slice(const void* args, int64_t item, void* out) {
+  const auto& a = *static_cast<const SliceArgs*>(args);
+  const int64_t group = a.group, head_dim = a.head_dim;
+  const int64_t j = item % a.kv_heads, t0 = (item / a.kv_heads) * a.slice_tokens;
+  const int64_t n = std::max<int64_t>(0, std::min(a.len, t0 + a.slice_tokens) - t0);
+  float* acc = static_cast<float*>(out);
+  float* peak = acc + group * head_dim;
+  float* total = peak + group;
+  if (n == 0) {
+    std::fill(acc, acc + group * head_dim, 0.0f);
+    std::fill(peak, peak + group, -std::numeric_limits<float>::infinity());
+    std::fill(total, total + group, 0.0f);
+    return;
+  }
+  const int64_t block_size = BS != 0 ? BS : a.block_size;
+  const T* k_base = static_cast<const T*>(a.k) + j * head_dim;
+  const T* v_base = static_cast<const T*>(a.v) + j * head_dim;
+  auto token_of = [&](const T* base, int64_t t) {
+    const int64_t p = t0 + t;
+    return base + a.blocks[p / block_size] * a.block_stride + (p % block_size) * a.token_stride;
+  };
+  const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < std::min(n, kPrefetchTokens); ++t) {
+    prefetch(token_of(k_base, t), head_bytes);
+    prefetch(token_of(v_base, t), head_bytes);
+  }
+  auto k_of = [&](int64_t t) {
+    if (t + kPrefetchTokens < n) {  // V too, which the second pass then finds in cache
+      prefetch(token_of(k_base, t + kPrefetchTokens), head_bytes);
+      prefetch(token_of(v_base, t + kPrefetchTokens), head_bytes);
+    }
+    return token_of(k_base, t);
+  };
+  auto v_of = [&](int64_t t) { return token_of(v_base, t); };
+  auto no_run = [] {};
+  thread_local std::vector<float> scores;
+  if (scores.size() < static_cast<size_t>(group * n)) scores.resize(group * n);
+  float* s = scores.data();
+  const float* q = a.q + j * group * head_dim;
+  if (!scores_fast<T>(group, head_dim, q, n, k_of, no_run, s))
+    for (int64_t t = 0; t < n; ++t) dots(q, k_of(t), group, head_dim, s + t, n);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    peak[g] = m;
+    total[g] = sum;
+  }
+  if (!weighted_sum_fast<T>(group, head_dim, s, n, v_of, no_run, acc)) {
+    std::fill(acc, acc + group * head_dim, 0.0f);
+    for (int64_t t = 0; t < n; ++t) axpys(s + t, n, v_of(t), group, head_dim, acc);
+  }
+}
+
+// One row (a decode step at batch 1) over the caller and the pool's helper; false where
+// the pool is not there or the row is too short to be worth splitting.
+template <typename T, int BS>
+bool attend_row_split(T* out, const T* q_row, int64_t q_head, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t len, int64_t block_size,
+                      const int64_t* row_blocks, const at::Tensor& k_blocks,
+                      const at::Tensor& v_blocks, const at::Tensor& block_table, float scale) {
+  const int64_t group = heads / kv_heads;
+  const int64_t item_floats = slice_floats(group, head_dim);
+  const int64_t item_bytes = item_floats * static_cast<int64_t>(sizeof(float));
+  if (len < kSplitMinTokens || item_bytes > plugserve::RowPool::kScratchBytes ||
+      at::get_num_threads() < 2)
+    return false;
+  plugserve::RowPool* pool = plugserve::lookup_row_pool();
+  if (pool == nullptr || !pool->enabled()) return false;
+  at::Tensor qf = at::empty({heads * head_dim}, at::kFloat);
+  float* qp = qf.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < head_dim; ++d)
+      qp[h * head_dim + d] = to_float(q_row[h * q_head + d]) * scale;
+  // Slices of whole runs of kRunTokens, the unit the score kernel reduces together.
+  const int64_t half = (len + kSlices - 1) / kSlices;
+  const int64_t slice_tokens = (half + kRunTokens - 1) / kRunTokens * kRunTokens;
+  const int64_t token_stride = kv_heads * head_dim;
+  const SliceArgs args{qp, k_blocks.data_ptr(), v_blocks.data_ptr(), row_blocks, len,
+                       slice_tokens, kv_heads, group, head_dim, block_size, token_stride,
+                       block_size * token_stride};
+  const int64_t items = kv_heads * kSlices;  // item i: KV head i % kv_heads, slice i / kv_heads
+  thread_local std::vector<float> parts;
+  if (parts.size() < static_cast<size_t>(items * item_floats)) parts.resize(items * item_floats);
+  pool->run(plugserve::RowPool::make_job(&attend_slice<T, BS>, args, items, parts.data(),
+                                         item_bytes, item_bytes,
+                                         {qf, k_blocks, v_blocks, block_table}));
+  // out_h = sum over slices of exp(m_s - m) * acc_s / sum over slices of exp(m_s - m) * l_s
+  for (int64_t j = 0; j < kv_heads; ++j) {
+    for (int64_t g = 0; g < group; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t sl = 0; sl < kSlices; ++sl) {
+        const float* part = parts.data() + (sl * kv_heads + j) * item_floats;
+        m = std::max(m, part[group * head_dim + g]);
+      }
+      float weights[kSlices], denominator = 0.0f;
+      for (int64_t sl = 0; sl < kSlices; ++sl) {
+        const float* part = parts.data() + (sl * kv_heads + j) * item_floats;
+        weights[sl] = std::exp(part[group * head_dim + g] - m);
+        denominator += weights[sl] * part[group * head_dim + group + g];
+      }
+      const float inv = 1.0f / denominator;
+      T* dst = out + (j * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        float sum = 0.0f;
+        for (int64_t sl = 0; sl < kSlices; ++sl)
+          sum += weights[sl] * parts[(sl * kv_heads + j) * item_floats + g * head_dim + d];
+        dst[d] = static_cast<T>(sum * inv);
+      }
+    }
+  }
+  return true;
+}
+#endif
+
 // BS is the cache's block size where it is a common one, 0 for any other (read at run
 // time): with BS known, finding a token's block and offset is a shift and a mask instead of
 // a division per token, which was ~10 % of the kernel with the context in cache.
@@ -364,10 +512,17 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
       in_cache = streamed;
     }
   };
-  // One row (a batch-1 decode step) runs on this thread: its ~10 us of work would leave
-  // OpenMP's other thread spinning for far longer afterwards on the core where the
-  // core's one-row matmul helper (row_pool.h) runs next.
+  // One row (a batch-1 decode step) is shared with the one-row matmuls' helper thread
+  // where there is one, or else runs on this thread: its ~10 us of work would leave
+  // OpenMP's other thread spinning for far longer afterwards on the core where that
+  // helper runs next.
   if (rows == 1) {
+#ifdef PLUGSERVE_SPLIT_DECODE
+    if (attend_row_split<T, BS>(out_ptr, q_ptr, q_head, heads, kv_heads, head_dim, lens[0],
+                                block_size, table + table_of[0] * max_blocks, k_blocks,
+                                v_blocks, block_table, fscale))
+      return;
+#endif
     attend_items(0, 1);
   } else {
     at::parallel_for(0, rows * split, 1, attend_items);

@@ -8,6 +8,8 @@ a fresh prefill, a prefill chunk after cached context), in no particular order.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -248,3 +250,135 @@ def test_the_native_plan_refuses_blocks_the_cache_cannot_hold(
     backend.allocate_kv_cache(NUM_BLOCKS)
     with pytest.raises(ValueError, match=message):
         backend.prepare(one_row_of_three_tokens(seq_len, blocks))
+
+
+# ----------------------------------------------------------------- one row, two threads
+
+
+def has_row_pool() -> bool:
+    from plugserve.worker import cpu_linear
+
+    return cpu_linear.uses_own_kernel()  # builds and loads the library that owns the pool
+
+
+needs_row_pool = pytest.mark.skipif(
+    not has_row_pool(), reason="the matmuls' helper thread needs AVX512_BF16 and a compiler"
+)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def set_row_pool(enabled: bool) -> None:
+    torch.ops.plugserve_gemm.row_pool_set_enabled(enabled)
+
+
+@pytest.fixture
+def row_pool_restored() -> Iterator[None]:
+    from plugserve.worker import cpu_linear
+
+    yield
+    set_row_pool(cpu_linear.openmp_spins_briefly())
+
+
+@dataclass
+class DecodeRow:
+    """One request's context in scattered blocks of a cache at SmolLM2's heads, its decode
+    row's batch, and the row's q, k and v."""
+
+    spec: AttentionSpec
+    cache: torch.Tensor
+    batch: AttentionBatch
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def backend(self, kernel: str) -> TorchPagedAttention:
+        backend = TorchPagedAttention(
+            spec=self.spec, options=TorchPagedAttention.Options(kernel=kernel)
+        )
+        backend.allocate_kv_cache(self.cache.shape[2])
+        assert backend.kv_cache is not None
+        backend.kv_cache.copy_(self.cache)
+        backend.prepare(self.batch)
+        return backend
+
+
+def one_decode_row(seq_len: int, block_size: int, dtype: torch.dtype, seed: int) -> DecodeRow:
+    spec = AttentionSpec(
+        num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size,
+        dtype=dtype, device=torch.device("cpu"),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    used = -(-seq_len // block_size)
+    num_blocks = 2 * used + 1
+    blocks = torch.randperm(num_blocks, generator=generator)[:used].numpy().astype(np.int32)
+    cache = torch.randn(1, 2, num_blocks, block_size, 3, 64, generator=generator).to(dtype)
+    last = seq_len - 1
+    batch = AttentionBatch(
+        query_start_loc=np.array([0, 1], dtype=np.int32),
+        seq_lens=np.array([seq_len], dtype=np.int32),
+        block_table=blocks[None, :],
+        slot_mapping=np.array([blocks[last // block_size] * block_size + last % block_size]),
+    )
+    q, k, v = (torch.randn(1, h, 64, generator=generator).to(dtype) for h in (9, 3, 3))
+    return DecodeRow(spec, cache, batch, (q, k, v))
+
+
+@needs_row_pool
+@pytest.mark.usefixtures("two_threads", "row_pool_restored")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 63 stays on one thread; from 64 each KV head's context is split in two slices, the
+# second shorter (65, 100) or one run of 16 tokens (80).
+@pytest.mark.parametrize("seq_len", [63, 64, 65, 80, 100, 299, 1000])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_a_decode_row_shared_with_the_matmul_helper_matches_one_thread(
+    dtype: torch.dtype, seq_len: int, block_size: int
+) -> None:
+    """At batch 1 the row's context is split between the caller and the one-row matmuls'
+    helper thread (row_pool.h), each slice's softmax merged after: the same attention as
+    the one thread computes, up to fp32 rounding (and one bf16 rounding of the output)."""
+    row = one_decode_row(seq_len, block_size, dtype, seed=seq_len)
+    native = row.backend("native")
+    set_row_pool(False)
+    alone = native.forward(0, *row.qkv).float()
+    set_row_pool(True)
+    shared = native.forward(0, *row.qkv).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(shared, alone, atol=tolerance, rtol=tolerance)
+    expected = row.backend("sdpa").forward(0, *row.qkv).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(shared, expected, atol=tolerance, rtol=tolerance)
+
+
+@needs_row_pool
+@pytest.mark.usefixtures("two_threads", "row_pool_restored")
+def test_a_decode_row_whose_helper_is_displaced_is_finished_by_the_caller() -> None:
+    """The helper made to sleep 5 ms on its first slice: the caller computes that slice
+    itself and returns at once with the right output; the helper's result, ready later,
+    is dropped, so the rows attended meanwhile (other q) stay right too."""
+    gemm = torch.ops.plugserve_gemm
+    row = one_decode_row(400, 16, torch.bfloat16, seed=3)
+    backend, (q, k, v) = row.backend("native"), row.qkv
+    others = [torch.randn_like(q) for _ in range(4)]
+    set_row_pool(True)
+    expected = backend.forward(0, q, k, v)
+    expected_others = [backend.forward(0, other, k, v) for other in others]
+    taken_before = gemm.row_pool_items_taken_over()
+    for _ in range(20):
+        backend.forward(0, others[0], k, v)  # the helper is awake (it sleeps after 50 us idle)
+        gemm.row_pool_stall_helper_once(5000)
+        started = time.perf_counter()
+        out = backend.forward(0, q, k, v)
+        waited = time.perf_counter() - started
+        assert torch.equal(out, expected)
+        later = [backend.forward(0, other, k, v) for other in others for _ in range(20)]
+        time.sleep(0.006)  # the helper wakes up and finishes its slice
+        assert all(torch.equal(o, expected_others[i // 20]) for i, o in enumerate(later))
+        if gemm.row_pool_items_taken_over() > taken_before:
+            break
+    assert gemm.row_pool_items_taken_over() > taken_before, "the helper never took a slice"
+    assert waited < 0.004  # the caller did not sit out the helper's 5 ms

@@ -157,7 +157,7 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
         expected = [linear(x) for x in inputs]
         for x, out in zip(inputs, expected, strict=True):
             assert_rounded_once(out, reference(x, weight, bias))
-        taken_before = gemm.row_pool_blocks_taken_over()
+        taken_before = gemm.row_pool_items_taken_over()
         for _ in range(20):
             linear(inputs[1])  # the helper is awake (it sleeps after 50 us idle)
             gemm.row_pool_stall_helper_once(5000)
@@ -171,9 +171,9 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
             time.sleep(0.006)  # the helper wakes up and finishes its block
             assert torch.count_nonzero(first) == 0
             assert all(torch.equal(out, expected[1 + i // 50]) for i, out in enumerate(later))
-            if gemm.row_pool_blocks_taken_over() > taken_before:
+            if gemm.row_pool_items_taken_over() > taken_before:
                 break
-        assert gemm.row_pool_blocks_taken_over() > taken_before, "the helper never took a block"
+        assert gemm.row_pool_items_taken_over() > taken_before, "the helper never took a block"
         assert waited < 0.004  # the caller did not sit out the helper's 5 ms
     finally:
         torch.set_num_threads(previous)
