@@ -5,6 +5,10 @@ sequence lengths) are written with numpy's `out=` into buffers allocated once fo
 engine's token budget, so a step allocates only the few temporaries numpy's repeat and
 fancy indexing make. The arrays returned are views into those buffers: valid until the
 next `build`, which is the next step (the model runner consumes them within its step).
+
+A step that gives every row of the batch one token (a decode step without prefills, the
+most common one) takes a shorter path to the same arrays: half the numpy calls, which
+matter because each one runs cold after the weights' stream (5-18 us a call, not ~1).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class StepInputBuilder:
         self._query_start = np.zeros(max_num_reqs + 1, dtype=np.int32)
         self._seq_lens = np.zeros(max_num_reqs, dtype=np.int32)
         self._logits_indices = np.zeros(max_num_reqs, dtype=np.int64)
+        self._row_starts = np.arange(max_num_reqs + 1, dtype=np.int32)  # one token a row
+        self._ones = np.ones(max_num_reqs, dtype=np.int64)
 
     def _allocate_tokens(self, num_tokens: int) -> None:
         self._arange = np.arange(num_tokens, dtype=np.int64)
@@ -48,6 +54,8 @@ class StepInputBuilder:
 
     def build(self, batch: InputBatch, num_scheduled_tokens: dict[str, int]) -> StepInputs:
         num_reqs = batch.num_reqs
+        if len(num_scheduled_tokens) == num_reqs == sum(num_scheduled_tokens.values()):
+            return self._one_token_per_row(batch)
         scheduled = self._num_scheduled[:num_reqs]
         scheduled.fill(0)
         for req_id, n in num_scheduled_tokens.items():
@@ -95,5 +103,41 @@ class StepInputBuilder:
             ),
             query_lens=query_lens,
             sample_rows=rows[samples],
+            logits_indices=logits_indices,
+        )
+
+    def _one_token_per_row(self, batch: InputBatch) -> StepInputs:
+        """build() where every row is scheduled for exactly one token: row r's token is
+        token r, at position num_computed_tokens[r]."""
+        n = batch.num_reqs
+        rows = self._arange[:n]
+        positions = self._positions[:n]
+        np.copyto(positions, batch.num_computed_tokens[:n])
+        input_ids = self._input_ids[:n]
+        input_ids[:] = batch.token_ids[rows, positions]
+        block_index, offset = np.divmod(
+            positions, self.block_size, out=(self._block_index[:n], self._offset[:n])
+        )
+        slots = np.multiply(
+            batch.block_table[rows, block_index], self.block_size, out=self._slots[:n]
+        )
+        slots += offset
+        seq_lens = np.add(positions, 1, out=self._seq_lens[:n], casting="unsafe")
+        # All but a prompt's one-token chunk that stops short of its end; row r is token r.
+        sample_rows = np.flatnonzero(seq_lens == batch.num_tokens[:n])
+        logits_indices = self._logits_indices[: len(sample_rows)]
+        logits_indices[:] = sample_rows
+        max_blocks = int(batch.num_blocks[:n].max())
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            attention=AttentionBatch(
+                query_start_loc=self._row_starts[: n + 1],
+                seq_lens=seq_lens,
+                block_table=np.ascontiguousarray(batch.block_table[:n, :max_blocks]),
+                slot_mapping=slots,
+            ),
+            query_lens=self._ones[:n],
+            sample_rows=sample_rows,
             logits_indices=logits_indices,
         )

@@ -125,3 +125,45 @@ def test_a_decode_step_lays_out_one_token_per_scheduled_row() -> None:
     assert step.query_lens.tolist() == [1, 1, 1]
     assert step.sample_rows.tolist() == [0, 2]
     assert step.logits_indices.tolist() == want["last"] == [0, 1]
+
+
+def test_a_step_of_one_token_for_every_row_lays_out_the_same_inputs() -> None:
+    """Every row of the batch scheduled for one token (decode steps, and a one-token
+    prompt) takes the builder's shorter path, to the same layout; one row there is behind
+    the end of its known tokens and does not sample."""
+    batch = make_batch(
+        {
+            "a": (list(range(100, 107)), [5, 2], 6),  # its 7th token: samples
+            "b": ([40, 41, 42, 43, 44], [3, 8], 4),  # its 5th token, opening its second block
+            "behind": (list(range(300, 306)), [6, 1], 2),  # 3rd of 6 known: no sample
+            "prompt": ([77], [9], 0),  # a one-token prompt
+        }
+    )
+    scheduled = {"a": 1, "b": 1, "behind": 1, "prompt": 1}
+    builder = StepInputBuilder(max_num_tokens=32, max_num_reqs=8, block_size=BLOCK_SIZE)
+
+    step = builder.build(batch, scheduled)
+
+    want = expected(batch, scheduled)
+    assert step.input_ids.tolist() == want["ids"] == [106, 44, 302, 77]
+    assert step.positions.tolist() == want["positions"] == [6, 4, 2, 0]
+    assert step.attention.slot_mapping.tolist() == want["slots"]
+    assert step.attention.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert step.attention.seq_lens.tolist() == [7, 5, 3, 1]
+    assert step.attention.block_table.tolist() == [[5, 2], [3, 8], [6, 1], [9, 0]]
+    assert step.query_lens.tolist() == [1, 1, 1, 1]
+    assert step.sample_rows.tolist() == [0, 1, 3]
+    assert step.logits_indices.tolist() == want["last"] == [0, 1, 3]
+
+    # Next step: every row samples; the sampled rows are a fresh array each step.
+    batch.num_computed_tokens[:4] += 1
+    batch.num_computed_tokens[2] = 6  # caught up with its known tokens
+    batch.append_sampled(np.array([0, 1, 2, 3]), np.array([7, 8, 9, 10]))
+    batch.append_blocks(0, [4])
+    nxt = builder.build(batch, scheduled)
+    want = expected(batch, scheduled)
+    assert nxt.input_ids.tolist() == want["ids"] == [7, 8, 9, 10]
+    assert nxt.attention.slot_mapping.tolist() == want["slots"]
+    assert nxt.attention.block_table.tolist() == [[5, 2, 4], [3, 8, 0], [6, 1, 0], [9, 0, 0]]
+    assert nxt.sample_rows.tolist() == [0, 1, 2, 3]
+    assert step.sample_rows.tolist() == [0, 1, 3]
