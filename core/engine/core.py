@@ -78,7 +78,6 @@ class EngineCore:
             else None,
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
-        self.last_step: StepStats | None = None
         self.num_steps = 0
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
@@ -158,17 +157,18 @@ class EngineCore:
         self.num_steps += 1
         self.step_seconds += step_time
         self.forward_seconds += forward_time
-        stats = self.scheduler.stats()
-        self.last_step = StepStats(
-            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            kv_usage=stats.kv_usage,
-            step_time=step_time,
-            forward_time=forward_time,
-        )
-        if self._observe_steps:
-            self._registry.hook.engine_step_finished(stats=self.last_step)
+        if self._observe_steps:  # built only for them: every call counts at batch 1
+            stats = self.scheduler.stats()
+            self._registry.hook.engine_step_finished(
+                stats=StepStats(
+                    num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                    num_running=stats.num_running,
+                    num_waiting=stats.num_waiting,
+                    kv_usage=stats.kv_usage,
+                    step_time=step_time,
+                    forward_time=forward_time,
+                )
+            )
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def count_output_time(self, seconds: float) -> None:
