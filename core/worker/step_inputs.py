@@ -75,15 +75,7 @@ class StepInputBuilder:
         np.add(
             np.repeat(starts - query_start[:-1], query_lens), self._arange[:total], out=positions
         )
-        input_ids = self._input_ids[:total]
-        input_ids[:] = batch.token_ids[token_rows, positions]
-        block_index, offset = np.divmod(
-            positions, self.block_size, out=(self._block_index[:total], self._offset[:total])
-        )
-        slots = np.multiply(
-            batch.block_table[token_rows, block_index], self.block_size, out=self._slots[:total]
-        )
-        slots += offset
+        input_ids, slots = self._ids_and_slots(batch, token_rows, positions)
 
         seq_lens = self._seq_lens[: len(rows)]
         np.add(starts, query_lens, out=seq_lens, casting="unsafe")
@@ -113,15 +105,7 @@ class StepInputBuilder:
         rows = self._arange[:n]
         positions = self._positions[:n]
         np.copyto(positions, batch.num_computed_tokens[:n])
-        input_ids = self._input_ids[:n]
-        input_ids[:] = batch.token_ids[rows, positions]
-        block_index, offset = np.divmod(
-            positions, self.block_size, out=(self._block_index[:n], self._offset[:n])
-        )
-        slots = np.multiply(
-            batch.block_table[rows, block_index], self.block_size, out=self._slots[:n]
-        )
-        slots += offset
+        input_ids, slots = self._ids_and_slots(batch, rows, positions)
         seq_lens = np.add(positions, 1, out=self._seq_lens[:n], casting="unsafe")
         # All but a prompt's one-token chunk that stops short of its end; row r is token r.
         sample_rows = np.flatnonzero(seq_lens == batch.num_tokens[:n])
@@ -141,3 +125,19 @@ class StepInputBuilder:
             sample_rows=sample_rows,
             logits_indices=logits_indices,
         )
+
+    def _ids_and_slots(
+        self, batch: InputBatch, token_rows: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each token's id and KV cache slot, from its row and position."""
+        n = len(positions)
+        input_ids = self._input_ids[:n]
+        input_ids[:] = batch.token_ids[token_rows, positions]
+        block_index, offset = np.divmod(
+            positions, self.block_size, out=(self._block_index[:n], self._offset[:n])
+        )
+        slots = np.multiply(
+            batch.block_table[token_rows, block_index], self.block_size, out=self._slots[:n]
+        )
+        slots += offset
+        return input_ids, slots

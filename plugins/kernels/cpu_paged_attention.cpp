@@ -60,6 +60,20 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+// s[t] = exp(s[t] - max s) over n scores, in place: the unnormalized softmax. Returns its
+// sum and writes the maximum to *peak (-inf where n is 0).
+inline float exp_from_peak(float* s, int64_t n, float* peak) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  float sum = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  *peak = m;
+  return sum;
+}
+
 // q_g . k over head_dim for each of `group` queries (qf holds them in fp32).
 template <typename T>
 inline void dots(const float* qf, const T* k, int64_t group, int64_t head_dim, float* out,
@@ -293,18 +307,7 @@ void attend_slice(const void* args, int64_t item, void* out) {
   const float* q = a.q + j * group * head_dim;
   if (!scores_fast<T>(group, head_dim, q, n, k_of, no_run, s))
     for (int64_t t = 0; t < n; ++t) dots(q, k_of(t), group, head_dim, s + t, n);
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = s + g * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      sg[t] = std::exp(sg[t] - m);
-      sum += sg[t];
-    }
-    peak[g] = m;
-    total[g] = sum;
-  }
+  for (int64_t g = 0; g < group; ++g) total[g] = exp_from_peak(s + g * n, n, peak + g);
   if (!weighted_sum_fast<T>(group, head_dim, s, n, v_of, no_run, acc)) {
     std::fill(acc, acc + group * head_dim, 0.0f);
     for (int64_t t = 0; t < n; ++t) axpys(s + t, n, v_of(t), group, head_dim, acc);
@@ -483,14 +486,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
       // Softmax per query head, in fp32.
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * len;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, s[t]);
-        float total = 0.0f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - peak);
-          total += s[t];
-        }
-        const float inv = 1.0f / total;
+        float peak;
+        const float inv = 1.0f / exp_from_peak(s, len, &peak);
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       // Pass 2: out_h = sum_t p[h, t] * v_t.
