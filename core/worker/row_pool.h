@@ -259,14 +259,16 @@ class RowPool {
 };
 
 // The process's pool as another library finds it (the one cpu_gemm.cpp owns and exposes as
-// plugserve_gemm::row_pool_address), or nullptr where that library is not loaded: its jobs
-// then run on the calling thread alone.
+// plugserve_gemm::row_pool_address), or nullptr while that library is not loaded: jobs then
+// run on the calling thread alone. Looked up until found (an fp32 engine may attend before
+// a bf16 one in the same process loads the library), then kept.
 inline RowPool* lookup_row_pool() {
-  static RowPool* pool = [] {
-    auto handle = c10::Dispatcher::singleton().findSchema({"plugserve_gemm::row_pool_address", ""});
-    if (!handle.has_value()) return static_cast<RowPool*>(nullptr);
-    return reinterpret_cast<RowPool*>(handle->typed<int64_t()>().call());
-  }();
+  static std::atomic<RowPool*> found{nullptr};
+  if (RowPool* pool = found.load(std::memory_order_acquire)) return pool;
+  auto handle = c10::Dispatcher::singleton().findSchema({"plugserve_gemm::row_pool_address", ""});
+  if (!handle.has_value()) return nullptr;
+  auto* pool = reinterpret_cast<RowPool*>(handle->typed<int64_t()>().call());
+  found.store(pool, std::memory_order_release);
   return pool;
 }
 
