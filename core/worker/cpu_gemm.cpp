@@ -29,6 +29,7 @@ void row_pool_stall_helper_once(int64_t microseconds) {
   plugserve::shared_row_pool()->stall_helper_once(microseconds);
 }
 int64_t row_pool_items_taken_over() { return plugserve::shared_row_pool()->items_taken_over(); }
+int64_t row_pool_jobs_shared() { return plugserve::shared_row_pool()->jobs_shared(); }
 
 }  // namespace
 
@@ -41,6 +42,7 @@ TORCH_LIBRARY(plugserve_gemm, m) {
   m.def("row_pool_enabled() -> bool", &row_pool_enabled);
   m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
   m.def("row_pool_items_taken_over() -> int", &row_pool_items_taken_over);
+  m.def("row_pool_jobs_shared() -> int", &row_pool_jobs_shared);
 }
 
 TORCH_LIBRARY_IMPL(plugserve_gemm, CPU, m) { m.impl("linear_bf16", &plugserve::linear_bf16); }

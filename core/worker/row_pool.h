@@ -95,6 +95,8 @@ class RowPool {
     stall_us_.store(microseconds, std::memory_order_relaxed);
   }
   int64_t items_taken_over() const { return taken_over_.load(std::memory_order_relaxed); }
+  // How many jobs were offered to the helper (not run alone by the caller) so far.
+  int64_t jobs_shared() const { return shared_.load(std::memory_order_relaxed); }
 
   // Runs every item of `job`; returns once all of them are written to job.out.
   void run(const Job& job) {
@@ -112,6 +114,7 @@ class RowPool {
       return;
     }
     jobs_[g % kSlots] = job;
+    shared_.store(shared_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     theirs_.range.store(pack(g, mid, job.items), std::memory_order_relaxed);
     generation_.store(g, std::memory_order_seq_cst);
     wake_.store(static_cast<uint32_t>(g), std::memory_order_seq_cst);
@@ -250,6 +253,7 @@ class RowPool {
   alignas(64) std::atomic<uint32_t> wake_{0};
   std::atomic<bool> sleeping_{false};
   std::atomic<int64_t> stall_us_{0}, taken_over_{0};
+  std::atomic<int64_t> shared_{0};  // written by the caller holding busy_ only
   std::atomic<int64_t> copying_{-1};  // the job slot the helper is copying, or -1
   std::atomic<bool> enabled_{false};
   Job jobs_[kSlots]{};

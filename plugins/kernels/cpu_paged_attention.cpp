@@ -274,12 +274,6 @@ void attend_slice(const void* args, int64_t item, void* out) {
   float* acc = static_cast<float*>(out);
   float* peak = acc + group * head_dim;
   float* total = peak + group;
-  if (n == 0) {
-    std::fill(acc, acc + group * head_dim, 0.0f);
-    std::fill(peak, peak + group, -std::numeric_limits<float>::infinity());
-    std::fill(total, total + group, 0.0f);
-    return;
-  }
   const int64_t block_size = BS != 0 ? BS : a.block_size;
   const T* k_base = static_cast<const T*>(a.k) + j * head_dim;
   const T* v_base = static_cast<const T*>(a.v) + j * head_dim;

@@ -346,7 +346,10 @@ def test_a_decode_row_shared_with_the_matmul_helper_matches_one_thread(
     set_row_pool(False)
     alone = native.forward(0, *row.qkv).float()
     set_row_pool(True)
+    jobs_before = torch.ops.plugserve_gemm.row_pool_jobs_shared()
     shared = native.forward(0, *row.qkv).float()
+    # One job offered to the helper from 64 tokens on; below, the caller alone.
+    assert torch.ops.plugserve_gemm.row_pool_jobs_shared() - jobs_before == (seq_len >= 64)
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(shared, alone, atol=tolerance, rtol=tolerance)
     expected = row.backend("sdpa").forward(0, *row.qkv).float()
