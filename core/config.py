@@ -70,6 +70,10 @@ class EngineConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads; None: all cores
+    # bf16 on an AVX512-BF16 CPU: keep a lossless exponent-coded copy of every weight
+    # beside the packed one, which batch-1 steps read (12 bits a weight instead of 16;
+    # the same results bit for bit). Costs 75 % more memory for the weights.
+    cpu_coded_weights: bool = True
     # Tensor parallelism over processes (executor "mp"): the workers join one
     # torch.distributed group through a TCP rendezvous that global rank 0 hosts at
     # master_addr:master_port. Across nodes, tensor_parallel_size counts every rank;

@@ -43,44 +43,8 @@ namespace {
 
 using BF16 = c10::BFloat16;
 
-at::Tensor between_attentions(const at::Tensor& attention_out, at::Tensor residual,
-                              const at::Tensor& positions, const at::Tensor& o_proj,
-                              const c10::optional<at::Tensor>& o_bias,
-                              const at::Tensor& post_attention_norm,
-                              const at::Tensor& gate_up_proj,
-                              const c10::optional<at::Tensor>& gate_up_bias,
-                              const at::Tensor& down_proj,
-                              const c10::optional<at::Tensor>& down_bias,
-                              const at::Tensor& next_norm, double eps,
-                              const c10::optional<at::Tensor>& next_qkv_proj,
-                              const c10::optional<at::Tensor>& next_qkv_bias,
-                              int64_t qkv_features, const at::Tensor& cos_sin,
-                              int64_t num_qk_heads, int64_t head_dim) {
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() &&
-                  residual.scalar_type() == at::kBFloat16 &&
-                  residual.size(0) == attention_out.size(0),
-              "residual must be contiguous bfloat16 [tokens, hidden]");
-  const int64_t hidden = residual.size(1);
-  const int64_t intermediate = 2 * down_proj.size(1);  // down's input, in k-pairs
-  plugserve::check_norm_weight(post_attention_norm, residual);
-  plugserve::check_norm_weight(next_norm, residual);
-
-  at::Tensor h = plugserve::linear_bf16(attention_out, o_proj, hidden, o_bias);
-  plugserve::fused_add_rms_norm_impl<BF16>(h, residual, post_attention_norm, eps);
-  at::Tensor gate_up = plugserve::linear_bf16(h, gate_up_proj, 2 * intermediate, gate_up_bias);
-  at::Tensor activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
-  plugserve::silu_and_mul_impl<BF16>(activated, gate_up);
-  at::Tensor m = plugserve::linear_bf16(activated, down_proj, hidden, down_bias);
-  plugserve::fused_add_rms_norm_impl<BF16>(m, residual, next_norm, eps);
-  if (!next_qkv_proj.has_value()) return m;  // the last layer: m is the model's output
-
-  at::Tensor qkv = plugserve::linear_bf16(m, *next_qkv_proj, qkv_features, next_qkv_bias);
-  plugserve::check_rotary(qkv, positions, cos_sin, num_qk_heads, head_dim);
-  plugserve::rotary_embedding_impl<BF16>(qkv, positions, cos_sin, num_qk_heads, head_dim);
-  return qkv;
-}
-
-// Every layer's weights, in the order of between_attentions' arguments, built once at load.
+// Every layer's weights, built once at load; the *_coded ones are the matmuls' exponent-coded
+// copies (cpu_gemm.h) where the model has them, which a one-row step reads instead.
 struct LayerStack : torch::CustomClassHolder {
   struct Layer {
     int64_t attention_layer;
@@ -94,6 +58,7 @@ struct LayerStack : torch::CustomClassHolder {
     double eps;
     c10::optional<at::Tensor> next_qkv_proj, next_qkv_bias;
     int64_t qkv_features;
+    c10::optional<at::Tensor> o_coded, gate_up_coded, down_coded, next_qkv_coded;
   };
 
   LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
@@ -107,14 +72,19 @@ struct LayerStack : torch::CustomClassHolder {
                  c10::optional<at::Tensor> gate_up_bias, at::Tensor down_proj,
                  c10::optional<at::Tensor> down_bias, at::Tensor next_norm, double eps,
                  c10::optional<at::Tensor> next_qkv_proj,
-                 c10::optional<at::Tensor> next_qkv_bias, int64_t qkv_features) {
+                 c10::optional<at::Tensor> next_qkv_bias, int64_t qkv_features,
+                 c10::optional<at::Tensor> o_coded, c10::optional<at::Tensor> gate_up_coded,
+                 c10::optional<at::Tensor> down_coded,
+                 c10::optional<at::Tensor> next_qkv_coded) {
     TORCH_CHECK(layers.empty() || layers.back().next_qkv_proj.has_value(),
                 "the last layer added has no next qkv_proj: the stack is complete");
     layers.push_back({attention_layer, std::move(o_proj), std::move(o_bias),
                       std::move(post_attention_norm), std::move(gate_up_proj),
                       std::move(gate_up_bias), std::move(down_proj), std::move(down_bias),
                       std::move(next_norm), eps, std::move(next_qkv_proj),
-                      std::move(next_qkv_bias), qkv_features});
+                      std::move(next_qkv_bias), qkv_features, std::move(o_coded),
+                      std::move(gate_up_coded), std::move(down_coded),
+                      std::move(next_qkv_coded)});
   }
 
   std::vector<Layer> layers;
@@ -122,17 +92,42 @@ struct LayerStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim;
 };
 
-// Layer `index`'s stretch: its attention output [T, q heads * D] → the next layer's rotated
+// Layer `layer`'s stretch: its attention output [T, q heads * D] → the next layer's rotated
 // qkv, or after the last layer the final-normed hidden states.
 at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
-                   const at::Tensor& attention_out, const at::Tensor& residual,
+                   const at::Tensor& attention_out, at::Tensor residual,
                    const at::Tensor& positions) {
-  return between_attentions(attention_out, residual, positions, layer.o_proj, layer.o_bias,
-                            layer.post_attention_norm, layer.gate_up_proj, layer.gate_up_bias,
-                            layer.down_proj, layer.down_bias, layer.next_norm, layer.eps,
-                            layer.next_qkv_proj, layer.next_qkv_bias, layer.qkv_features,
-                            stack.cos_sin, stack.num_heads + stack.num_kv_heads,
-                            stack.head_dim);
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() &&
+                  residual.scalar_type() == at::kBFloat16 &&
+                  residual.size(0) == attention_out.size(0),
+              "residual must be contiguous bfloat16 [tokens, hidden]");
+  const int64_t hidden = residual.size(1);
+  const int64_t intermediate = 2 * layer.down_proj.size(1);  // down's input, in k-pairs
+  const double eps = layer.eps;
+  plugserve::check_norm_weight(layer.post_attention_norm, residual);
+  plugserve::check_norm_weight(layer.next_norm, residual);
+
+  at::Tensor h = plugserve::linear_bf16(attention_out, layer.o_proj, hidden, layer.o_bias,
+                                        c10::nullopt, layer.o_coded);
+  plugserve::fused_add_rms_norm_impl<BF16>(h, residual, layer.post_attention_norm, eps);
+  at::Tensor gate_up = plugserve::linear_bf16(h, layer.gate_up_proj, 2 * intermediate,
+                                              layer.gate_up_bias, c10::nullopt,
+                                              layer.gate_up_coded);
+  at::Tensor activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
+  plugserve::silu_and_mul_impl<BF16>(activated, gate_up);
+  at::Tensor m = plugserve::linear_bf16(activated, layer.down_proj, hidden, layer.down_bias,
+                                        c10::nullopt, layer.down_coded);
+  plugserve::fused_add_rms_norm_impl<BF16>(m, residual, layer.next_norm, eps);
+  if (!layer.next_qkv_proj.has_value()) return m;  // the last layer: m is the model's output
+
+  at::Tensor qkv = plugserve::linear_bf16(m, *layer.next_qkv_proj, layer.qkv_features,
+                                          layer.next_qkv_bias, c10::nullopt,
+                                          layer.next_qkv_coded);
+  const int64_t num_qk_heads = stack.num_heads + stack.num_kv_heads;
+  plugserve::check_rotary(qkv, positions, stack.cos_sin, num_qk_heads, stack.head_dim);
+  plugserve::rotary_embedding_impl<BF16>(qkv, positions, stack.cos_sin, num_qk_heads,
+                                         stack.head_dim);
+  return qkv;
 }
 
 at::Tensor decode_stretch(const c10::intrusive_ptr<LayerStack>& stack, int64_t index,

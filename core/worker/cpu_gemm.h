@@ -18,6 +18,11 @@
 // With the weights on huge pages (cpu_linear.WeightArena), SmolLM2's 269 MB per step
 // read in 3.8 ms instead of 4.8 at a 75 GB/s phase of this VM, 5.2 instead of 6.0 at 49.
 //
+// One row can also read a lossless exponent-coded copy of the weight (row_block_coded), 12
+// bits a weight instead of 16: a trained model's bf16 weights use few exponents, and one
+// block's 16 columns rarely more than 16 of them. Decoded in registers to the same bf16
+// vectors and summed in the same order, it gives the plain kernel's results bit for bit.
+//
 // cpu_gemm.cpp registers linear_bf16 as torch.ops.plugserve_gemm.linear_bf16 (built and
 // loaded by cpu_linear.py); cpu_decoder.cpp calls it inside its fused stretch. Defined only
 // where the CPU has AVX512_BF16 (PLUGSERVE_HAS_BF16_GEMM).
@@ -90,6 +95,19 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_
   }
 }
 
+// A row's four chains summed (+ bias) into its 16 outputs. Not inlined: under -ffast-math
+// the compiler may regroup these sums differently in each caller, and the plain and the
+// coded blocks must give the same bits.
+template <typename Out>
+__attribute__((noinline)) void finish_row(const __m512 (&acc)[4], const float* bias, void* out,
+                                          int64_t col, int64_t n) {
+  __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+  const int64_t valid = std::min<int64_t>(16, n - col);
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  if (bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + col));
+  store16(static_cast<Out*>(out) + col, mask, sum);
+}
+
 // One row against one 16-column block: out[col:col+16] = x . W_block (+ bias); `out` is
 // Out (uint16_t: bf16, or float) behind the pool's untyped pointer.
 template <typename Out>
@@ -122,11 +140,69 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
     acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_set1_epi32(pair),
                               (__m512bh)_mm512_loadu_si512(w + kp * 32));
   }
-  __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-  const int64_t valid = std::min<int64_t>(16, n - col);
-  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-  if (bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + col));
-  store16(static_cast<Out*>(out) + col, mask, sum);
+  finish_row<Out>(acc, bias, out, col, n);
+}
+
+// The exponent-coded copy of a packed weight (cpu_linear.code_exponents builds it), one
+// record of coded_block_bytes(pairs) per 16-column block:
+//   table: 32 uint16, each an exponent already shifted into place (e << 7); entries 16-31
+//          repeat 0-15, so an index's fifth bit (the next nibble's low bit) is ignored.
+//          A first entry of kUncodedBlock marks a block whose columns use more than 16
+//          exponents: it is read from the plain packed weight instead.
+//   then per two k-pairs, 96 bytes: 32 codes (byte j: lane j's exponent index for the
+//          first pair in its low nibble, for the second in its high), and for each pair
+//          the 32 lanes' (mantissa << 1 | sign) bytes.
+// Lane j is word j of the plain layout's 64-byte vector, so decoding gives that vector.
+constexpr int64_t kCodedTableBytes = 64;
+constexpr int64_t kCodedGroupBytes = 96;  // two k-pairs
+constexpr uint16_t kUncodedBlock = 0xffff;  // no shifted exponent has bit 15 set
+
+constexpr int64_t coded_block_bytes(int64_t pairs) {
+  return kCodedTableBytes + pairs / 2 * kCodedGroupBytes;
+}
+
+// 32 lanes' (mantissa << 1 | sign) bytes and their shifted exponents → the bf16 vector.
+inline __m512i decode_lanes(const uint8_t* sign_mantissa, __m512i exponent) {
+  const __m512i sm = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(sign_mantissa)));
+  // mantissa | sign << 15 | exponent (0xfe: a | b | c)
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi16(sm, 1), _mm512_slli_epi16(sm, 15),
+                                   exponent, 0xfe);
+}
+
+// row_block over a coded block (pairs even), the same k-pairs to the same chains.
+template <typename Out>
+void row_block_coded(const uint16_t* x, const uint8_t* block, int64_t pairs, const float* bias,
+                     void* out, int64_t col, int64_t n) {
+  constexpr int64_t kPrefetchBytes = 2048;
+  const __m512i table = _mm512_loadu_si512(block);
+  const uint8_t* groups = block + kCodedTableBytes;
+  __m512 acc[4];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const auto dot = [&](__m512 sum, int64_t kp, __m512i w) {
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * kp, sizeof(pair));
+    return _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+  };
+  // Two k-pairs a group, to chains (c, c + 1); row_block's tail (pairs % 4) goes to chain 0.
+  const auto group = [&](int64_t kp, int c0, int c1) {
+    const uint8_t* g = groups + kp / 2 * kCodedGroupBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(g) + kPrefetchBytes, _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(g) + kPrefetchBytes + 64, _MM_HINT_NTA);
+    const __m512i codes =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
+    const __m512i first = _mm512_permutexvar_epi16(codes, table);
+    const __m512i second = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+    acc[c0] = dot(acc[c0], kp, decode_lanes(g + 32, first));
+    acc[c1] = dot(acc[c1], kp + 1, decode_lanes(g + 64, second));
+  };
+  int64_t kp = 0;
+  for (; kp + 4 <= pairs; kp += 4) {
+    group(kp, 0, 1);
+    group(kp + 2, 2, 3);
+  }
+  for (; kp < pairs; kp += 2) group(kp, 0, 0);
+  finish_row<Out>(acc, bias, out, col, n);
 }
 
 // A one-row matmul as a RowPool job: item b is block b's 16 outputs (fewer in the last).
@@ -136,13 +212,24 @@ struct RowArgs {
   int64_t block_stride, pairs;
   const float* bias;
   int64_t n;
+  const uint8_t* coded;  // the weight's exponent-coded copy, or nullptr
 };
 
 template <typename Out>
 void row_item(const void* args, int64_t b, void* out) {
   const auto& a = *static_cast<const RowArgs*>(args);
-  row_block<Out>(a.x, a.w + b * a.block_stride, a.pairs, a.bias ? a.bias + b * 16 : nullptr,
-                 out, 0, std::min<int64_t>(16, a.n - b * 16));
+  const float* bias = a.bias ? a.bias + b * 16 : nullptr;
+  const int64_t n = std::min<int64_t>(16, a.n - b * 16);
+  if (a.coded != nullptr) {
+    const uint8_t* block = a.coded + b * coded_block_bytes(a.pairs);
+    uint16_t first_entry;
+    std::memcpy(&first_entry, block, sizeof(first_entry));
+    if (first_entry != kUncodedBlock) {
+      row_block_coded<Out>(a.x, block, a.pairs, bias, out, 0, n);
+      return;
+    }
+  }
+  row_block<Out>(a.x, a.w + b * a.block_stride, a.pairs, bias, out, 0, n);
 }
 
 template <typename Out>
@@ -233,7 +320,8 @@ void for_each_item(int64_t items, const Work& work) {
 
 template <typename Out>
 void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                 const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& coded,
+                 at::Tensor& out) {
   const int64_t rows = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -241,16 +329,17 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
   if (rows == 1) {
+    const RowArgs args{xp, wp, block_stride, pairs, bp, out_features,
+                       coded.has_value() ? coded->data_ptr<uint8_t>() : nullptr};
     RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
     if (pool != nullptr && pool->enabled()) {
       const int64_t last = out_features - (blocks - 1) * 16;
-      pool->run(RowPool::make_job(&row_item<Out>, RowArgs{xp, wp, block_stride, pairs, bp, out_features},
-                                  blocks, op, 16 * sizeof(Out), last * sizeof(Out),
-                                  {x, packed, bias.has_value() ? *bias : at::Tensor()}));
+      pool->run(RowPool::make_job(&row_item<Out>, args, blocks, op, 16 * sizeof(Out),
+                                  last * sizeof(Out),
+                                  {x, packed, bias.has_value() ? *bias : at::Tensor(),
+                                   coded.has_value() ? *coded : at::Tensor()}));
     } else {
-      for_each_item(blocks, [&](int64_t b) {
-        row_block<Out>(xp, wp + b * block_stride, pairs, bp, op, b * 16, out_features);
-      });
+      for_each_item(blocks, [&](int64_t b) { row_item<Out>(&args, b, op + b * 16); });
     }
     return;
   }
@@ -278,10 +367,12 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
 }
 
 // x [rows, K] bf16 @ the packed weight (+ bias) → [rows, out_features], in bf16 or, with
-// out_dtype float32, the fp32 sums unrounded.
+// out_dtype float32, the fp32 sums unrounded. `coded`, the weight's exponent-coded copy
+// where it has one, is what a single row reads instead.
 inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                               const c10::optional<at::Tensor>& bias,
-                              c10::optional<at::ScalarType> out_dtype = c10::nullopt) {
+                              c10::optional<at::ScalarType> out_dtype = c10::nullopt,
+                              const c10::optional<at::Tensor>& coded = c10::nullopt) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be bfloat16 [rows, in_features] with a dense last dim");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == 16 &&
@@ -296,14 +387,18 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
     TORCH_CHECK(bias->numel() == out_features && bias->is_contiguous() &&
                     bias->scalar_type() == at::kFloat,
                 "bias must be contiguous float32 [out_features]");
+  if (coded.has_value())
+    TORCH_CHECK(pairs % 2 == 0 && coded->scalar_type() == at::kByte && coded->is_contiguous() &&
+                    coded->numel() == blocks * coded_block_bytes(pairs),
+                "coded must be uint8 [N/16, coded_block_bytes] from cpu_linear.code_exponents");
   const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "out_dtype must be bfloat16 or float32");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(dtype));
   if (dtype == at::kFloat) {
-    linear_rows<float>(x, packed, out_features, bias, out);
+    linear_rows<float>(x, packed, out_features, bias, coded, out);
   } else {
-    linear_rows<uint16_t>(x, packed, out_features, bias, out);
+    linear_rows<uint16_t>(x, packed, out_features, bias, coded, out);
   }
   return out;
 }

@@ -30,6 +30,7 @@ from plugserve.config import StackConfig
 from plugserve.engine.scheduler_output import SchedulerOutput
 from plugserve.interfaces import AttentionSpec, KVCacheInfo
 from plugserve.plugins import get_registry
+from plugserve.worker import cpu_linear
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
@@ -131,9 +132,10 @@ class ModelRunner:
         )
         start = time.perf_counter()
         parallel = self.parallel if self.parallel.world_size > 1 else None
-        self.model = load_model(
-            model_path, model_cls, self.attention, self.dtype, self.device, parallel
-        )
+        with cpu_linear.exponent_coding(self.config.engine.cpu_coded_weights):
+            self.model = load_model(
+                model_path, model_cls, self.attention, self.dtype, self.device, parallel
+            )
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
         # Ranks hold different numbers of KV heads (uneven shards), hence fit different

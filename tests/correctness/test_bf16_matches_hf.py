@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from plugserve import LLM, SamplingParams
+from plugserve.worker import cpu_linear
 
 NEW_TOKENS = 32
 PROBABILITY_TOLERANCE = 0.1
@@ -73,3 +74,32 @@ def test_bf16_greedy_tokens_and_logprobs_match_hf_bf16(mixed_prompts, hf_bf16) -
             assert abs(mine_probability - theirs_probability) <= PROBABILITY_TOLERANCE, f"step {i}"
     # Most of the continuation is compared, not only the first tokens before a tie.
     assert agreed >= len(mixed_prompts) * NEW_TOKENS // 4
+
+
+@pytest.mark.skipif(
+    not cpu_linear.uses_own_kernel(), reason="exponent-coded weights need cpu_gemm.cpp"
+)
+def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
+    mixed_prompts,
+) -> None:
+    """One request at a time every decode step is a one-row step, the steps that read the
+    exponent-coded copies: lossless, summed in the same order, so equal to the last bit."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    results = []
+    for coded in (False, True):
+        llm = LLM(
+            model="smollm2-135m-instruct",
+            dtype="bfloat16",
+            kv_cache_memory="64MiB",
+            cpu_coded_weights=coded,
+        )
+        head = llm.engine.executor.runner.model._packed_head
+        assert (head.coded is not None) == coded
+        results.append(
+            [llm.generate([{"prompt_token_ids": p}], params)[0] for p in mixed_prompts[:4]]
+        )
+        del llm
+        gc.collect()
+    for plain, coded in zip(*results, strict=True):
+        assert coded.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert coded.outputs[0].logprobs == plain.outputs[0].logprobs

@@ -130,6 +130,10 @@ class FusedCpuDecoder:
                 None if qkv is None else qkv.weight,
                 None if qkv is None else qkv.bias,
                 0 if qkv is None else qkv.out_features,
+                o.coded,
+                gate_up.coded,
+                down.coded,
+                None if qkv is None else qkv.coded,
             )
         self.attention = first.attention
 

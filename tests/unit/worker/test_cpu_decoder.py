@@ -26,15 +26,22 @@ def bf16(*shape: int) -> torch.Tensor:
     return (torch.randn(*shape) * 0.3).to(torch.bfloat16)
 
 
-def make_args(last: bool) -> dict[str, object]:
+def make_args(last: bool, coded: bool = False) -> dict[str, object]:
+    """One layer's weights; with `coded`, packed in an arena with exponent-coded copies."""
     torch.manual_seed(0)
+    shapes = [(HIDDEN, Q_HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER), (QKV, HIDDEN)]
+    weights = [bf16(*shape) for shape in shapes]
+    with cpu_linear.exponent_coding(coded):
+        arena = cpu_linear.WeightArena.for_weights(weights)
+    o, gate_up, down, qkv = (cpu_linear.PackedLinear(w, arena=arena) for w in weights)
+    o.bias, qkv.bias = bf16(HIDDEN).float(), bf16(QKV).float()
     return {
-        "o": cpu_linear.PackedLinear(bf16(HIDDEN, Q_HEADS * HEAD_DIM), bf16(HIDDEN)),
+        "o": o,
         "post_norm": bf16(HIDDEN),
-        "gate_up": cpu_linear.PackedLinear(bf16(2 * INTER, HIDDEN)),
-        "down": cpu_linear.PackedLinear(bf16(HIDDEN, INTER)),
+        "gate_up": gate_up,
+        "down": down,
         "next_norm": bf16(HIDDEN),
-        "qkv": None if last else cpu_linear.PackedLinear(bf16(QKV, HIDDEN), bf16(QKV)),
+        "qkv": None if last else qkv,
         "cos_sin": torch.randn(32, HEAD_DIM),
     }
 
@@ -49,10 +56,11 @@ def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> tor
         a["next_norm"], EPS,
         None if qkv is None else qkv.weight, None if qkv is None else qkv.bias,
         0 if qkv is None else qkv.out_features,
+        a["o"].coded, a["gate_up"].coded, a["down"].coded,
+        None if qkv is None else qkv.coded,
     )  # fmt: skip
-    return torch.ops.plugserve_decoder.decode_stretch(
-        stack, 0, attention_out, residual, torch.tensor([3, 0, 17])
-    )
+    positions = torch.tensor([3, 0, 17])[: attention_out.shape[0]]
+    return torch.ops.plugserve_decoder.decode_stretch(stack, 0, attention_out, residual, positions)
 
 
 def one_by_one(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -81,6 +89,17 @@ def test_equals_the_ops_it_fuses_in_their_order(last: bool) -> None:
     assert actual.shape == ((TOKENS, HIDDEN) if last else (TOKENS, QKV))
     assert torch.equal(actual, expected)
     assert torch.equal(residual, expected_residual)  # the residual stream, in place
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["to-next-qkv", "last-layer"])
+def test_one_token_through_coded_weights_gives_the_same_bits(last: bool) -> None:
+    plain, coded = make_args(last), make_args(last, coded=True)
+    assert coded["down"].coded is not None and plain["down"].coded is None
+    attention_out, residual = bf16(1, Q_HEADS * HEAD_DIM), bf16(1, HIDDEN)
+    coded_residual = residual.clone()
+    expected = call_op(plain, attention_out, residual)
+    assert torch.equal(call_op(coded, attention_out, coded_residual), expected)
+    assert torch.equal(coded_residual, residual)
 
 
 def test_rejects_a_norm_weight_of_another_width_and_a_position_past_the_table() -> None:

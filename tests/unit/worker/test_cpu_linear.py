@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,16 +89,6 @@ def test_a_matmul_is_exact_while_another_thread_takes_a_core(rows: int) -> None:
         if busy.is_alive():
             busy.join()
         torch.set_num_threads(previous)
-
-
-@pytest.fixture
-def row_pool() -> Iterator[None]:
-    """The one-row matmuls on their helper thread (row_pool.h), as in an engine process,
-    whatever this process's OpenMP spinning."""
-    cpu_linear.uses_own_kernel()  # loads the library
-    torch.ops.plugserve_gemm.row_pool_set_enabled(True)
-    yield
-    torch.ops.plugserve_gemm.row_pool_set_enabled(cpu_linear.openmp_spins_briefly())
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,133 @@
+"""The exponent-coded copy of a packed bf16 weight (cpu_gemm.h, cpu_linear.code_exponents).
+
+A one-row matmul reads it instead of the packed weight: 12 bits a weight where a 16-column
+block uses at most 16 exponents. It is lossless and summed in the plain kernel's order,
+so every result is the plain kernel's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve.worker import cpu_linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.uses_own_kernel(), reason="needs AVX512_BF16 and a C++ compiler"
+)
+
+UNCODED = 0xFFFF
+
+
+def trained_like(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """Weights whose exponents are as few as a trained model's (SmolLM2: 13-20 a matrix):
+    normal values clipped to a range and small ones flushed to zero."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    weight = weight.clamp(-0.4, 0.4)
+    weight[weight.abs() < 2e-4] = 0
+    return weight.bfloat16()
+
+
+def table_of(coded: torch.Tensor) -> torch.Tensor:
+    """Each block's 32 table entries, as unsigned 16-bit values."""
+    return coded[:, : cpu_linear.CODED_TABLE_BYTES].contiguous().view(torch.int16).int() & 0xFFFF
+
+
+def decode(coded: torch.Tensor, pairs: int) -> torch.Tensor:
+    """The reference decoder: a coded weight → the packed bf16 bits [blocks, pairs, 32]."""
+    blocks = coded.shape[0]
+    table = table_of(coded)
+    groups = coded[:, cpu_linear.CODED_TABLE_BYTES :].reshape(blocks, pairs // 2, 3, 32).int()
+    bits = torch.empty(blocks, pairs, 32, dtype=torch.int32)
+    for half, (index, sign_mantissa) in enumerate(
+        [(groups[:, :, 0] & 0xF, groups[:, :, 1]), (groups[:, :, 0] >> 4, groups[:, :, 2])]
+    ):
+        exponent = table.gather(1, index.reshape(blocks, -1)).reshape(index.shape)
+        bits[:, half::2] = (sign_mantissa >> 1) | ((sign_mantissa & 1) << 15) | exponent
+    return bits
+
+
+def packed_bits(packed: torch.Tensor) -> torch.Tensor:
+    return packed.reshape(packed.shape[0], packed.shape[1], 32).view(torch.int16).int() & 0xFFFF
+
+
+def test_coding_is_lossless_for_blocks_of_at_most_sixteen_exponents() -> None:
+    weight = trained_like(64, 576, seed=0)
+    used = torch.unique((packed_bits(cpu_linear.pack_k_pairs(weight[16:32])) >> 7) & 0xFF)
+    for extra in range(17 - used.numel()):  # block 1: one exponent too many, so uncoded
+        weight[20, 7 + extra] = 2.0 ** (10 + extra)
+    packed = cpu_linear.pack_k_pairs(weight)
+    coded = cpu_linear.code_exponents(packed)
+
+    assert coded.dtype == torch.uint8
+    assert coded.shape == (4, cpu_linear.coded_block_bytes(576))
+    assert cpu_linear.coded_block_bytes(576) == 64 + 576 // 4 * 96  # 12 bits a weight, + table
+    uncoded = table_of(coded)[:, 0] == UNCODED
+    assert uncoded.tolist() == [False, True, False, False]
+    assert torch.equal(decode(coded, 288)[~uncoded], packed_bits(packed)[~uncoded])
+    table = table_of(coded)[~uncoded]
+    assert torch.equal(table[:, :16], table[:, 16:])  # the kernel's lookups ignore bit 4
+    assert (table[:, 0] >> 15 == 0).all()  # no real entry looks like the uncoded mark
+
+
+@pytest.mark.usefixtures("row_pool")
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    [(960, 576), (576, 1536), (100, 64), (40, 12), (16, 4), (49152, 576)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_one_row_through_the_coded_copy_gives_the_plain_kernels_bits(
+    out_features: int, in_features: int, with_bias: bool, out_dtype: torch.dtype | None
+) -> None:
+    # 12 inputs are 6 k-pairs, a tail the plain loop gives to one chain: so does the coded.
+    weight = trained_like(out_features, in_features, seed=out_features + in_features)
+    weight[3, 1] = 1.0e30  # block 0 uncoded: read from the packed copy
+    packed = cpu_linear.pack_k_pairs(weight)
+    coded = cpu_linear.code_exponents(packed)
+    bias = torch.randn(out_features) if with_bias else None
+    op = torch.ops.plugserve_gemm.linear_bf16
+    for seed in range(3):
+        x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(seed))
+        x = x.bfloat16()
+        plain = op(x, packed, out_features, bias, out_dtype)
+        assert torch.equal(op(x, packed, out_features, bias, out_dtype, coded), plain)
+
+
+def test_several_rows_read_the_packed_copy() -> None:
+    weight = trained_like(96, 64, seed=5)
+    packed = cpu_linear.pack_k_pairs(weight)
+    garbage = torch.full_like(cpu_linear.code_exponents(packed), 0x55)  # decodes to nonsense
+    x = torch.randn(5, 64).bfloat16()
+    op = torch.ops.plugserve_gemm.linear_bf16
+    assert torch.equal(op(x, packed, 96, None, None, garbage), op(x, packed, 96, None))
+
+
+def test_a_coded_copy_of_the_wrong_size_is_rejected() -> None:
+    packed = cpu_linear.pack_k_pairs(trained_like(32, 16, seed=6))
+    coded = cpu_linear.code_exponents(packed)
+    op = torch.ops.plugserve_gemm.linear_bf16
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="coded must be uint8"):
+        op(x, packed, 32, None, None, coded[:1])
+    with pytest.raises(RuntimeError, match="K divisible by 4"):
+        cpu_linear.code_exponents(cpu_linear.pack_k_pairs(trained_like(32, 18, seed=7)))
+
+
+def test_an_arena_holds_coded_copies_only_inside_exponent_coding() -> None:
+    weights = [trained_like(n, k, seed=n) for n, k in [(40, 64), (48, 70), (960, 576)]]
+    plain_arena = cpu_linear.WeightArena.for_weights(weights)
+    assert plain_arena is not None
+    assert all(cpu_linear.PackedLinear(w, arena=plain_arena).coded is None for w in weights)
+
+    with cpu_linear.exponent_coding(True):
+        arena = cpu_linear.WeightArena.for_weights(weights)
+    assert arena is not None
+    first, odd, last = (cpu_linear.PackedLinear(w, arena=arena) for w in weights)
+    assert odd.own_kernel and odd.coded is None  # 70 inputs: 35 k-pairs, not whole groups
+    assert first.coded is not None and last.coded is not None
+    assert first.coded.data_ptr() % cpu_linear.HUGE_PAGE_BYTES == 0
+    assert last.coded.data_ptr() == first.coded.data_ptr() + first.coded.numel()
+    x = torch.randn(1, 576).bfloat16()
+    assert torch.equal(last(x), torch.ops.plugserve_gemm.linear_bf16(x, last.weight, 960, None))
