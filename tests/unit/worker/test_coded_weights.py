@@ -7,6 +7,8 @@ so every result is the plain kernel's, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -71,7 +73,16 @@ def test_coding_is_lossless_for_blocks_of_at_most_sixteen_exponents() -> None:
     assert (table[:, 0] >> 15 == 0).all()  # no real entry looks like the uncoded mark
 
 
-@pytest.mark.usefixtures("row_pool")
+@pytest.fixture(params=[True, False], ids=["row-pool", "openmp"])
+def one_row_threads(request: pytest.FixtureRequest) -> Iterator[None]:
+    """One-row matmuls on the row pool's helper (as in an engine process), or on OpenMP's
+    threads (a process whose OpenMP spins long)."""
+    torch.ops.plugserve_gemm.row_pool_set_enabled(request.param)
+    yield
+    torch.ops.plugserve_gemm.row_pool_set_enabled(cpu_linear.openmp_spins_briefly())
+
+
+@pytest.mark.usefixtures("one_row_threads")
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
     [(960, 576), (576, 1536), (100, 64), (40, 12), (16, 4), (49152, 576)],
