@@ -99,10 +99,11 @@ CODED_GROUP_BYTES = 96
 
 
 def coded_block_bytes(in_features: int) -> int:
+    """Bytes of one 16-column block's record, for a weight of `in_features` inputs."""
     return CODED_TABLE_BYTES + in_features // 4 * CODED_GROUP_BYTES
 
 
-def codes_exponents(in_features: int) -> bool:
+def exponent_codable(in_features: int) -> bool:
     """Whether a weight with this many input features can have an exponent-coded copy
     (whole groups of two k-pairs)."""
     return in_features % 4 == 0
@@ -170,7 +171,7 @@ class WeightArena:
         self._buffer = huge_page_buffer(2 * numel).view(torch.bfloat16)
         self._offset = 0
         coded_bytes = sum(
-            _coded_bytes(*shape) for shape in weight_shapes if codes_exponents(shape[1])
+            _coded_bytes(*shape) for shape in weight_shapes if exponent_codable(shape[1])
         )
         self._coded = huge_page_buffer(coded_bytes) if coded and coded_bytes else None
         self._coded_offset = 0
@@ -203,7 +204,7 @@ class WeightArena:
     def take_coded(self, out_features: int, in_features: int) -> torch.Tensor | None:
         """Room for this weight's coded copy; None where the arena holds none or the weight
         cannot be coded."""
-        if self._coded is None or not codes_exponents(in_features):
+        if self._coded is None or not exponent_codable(in_features):
             return None
         size = _coded_bytes(out_features, in_features)
         if self._coded_offset + size > self._coded.numel():
