@@ -106,13 +106,16 @@ def test_one_row_through_the_coded_copy_gives_the_plain_kernels_bits(
         assert torch.equal(op(x, packed, out_features, bias, out_dtype, coded), plain)
 
 
-def test_several_rows_read_the_packed_copy() -> None:
+def test_one_row_reads_the_coded_copy_and_several_rows_the_packed_one() -> None:
     weight = trained_like(96, 64, seed=5)
     packed = cpu_linear.pack_k_pairs(weight)
     garbage = torch.full_like(cpu_linear.code_exponents(packed), 0x55)  # decodes to nonsense
-    x = torch.randn(5, 64).bfloat16()
     op = torch.ops.plugserve_gemm.linear_bf16
-    assert torch.equal(op(x, packed, 96, None, None, garbage), op(x, packed, 96, None))
+    row = torch.randn(1, 64).bfloat16()
+    # Equal results alone would also hold if the coded copy were never read.
+    assert not torch.equal(op(row, packed, 96, None, None, garbage), op(row, packed, 96, None))
+    rows = torch.randn(5, 64).bfloat16()
+    assert torch.equal(op(rows, packed, 96, None, None, garbage), op(rows, packed, 96, None))
 
 
 def test_a_coded_copy_of_the_wrong_size_is_rejected() -> None:

@@ -96,10 +96,14 @@ def test_one_token_through_coded_weights_gives_the_same_bits(last: bool) -> None
     plain, coded = make_args(last), make_args(last, coded=True)
     assert coded["down"].coded is not None and plain["down"].coded is None
     attention_out, residual = bf16(1, Q_HEADS * HEAD_DIM), bf16(1, HIDDEN)
-    coded_residual = residual.clone()
+    original, coded_residual = residual.clone(), residual.clone()
     expected = call_op(plain, attention_out, residual)
     assert torch.equal(call_op(coded, attention_out, coded_residual), expected)
     assert torch.equal(coded_residual, residual)
+    # The stretch does read the coded copies (equal bits alone would not show it).
+    assert torch.equal(call_op(coded, attention_out, original.clone()), expected)
+    coded["down"].coded.fill_(0x55)
+    assert not torch.equal(call_op(coded, attention_out, original.clone()), expected)
 
 
 def test_rejects_a_norm_weight_of_another_width_and_a_position_past_the_table() -> None:
