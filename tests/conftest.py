@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,15 +25,47 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_greedy_generate(smollm2_path):
+def smollm2_gguf() -> Path:
+    """The GGUF file the embedded model ships as."""
+    from plugserve.worker.model_loader import BUILTIN_MODELS, _builtin_gguf
+
+    return _builtin_gguf("smollm2-135m-instruct", *BUILTIN_MODELS["smollm2-135m-instruct"])
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(smollm2_gguf: Path) -> Callable[[Any], Any]:
+    """Hugging Face transformers' LlamaForCausalLM loaded from the GGUF by transformers' own
+    GGUF loader, never from the folder plugserve converted: a conversion bug (a tensor
+    permuted, renamed or dequantized wrongly) would otherwise hit the reference and
+    plugserve alike. Returns model(dtype), loaded once (~15 s) and cast per dtype; EOS
+    does not end its `generate` (references produce exactly the tokens asked for)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fp32 = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+    # References generate exactly the tokens asked for, as plugserve does with ignore_eos.
+    fp32.generation_config.eos_token_id = None
+    models = {torch.float32: fp32}
+
+    def model(dtype: Any) -> Any:
+        if dtype not in models:
+            # The same rounding from the dequantized fp32 values as loading in `dtype`.
+            models[dtype] = copy.deepcopy(fp32).to(dtype).eval()
+        return models[dtype]
+
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_generate(hf_reference_model):
     """Hugging Face transformers `generate` on the embedded model, greedy, fp32, one prompt
     at a time, exactly `max_new_tokens` new tokens (EOS does not stop it): the reference
     every correctness check compares with. Returns generate(prompts, max_new_tokens)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
+    model = hf_reference_model(torch.float32)
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         outputs = []

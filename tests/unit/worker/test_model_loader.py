@@ -123,6 +123,43 @@ def test_converted_tensors_equal_a_direct_dequantization(smollm2_path: Path) -> 
     )
 
 
+def test_every_converted_tensor_equals_transformers_own_gguf_loading(
+    smollm2_path: Path, hf_reference_model
+) -> None:
+    """All 272 tensors, against transformers' GGUF loader (its own names, its own undoing of
+    llama.cpp's Q/K permutation): the correctness suite's reference is that loading, so a
+    mismatch here would show as plugserve diverging from it, not hide on both sides."""
+    reference = hf_reference_model(torch.float32).state_dict()
+    ours = dict(iter_weights(smollm2_path))
+    # Tied embeddings: the folder stores the table once, transformers shows it twice.
+    assert torch.equal(reference.pop("lm_head.weight"), reference["model.embed_tokens.weight"])
+    assert set(ours) == set(reference)
+    for name, expected in reference.items():
+        assert ours[name].dtype == torch.float32, name
+        assert torch.equal(ours[name], expected), name
+
+
+def test_converted_tokenizer_equals_transformers_own_gguf_tokenizer(
+    smollm2_path: Path, smollm2_gguf: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    ours = load_tokenizer(smollm2_path)
+    text = "Gutenberg's press, 1450: héllo 日本語 🙂\n\tdef f(x):\n  return x<|im_end|>"
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.decode(ours.encode(text)) == theirs.decode(ours.encode(text))
+    conversation = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True
+    ) == theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token, ours.bos_token, len(ours)) == (
+        theirs.eos_token,
+        theirs.bos_token,
+        len(theirs),
+    )
+
+
 def test_saved_tokenizer_has_the_chat_template(smollm2_path: Path) -> None:
     tokenizer = load_tokenizer(smollm2_path)
     assert tokenizer.chat_template
