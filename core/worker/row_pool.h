@@ -88,13 +88,20 @@ class RowPool {
   void set_enabled(bool enabled) { enabled_.store(enabled, std::memory_order_relaxed); }
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
 
-  // For tests: the helper's next item waits this long before it is computed, as if the
-  // helper were displaced in the middle of it; and how many items the caller has taken
-  // over from the helper so far.
+  // For tests: the helper's next item waits this long (or until release_helper) before it
+  // is computed, as if the helper were displaced in the middle of it; how many items the
+  // caller has taken over from the helper so far; and how many the helper computed, came
+  // back with and dropped, finding them taken over.
   void stall_helper_once(int64_t microseconds) {
+    released_.store(false, std::memory_order_relaxed);
     stall_us_.store(microseconds, std::memory_order_relaxed);
   }
+  void release_helper() {
+    stall_us_.store(0, std::memory_order_relaxed);
+    released_.store(true, std::memory_order_relaxed);
+  }
   int64_t items_taken_over() const { return taken_over_.load(std::memory_order_relaxed); }
+  int64_t late_items_dropped() const { return dropped_.load(std::memory_order_relaxed); }
   // How many jobs were offered to the helper (not run alone by the caller) so far.
   int64_t jobs_shared() const { return shared_.load(std::memory_order_relaxed); }
 
@@ -224,16 +231,22 @@ class RowPool {
       {
         int64_t b;
         while ((b = claim(theirs_, g, true)) >= 0) {
-          if (const int64_t stall = stall_us_.exchange(0, std::memory_order_relaxed))
-            std::this_thread::sleep_for(std::chrono::microseconds(stall));
+          if (const int64_t stall = stall_us_.exchange(0, std::memory_order_relaxed)) {
+            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(stall);
+            while (!released_.load(std::memory_order_relaxed) &&
+                   std::chrono::steady_clock::now() < until)
+              std::this_thread::sleep_for(std::chrono::microseconds(100));
+          }
           job.fn(job.args, b, scratch_);
           // Write the item only if the caller has not taken it over (then, or in a later
           // job, which moved its state past g).
           std::atomic<uint64_t>& state = states_[b];
           uint64_t s = state.load(std::memory_order_acquire);
           if ((s >> 2) >= g ||
-              !state.compare_exchange_strong(s, (g << 2) | kWriting, std::memory_order_acq_rel))
+              !state.compare_exchange_strong(s, (g << 2) | kWriting, std::memory_order_acq_rel)) {
+            dropped_.fetch_add(1, std::memory_order_relaxed);
             break;
+          }
           std::memcpy(static_cast<char*>(job.out) + b * job.item_bytes, scratch_,
                       b == job.items - 1 ? job.last_item_bytes : job.item_bytes);
           state.store((g << 2) | kDone, std::memory_order_release);
@@ -252,7 +265,8 @@ class RowPool {
   Share theirs_;  // the helper's share; the caller's own needs no claims
   alignas(64) std::atomic<uint32_t> wake_{0};
   std::atomic<bool> sleeping_{false};
-  std::atomic<int64_t> stall_us_{0}, taken_over_{0};
+  std::atomic<int64_t> stall_us_{0}, taken_over_{0}, dropped_{0};
+  std::atomic<bool> released_{false};
   std::atomic<int64_t> shared_{0};  // written by the caller holding busy_ only
   std::atomic<int64_t> copying_{-1};  // the job slot the helper is copying, or -1
   std::atomic<bool> enabled_{false};

@@ -357,12 +357,17 @@ def test_a_decode_row_shared_with_the_matmul_helper_matches_one_thread(
     torch.testing.assert_close(shared, expected, atol=tolerance, rtol=tolerance)
 
 
+# The longest a helper held on a slice waits for row_pool_release_helper: a liveness bound,
+# reached only by a caller that waits for its helper instead of taking the slice over.
+HELPER_HOLD_US = 1_000_000
+
+
 @needs_row_pool
 @pytest.mark.usefixtures("two_threads", "row_pool_restored")
 def test_a_decode_row_whose_helper_is_displaced_is_finished_by_the_caller() -> None:
-    """The helper made to sleep 5 ms on its first slice: the caller computes that slice
-    itself and returns at once with the right output; the helper's result, ready later,
-    is dropped, so the rows attended meanwhile (other q) stay right too."""
+    """The helper held on its first slice until released: the caller computes that slice
+    itself and returns with the right output; the helper's result, ready after its
+    release, is dropped, so the rows attended meanwhile (other q) stay right too."""
     gemm = torch.ops.plugserve_gemm
     row = one_decode_row(400, 16, torch.bfloat16, seed=3)
     backend, (q, k, v) = row.backend("native"), row.qkv
@@ -370,18 +375,30 @@ def test_a_decode_row_whose_helper_is_displaced_is_finished_by_the_caller() -> N
     set_row_pool(True)
     expected = backend.forward(0, q, k, v)
     expected_others = [backend.forward(0, other, k, v) for other in others]
-    taken_before = gemm.row_pool_items_taken_over()
-    for _ in range(20):
-        backend.forward(0, others[0], k, v)  # the helper is awake (it sleeps after 50 us idle)
-        gemm.row_pool_stall_helper_once(5000)
-        started = time.perf_counter()
-        out = backend.forward(0, q, k, v)
-        waited = time.perf_counter() - started
+    try:
+        # Tries until the helper has taken a slice: an idle-class thread on a busy machine may
+        # need hundreds (the deadline is for liveness only).
+        deadline = time.monotonic() + 30
+        while True:
+            backend.forward(0, others[0], k, v)  # the helper is awake (it sleeps after 50 us)
+            taken = gemm.row_pool_items_taken_over()
+            dropped = gemm.row_pool_late_items_dropped()
+            gemm.row_pool_stall_helper_once(HELPER_HOLD_US)
+            out = backend.forward(0, q, k, v)
+            if gemm.row_pool_items_taken_over() > taken:
+                break
+            gemm.row_pool_release_helper()  # it took no slice of this row: again
+            assert time.monotonic() < deadline, "the helper took no slice, or the caller waited"
+        # The caller took over the slice the helper held, and computed it itself.
+        assert gemm.row_pool_items_taken_over() == taken + 1
         assert torch.equal(out, expected)
-        later = [backend.forward(0, other, k, v) for other in others for _ in range(20)]
-        time.sleep(0.006)  # the helper wakes up and finishes its slice
-        assert all(torch.equal(o, expected_others[i // 20]) for i, o in enumerate(later))
-        if gemm.row_pool_items_taken_over() > taken_before:
-            break
-    assert gemm.row_pool_items_taken_over() > taken_before, "the helper never took a slice"
-    assert waited < 0.004  # the caller did not sit out the helper's 5 ms
+        later = [backend.forward(0, other, k, v) for other in others for _ in range(10)]
+        gemm.row_pool_release_helper()
+        later += [backend.forward(0, other, k, v) for other in others for _ in range(10)]
+        deadline = time.monotonic() + 30  # liveness only: it is back within microseconds
+        while gemm.row_pool_late_items_dropped() == dropped:
+            assert time.monotonic() < deadline, "the released helper kept the slice it had lost"
+            time.sleep(0.001)
+        assert all(torch.equal(o, expected_others[i // 10 % 4]) for i, o in enumerate(later))
+    finally:
+        gemm.row_pool_release_helper()

@@ -126,13 +126,18 @@ def test_loading_the_kernel_turns_the_row_pool_on_only_where_openmp_spins_briefl
     assert out.stdout.strip() == str(uses_helper)
 
 
+# The longest a helper held on a block waits for row_pool_release_helper: a liveness bound,
+# reached only by a caller that waits for its helper instead of taking the block over.
+HELPER_HOLD_US = 1_000_000
+
+
 @own_kernel
 @pytest.mark.usefixtures("row_pool")
 def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_dropped() -> None:
     """The one-row path shares its blocks with a helper thread (row_pool.h) that the
-    caller never waits for long: when the helper is displaced in the middle of a block
-    (here: made to sleep 5 ms on it), the caller computes that block itself and returns;
-    the helper's result, ready long after, is dropped, not written into what the caller
+    caller never waits for: when the helper is displaced in the middle of a block (here:
+    held on it until released), the caller computes that block itself and returns; the
+    helper's result, ready after its release, is dropped, not written into what the caller
     has since done with its output."""
     torch.manual_seed(7)
     weight = torch.randn(1000, 576, dtype=torch.bfloat16) * 0.05  # 63 blocks, the last of 8
@@ -146,25 +151,35 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
         expected = [linear(x) for x in inputs]
         for x, out in zip(inputs, expected, strict=True):
             assert_rounded_once(out, reference(x, weight, bias))
-        taken_before = gemm.row_pool_items_taken_over()
-        for _ in range(20):
+        # Tries until the helper has taken a block: an idle-class thread on a busy machine may
+        # need hundreds (the deadline is for liveness only).
+        deadline = time.monotonic() + 30
+        while True:
             linear(inputs[1])  # the helper is awake (it sleeps after 50 us idle)
-            gemm.row_pool_stall_helper_once(5000)
-            started = time.perf_counter()
+            taken = gemm.row_pool_items_taken_over()
+            dropped = gemm.row_pool_late_items_dropped()
+            gemm.row_pool_stall_helper_once(HELPER_HOLD_US)
             first = linear(inputs[0])
-            waited = time.perf_counter() - started
-            assert torch.equal(first, expected[0])
-            # The result is the caller's now: a late write from the helper would show here.
-            first.zero_()
-            later = [linear(x) for x in inputs[1:] for _ in range(50)]
-            time.sleep(0.006)  # the helper wakes up and finishes its block
-            assert torch.count_nonzero(first) == 0
-            assert all(torch.equal(out, expected[1 + i // 50]) for i, out in enumerate(later))
-            if gemm.row_pool_items_taken_over() > taken_before:
+            if gemm.row_pool_items_taken_over() > taken:
                 break
-        assert gemm.row_pool_items_taken_over() > taken_before, "the helper never took a block"
-        assert waited < 0.004  # the caller did not sit out the helper's 5 ms
+            gemm.row_pool_release_helper()  # it took no block of this call: again
+            assert time.monotonic() < deadline, "the helper took no block, or the caller waited"
+        # The caller took over the block the helper held, and computed it itself.
+        assert gemm.row_pool_items_taken_over() == taken + 1
+        assert torch.equal(first, expected[0])
+        # The result is the caller's now: a late write from the helper would show here.
+        first.zero_()
+        later = [linear(x) for x in inputs[1:] for _ in range(20)]  # the helper still held
+        gemm.row_pool_release_helper()
+        later += [linear(x) for x in inputs[1:] for _ in range(20)]  # and back meanwhile
+        deadline = time.monotonic() + 30  # liveness only: it is back within microseconds
+        while gemm.row_pool_late_items_dropped() == dropped:
+            assert time.monotonic() < deadline, "the released helper kept the block it had lost"
+            time.sleep(0.001)
+        assert torch.count_nonzero(first) == 0
+        assert all(torch.equal(out, expected[1 + i // 20 % 3]) for i, out in enumerate(later))
     finally:
+        gemm.row_pool_release_helper()
         torch.set_num_threads(previous)
 
 
