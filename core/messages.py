@@ -23,10 +23,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     priority: int = 0
 
 
+# How an engine request can end: EngineCoreOutput.finish_reason, SchedulerStats.num_finished.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    finish_reason: str | None = None  # one of FINISH_REASONS
     stop_reason: int | str | None = None  # the stop token id that ended it
     new_logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
@@ -51,6 +55,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     num_steps: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
+    # Request counters since start: output tokens generated (kept after the stop checks),
+    # and finished requests by finish reason (one of FINISH_REASONS).
+    num_generated_tokens: int = 0
+    num_finished: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

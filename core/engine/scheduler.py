@@ -47,6 +47,8 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.num_finished: dict[str, int] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -192,6 +194,7 @@ class Scheduler:
                 if not sampled:
                     continue  # a prefill chunk that is not the last: nothing sampled yet
                 new_token_ids = self._append_until_stop(request, sampled)
+                self.num_generated_tokens += len(new_token_ids)
             any_finished |= request.is_finished
             outputs.append(self._make_output(request, new_token_ids, runner_output))
         if any_finished:
@@ -239,6 +242,8 @@ class Scheduler:
         del self.requests[request.request_id]
         self._preempted_req_ids.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
+        reason = request.status.finish_reason
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
         if self.on_finished is not None:
             self.on_finished(request)
 
@@ -255,4 +260,6 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
+            num_finished=dict(self.num_finished),
         )

@@ -25,6 +25,7 @@ from plugserve.frontend.serving import (
     OpenAIServing,
     sse_event,
 )
+from plugserve.messages import FINISH_REASONS
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +192,14 @@ def build_app(
             ("plugserve_engine_steps_total", "counter", s.num_steps),
             ("plugserve_engine_step_seconds_total", "counter", s.step_seconds),
             ("plugserve_engine_forward_seconds_total", "counter", s.forward_seconds),
+            ("plugserve_engine_generated_tokens_total", "counter", s.num_generated_tokens),
         ]
         text = "".join(f"# TYPE {name} {kind}\n{name} {value}\n" for name, kind, value in lines)
+        name = "plugserve_engine_requests_finished_total"
+        text += f"# TYPE {name} counter\n" + "".join(
+            f'{name}{{reason="{reason}"}} {s.num_finished.get(reason, 0)}\n'
+            for reason in FINISH_REASONS
+        )
         name = "plugserve_engine_requests_total"
         text += f"# TYPE {name} counter\n" + "".join(
             f'{name}{{engine="{i}"}} {n}\n' for i, n in enumerate(client.requests_per_engine)

@@ -210,6 +210,9 @@ class AsyncEngineClient:
             total.num_steps += s.num_steps
             total.step_seconds += s.step_seconds
             total.forward_seconds += s.forward_seconds
+            total.num_generated_tokens += s.num_generated_tokens
+            for reason, n in s.num_finished.items():
+                total.num_finished[reason] = total.num_finished.get(reason, 0) + n
         if total.num_kv_blocks:
             total.kv_usage = 1.0 - total.num_free_kv_blocks / total.num_kv_blocks
         return total

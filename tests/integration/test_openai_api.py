@@ -5,11 +5,14 @@ disconnects and stop strings aborting their engine requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import httpx
 import pytest
+
+from plugserve.messages import FINISH_REASONS
 
 from .conftest import (
     CHAT_CONVERSATIONS,
@@ -178,10 +181,15 @@ def test_32_concurrent_streams_all_complete_correctly(server: ServerProcess, ref
 
 
 # --------------------------------------------------------------------------- aborts
+# A request is proven aborted by the engine's own counters, whatever the machine's speed:
+# it is counted as finished by "abort" (a request that ran to the end would count as
+# "length"), it generated fewer tokens than it asked for, and once the engine is idle
+# its step and token counters stand still. LONG_MAX_TOKENS leaves only the prompt's room
+# in MAX_MODEL_LEN: the most a request on this server can ask for.
 
 
 def _long_request(chat: bool = False, **extra) -> dict:
-    # Long enough (hundreds of tokens on a CPU) that it is still running when we act.
+    # Long enough (hundreds of tokens) that it is still running when we act.
     body = {"model": MODEL, "temperature": 0, "max_tokens": LONG_MAX_TOKENS, **extra}
     body["ignore_eos"] = True
     if chat:
@@ -189,9 +197,44 @@ def _long_request(chat: bool = False, **extra) -> dict:
     return {**body, "prompt": "Once upon a time"}
 
 
+def _finished(metrics: dict[str, float], reason: str) -> float:
+    return metrics[f'engine_requests_finished_total{{reason="{reason}"}}']
+
+
+def _idle_metrics(server: ServerProcess) -> dict[str, float]:
+    idle = server.wait_idle(timeout=30)
+    assert idle["num_requests_running"] == 0, idle
+    assert idle["num_requests_waiting"] == 0, idle
+    assert idle["kv_cache_usage"] == 0, idle
+    # The engine may answer that ping between an abort and the step that tells the
+    # runner to drop the request's row (a step of no tokens); the next ping follows it.
+    return server.metrics()
+
+
+def _assert_aborted_in_the_engine(
+    server: ServerProcess, before: dict[str, float], after: dict[str, float]
+) -> float:
+    """One request ran between `before` and `after` (both idle) and the engine aborted it
+    before its end; returns the tokens it generated."""
+    generated = after["engine_generated_tokens_total"] - before["engine_generated_tokens_total"]
+    finished = {r: _finished(after, r) - _finished(before, r) for r in FINISH_REASONS}
+    assert finished == {**dict.fromkeys(FINISH_REASONS, 0), "abort": 1}, (
+        f"the request was not aborted in the engine: finished {finished}, "
+        f"{generated:.0f} of {LONG_MAX_TOKENS} tokens generated"
+    )
+    assert 0 < generated < LONG_MAX_TOKENS
+    # The engine stopped computing: nothing moves while it stays idle.
+    time.sleep(0.5)
+    later = server.metrics()
+    for counter in ("engine_steps_total", "engine_generated_tokens_total"):
+        assert later[counter] == after[counter], counter
+    return generated
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_client_disconnect_mid_stream_aborts_the_request(server: ServerProcess, chat: bool):
     path = "/v1/chat/completions" if chat else "/v1/completions"
+    before = _idle_metrics(server)
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", server.url(path), json=_long_request(chat, stream=True)) as response,
@@ -206,20 +249,38 @@ def test_client_disconnect_mid_stream_aborts_the_request(server: ServerProcess, 
         assert during["num_requests_running"] == 1
         assert during["kv_cache_usage"] > 0
     # The connection is closed: the server must notice and abort the engine request.
-    after = server.wait_idle(timeout=10)
-    assert after["num_requests_running"] == 0
-    assert after["kv_cache_usage"] == 0
+    after = _idle_metrics(server)
+    generated = _assert_aborted_in_the_engine(server, before, after)
+    assert generated >= 3  # the client read the first three (chat: a role chunk first)
 
 
 def test_client_disconnect_while_waiting_for_a_non_streamed_answer(server: ServerProcess):
-    with (
-        httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http,
-        pytest.raises(httpx.ReadTimeout),
-    ):
-        http.post(server.url("/v1/completions"), json=_long_request())
-    after = server.wait_idle(timeout=10)
-    assert after["num_requests_running"] == 0
-    assert after["kv_cache_usage"] == 0
+    before = _idle_metrics(server)
+
+    async def leave_once_generating() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            post = asyncio.create_task(
+                http.post(server.url("/v1/completions"), json=_long_request())
+            )
+            # Leave as soon as the engine is generating for it (not after a fixed time, which
+            # a fast machine could outrun): cancelling the request closes its connection.
+            deadline = time.monotonic() + 60
+            while True:
+                metrics = await asyncio.to_thread(server.metrics)
+                generated = metrics["engine_generated_tokens_total"]
+                if generated > before["engine_generated_tokens_total"]:
+                    break
+                assert not post.done(), "the request ended before it generated a token"
+                assert time.monotonic() < deadline, "the request generated no token in 60 s"
+                await asyncio.sleep(0.02)
+            assert not post.done(), f"the request was answered before we left: {post.result()}"
+            post.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+
+    asyncio.run(leave_once_generating())
+    after = _idle_metrics(server)
+    _assert_aborted_in_the_engine(server, before, after)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
@@ -233,6 +294,7 @@ def test_stop_string_finishes_the_request_and_aborts_it_in_the_engine(
     assert len(words) >= 3, greedy
     stop = words[len(words) // 2]
     expected = greedy[: greedy.index(stop)]
+    before = _idle_metrics(server)
     # Without the abort the engine would go on for hundreds of tokens (ignore_eos).
     kwargs = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": LONG_MAX_TOKENS}
     kwargs.update(stop=[stop], extra_body={"ignore_eos": True})
@@ -252,6 +314,9 @@ def test_stop_string_finishes_the_request_and_aborts_it_in_the_engine(
     metrics = server.metrics()  # the ping follows the abort down the same channel
     assert metrics["num_requests_running"] == 0
     assert metrics["kv_cache_usage"] == 0
+    # The client's "stop" is the engine's "abort", a few tokens after the stop string.
+    generated = _assert_aborted_in_the_engine(server, before, _idle_metrics(server))
+    assert generated < 40
 
 
 def test_raw_sse_format(server: ServerProcess):

@@ -184,6 +184,23 @@ def test_abort_frees_waiting_and_running_requests():
     assert out.finished_req_ids == {"running", "waiting"}  # the runner drops their rows
 
 
+def test_stats_count_generated_tokens_and_finished_requests_by_reason():
+    scheduler = make_scheduler(max_num_seqs=2)
+    scheduler.add_request(make_request("length", 4, max_tokens=3))
+    scheduler.add_request(make_request("stop", 4, max_tokens=9, stop_token_ids=[TOKEN]))
+    scheduler.add_request(make_request("aborted", 4, max_tokens=50))
+    for _ in range(3):
+        run_step(scheduler)  # length: 3 tokens, stop: 1 token; aborted is admitted at step 2
+    aborted = scheduler.requests["aborted"]
+    assert aborted.num_output_tokens == 2
+    scheduler.finish_requests(["aborted"], RequestStatus.FINISHED_ABORTED)
+    run_step(scheduler)  # nothing left: no token and no finish is counted twice
+    stats = scheduler.stats()
+    assert stats.num_generated_tokens == 3 + 1 + 2
+    assert stats.num_finished == {"length": 1, "stop": 1, "abort": 1}
+    assert_pool_is_whole(scheduler)
+
+
 def test_prefix_cache_hit_skips_computed_tokens():
     scheduler = make_scheduler(block_size=4)
     first = make_request("a", 10)
