@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import types
 
 import pytest
@@ -77,12 +79,80 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batch_mates(llm):
     assert llm.generate(PROMPTS[2], other_seed)[0].outputs[0].token_ids != alone
 
 
-def test_n_completions_per_prompt(llm):
-    [out] = llm.generate(
-        PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True)
+def _top(entry: dict, n: int) -> dict[int, float]:
+    """The top-n alternatives of one logprobs entry, token id -> logprob."""
+    return {token: lp.logprob for token, lp in entry.items() if lp.rank <= n}
+
+
+def test_n_greedy_completions_are_copies_of_the_single_one(llm):
+    greedy = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+    single, out = llm.generate(
+        [PROMPTS[2], PROMPTS[2]], [SamplingParams(**greedy), SamplingParams(n=3, **greedy)]
     )
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    expected = single.outputs[0]
+    assert len(expected.token_ids) == 16
+    for completion in out.outputs:
+        assert completion.token_ids == expected.token_ids
+        assert completion.text == expected.text
+        assert completion.finish_reason == "length"
+    assert_every_block_back_in_the_pool(llm)
+
+
+def test_n_sampled_completions_differ_and_each_continues_the_prompt(llm):
+    num_tokens, top_n = 16, 5
+    params = SamplingParams(
+        n=3, temperature=1.0, max_tokens=num_tokens, ignore_eos=True, logprobs=top_n
+    )
+    # With a request of one token for the same prompt, whose alternatives the samples'
+    # first ones must equal.
+    one_token = SamplingParams(temperature=1.0, max_tokens=1, logprobs=top_n)
+    out, one = llm.generate([PROMPTS[2], PROMPTS[2]], [params, one_token])
+    completions = out.outputs
+    assert [c.index for c in completions] == [0, 1, 2]
+    # Two independent samples are equal with probability sum_s P(s)^2 = E[P(s)], the mean
+    # probability of a sample. On this prompt 16 tokens at temperature 1.0 have cumulative
+    # logprobs of -16 to -62 (measured over 12 samples), so P(s) < 1e-7: some pair of the
+    # three equal has odds below 3 in ten million. Equal choices mean shared randomness.
+    token_ids = [tuple(c.token_ids) for c in completions]
+    assert len(set(token_ids)) == 3, token_ids
+
+    vocab_size = len(llm.tokenizer)
+    for completion in completions:
+        assert len(completion.token_ids) == num_tokens
+        assert completion.finish_reason == "length"
+        assert all(0 <= t < vocab_size for t in completion.token_ids)
+        assert completion.text == llm.tokenizer.decode(
+            completion.token_ids, skip_special_tokens=True
+        )
+        assert len(completion.logprobs) == num_tokens
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            sampled = entry[token]
+            assert -math.inf < sampled.logprob <= 0 and sampled.rank >= 1
+            top = _top(entry, top_n)
+            assert len(top) == top_n
+            # The sampled token's rank agrees with the alternatives' logprobs.
+            assert sum(lp > sampled.logprob for lp in top.values()) == min(sampled.rank - 1, top_n)
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(
+                e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True)
+            )
+        )
+    # Each continues this prompt: its first alternatives are those a single request gets,
+    # and where two samples share their first k tokens the model saw the same text, so
+    # the alternatives it offered at positions 0..k agree.
+    first = _top(one.outputs[0].logprobs[0], top_n)
+    for completion in completions:
+        assert _top(completion.logprobs[0], top_n) == pytest.approx(first, abs=1e-4)
+    for a, b in itertools.combinations(completions, 2):
+        shared = next(
+            (k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),
+            num_tokens,
+        )
+        for k in range(min(shared + 1, num_tokens)):
+            top_a, top_b = _top(a.logprobs[k], top_n), _top(b.logprobs[k], top_n)
+            assert top_a == pytest.approx(top_b, abs=1e-4), k
+    assert_every_block_back_in_the_pool(llm)
 
 
 def test_logprobs_with_top_alternatives(llm):
