@@ -5,8 +5,8 @@ the headers beside this module (cpu_bf16.h). It is compiled with the system C++ 
 ($CXX, else g++) against torch's own headers and OpenMP runtime, with -march=native, into
 the plugserve cache, keyed by the source, those headers, the torch version and the CPU's
 feature flags (code built for one CPU may not run on another).
-Where it cannot be built (no compiler, no headers) `load` says why once and returns False,
-and callers keep their pure-torch path.
+Where it cannot be built (no compiler, no headers) `load` logs why once and returns False
+(`unavailable_reason` returns why), and callers keep their pure-torch path.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -30,7 +31,8 @@ logger = logging.getLogger(__name__)
 # Headers shared by the kernels (cpu_bf16.h), core's and plugins' alike.
 _INCLUDE = Path(__file__).parent
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-_loaded: dict[Path, bool] = {}
+# Per source once tried: None where loaded, else why not.
+_failures: dict[Path, str | None] = {}
 
 
 def cache_dir() -> Path:
@@ -40,8 +42,14 @@ def cache_dir() -> Path:
 def load(source: Path) -> bool:
     """Build `source` if this machine has no build of it yet and load its operators into
     torch.ops; False (with the reason logged once) where that fails."""
-    if source in _loaded:
-        return _loaded[source]
+    return unavailable_reason(source) is None
+
+
+def unavailable_reason(source: Path) -> str | None:
+    """`load(source)`, saying why not: None once its operators are loaded, else what
+    failed (no C++ compiler, the compiler's first error, a library that does not load)."""
+    if source in _failures:
+        return _failures[source]
     key = hashlib.sha256(
         b"\0".join(
             [
@@ -60,11 +68,11 @@ def load(source: Path) -> bool:
             logger.info("building %s (once): %s", source.name, target)
             _build(source, target)
         torch.ops.load_library(str(target))
-        _loaded[source] = True
+        _failures[source] = None
     except Exception as exc:  # no compiler, no headers, an unsupported platform
         logger.warning("%s unavailable, using the torch fallback: %s", source.name, exc)
-        _loaded[source] = False
-    return _loaded[source]
+        _failures[source] = str(exc) or type(exc).__name__
+    return _failures[source]
 
 
 def _headers() -> list[Path]:
@@ -97,7 +105,10 @@ def _build(source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True, timeout=600)
+        try:
+            done = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True, timeout=600)
+        except FileNotFoundError:
+            raise RuntimeError(f"no C++ compiler: {cmd[0]} not found (set $CXX)") from None
         if done.returncode != 0:
             error = (done.stderr or done.stdout).strip().splitlines()
             raise RuntimeError(f"{compiler} failed: {error[0] if error else done.returncode}")
@@ -107,7 +118,10 @@ def _build(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+@cache
 def cpu_flags() -> str:
+    """The CPU's feature flags: /proc/cpuinfo's "flags" line, read once (the kernel
+    dispatch asks for every weight it packs)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -1,6 +1,7 @@
 """Linear layers for bfloat16 on CPU, with weights packed once at load.
 
-Two kernels, picked once per machine:
+Two kernels, picked once per machine (uses_own_kernel; PLUGSERVE_CPU_BF16_KERNEL=own or
+onednn overrides the choice):
 
 - cpu_gemm.cpp, on CPUs with AVX512_BF16 and no AMX: VDPBF16PS over a k-pair-interleaved
   copy of the weight (`pack_k_pairs`). It streams the weights at the memory bandwidth at
@@ -47,17 +48,63 @@ def _onednn_bf16_supported() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@cache
+# Overrides the choice of kernel for bf16 linears: "own" (cpu_gemm.cpp; an error where it
+# cannot run), "onednn", or "auto" (the default: uses_own_kernel's choice for this CPU).
+KERNEL_ENV = "PLUGSERVE_CPU_BF16_KERNEL"
+_KERNEL_CHOICES = ("auto", "own", "onednn")
+# What cpu_gemm.cpp's kernel needs of the CPU (cpu_gemm.h: PLUGSERVE_HAS_BF16_GEMM).
+_OWN_KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16")
+
+
 def uses_own_kernel() -> bool:
-    """Whether bf16 linears run cpu_gemm.cpp here (built on first call) rather than oneDNN."""
-    flags = cpp_extension.cpu_flags().split()
-    if "avx512_bf16" not in flags or "amx_bf16" in flags:
+    """Whether bf16 linears run cpu_gemm.cpp here rather than oneDNN: the production
+    choice. By default cpu_gemm.cpp wherever it can run (own_kernel_unavailable_reason)
+    except on AMX CPUs, whose oneDNN tile kernels it was never measured against. The
+    environment variable PLUGSERVE_CPU_BF16_KERNEL overrides it: "own" (a RuntimeError
+    naming what is missing where cpu_gemm.cpp cannot run), "onednn", "auto" (the default).
+    Tests force "own" to run the kernel on a CPU that prefers oneDNN."""
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in _KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected one of {', '.join(_KERNEL_CHOICES)}")
+    if choice == "onednn" or (choice == "auto" and "amx_bf16" in _cpu_flags()):
         return False
-    if not (cpp_extension.load(_GEMM_SOURCE) and hasattr(torch.ops.plugserve_gemm, "linear_bf16")):
-        return False
+    reason = own_kernel_unavailable_reason()  # builds and loads it on the first call
+    if reason is not None and choice == "own":
+        raise RuntimeError(f"{KERNEL_ENV}=own, but cpu_gemm.cpp cannot run here: {reason}")
+    return reason is None
+
+
+def own_kernel_unavailable_reason() -> str | None:
+    """None where this machine can run cpu_gemm.cpp, whether or not uses_own_kernel
+    prefers it here; else what is missing: "the CPU lacks avx512_bf16" (or avx512f), or
+    "cpu_gemm.cpp cannot be built or loaded: ..." with the compiler's or loader's error.
+    On the first call where the CPU has what it needs, builds and loads the library, and
+    turns its row pool on where openmp_spins_briefly."""
+    flags = _cpu_flags()
+    missing = [flag for flag in _OWN_KERNEL_CPU_FLAGS if flag not in flags]
+    if missing:
+        return f"the CPU lacks {' and '.join(missing)}"
+    return _load_own_kernel()
+
+
+def _cpu_flags() -> list[str]:
+    return cpp_extension.cpu_flags().split()
+
+
+@cache
+def _load_own_kernel() -> str | None:
+    """Builds and loads cpu_gemm.cpp; None where its kernel is then there, else why not."""
+    error = cpp_extension.unavailable_reason(_GEMM_SOURCE)
+    if error is not None:
+        return f"cpu_gemm.cpp cannot be built or loaded: {error}"
+    if not hasattr(torch.ops.plugserve_gemm, "linear_bf16"):
+        return (
+            "cpu_gemm.cpp was built without its kernel "
+            "(the compiler's -march=native does not enable AVX512_BF16)"
+        )
     if openmp_spins_briefly():
         torch.ops.plugserve_gemm.row_pool_set_enabled(True)
-    return True
+    return None
 
 
 # At most this many turns of spinning after a parallel region (GNU OpenMP's default is
@@ -116,8 +163,10 @@ def code_exponents(packed: torch.Tensor, out: torch.Tensor | None = None) -> tor
     a byte of sign and mantissa) where a block's 16 columns use at most 16 exponents, as
     ~97 % of SmolLM2's blocks do; the others are marked uncoded and read from `packed`.
     Written into `out` where given."""
-    if not uses_own_kernel():
-        raise RuntimeError("exponent-coded weights need cpu_gemm.cpp (an AVX512_BF16 CPU)")
+    if (reason := own_kernel_unavailable_reason()) is not None:
+        raise RuntimeError(
+            f"exponent-coded weights need cpu_gemm.cpp, which cannot run here: {reason}"
+        )
     blocks, pairs = packed.shape[0], packed.shape[1]
     if out is None:
         out = torch.empty(blocks, coded_block_bytes(2 * pairs), dtype=torch.uint8)

@@ -28,6 +28,11 @@ def load() -> bool:
     return cpp_extension.load(_SOURCE)
 
 
+def unavailable_reason() -> str | None:
+    """None where the fused ops are built and loaded (load()), else why they are not."""
+    return cpp_extension.unavailable_reason(_SOURCE)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, hidden] → x / rms(x) * weight, a new tensor."""
     return torch.ops.plugserve_ops.rms_norm(x, weight, eps)

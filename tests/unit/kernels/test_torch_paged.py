@@ -255,14 +255,18 @@ def test_the_native_plan_refuses_blocks_the_cache_cannot_hold(
 # ----------------------------------------------------------------- one row, two threads
 
 
-def has_row_pool() -> bool:
+def row_pool_missing() -> str | None:
+    """Why the matmuls' helper thread is not here: it lives in cpu_gemm.cpp's library, built
+    and loaded wherever the CPU can run it (whichever bf16 kernel production prefers)."""
     from plugserve.worker import cpu_linear
 
-    return cpu_linear.uses_own_kernel()  # builds and loads the library that owns the pool
+    return cpu_linear.own_kernel_unavailable_reason()
 
 
+ROW_POOL_MISSING = row_pool_missing()
 needs_row_pool = pytest.mark.skipif(
-    not has_row_pool(), reason="the matmuls' helper thread needs AVX512_BF16 and a compiler"
+    ROW_POOL_MISSING is not None,
+    reason=f"the matmuls' helper thread needs cpu_gemm.cpp: {ROW_POOL_MISSING}",
 )
 
 

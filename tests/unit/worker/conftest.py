@@ -11,10 +11,29 @@ from plugserve.worker import cpu_linear
 
 
 @pytest.fixture
-def row_pool() -> Iterator[None]:
+def own_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 linears on cpu_gemm.cpp (PLUGSERVE_CPU_BF16_KERNEL=own) wherever this CPU can
+    run it, whatever the production choice here (oneDNN on AMX CPUs); skipped, naming what
+    is missing, where it cannot run."""
+    reason = cpu_linear.own_kernel_unavailable_reason()  # builds and loads the library
+    if reason is not None:
+        pytest.skip(f"cpu_gemm.cpp cannot run here: {reason}")
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
+
+
+@pytest.fixture
+def onednn_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 linears on oneDNN (PLUGSERVE_CPU_BF16_KERNEL=onednn), as on CPUs without
+    AVX512_BF16 or with AMX; skipped where oneDNN has no bf16 matmuls."""
+    if not cpu_linear._onednn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 matmuls on this CPU")
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "onednn")
+
+
+@pytest.fixture
+def row_pool(own_kernel: None) -> Iterator[None]:
     """The one-row matmuls on their helper thread (row_pool.h), as in an engine process,
     whatever this process's OpenMP spinning."""
-    cpu_linear.uses_own_kernel()  # loads the library
     torch.ops.plugserve_gemm.row_pool_set_enabled(True)
     yield
     torch.ops.plugserve_gemm.row_pool_set_enabled(cpu_linear.openmp_spins_briefly())

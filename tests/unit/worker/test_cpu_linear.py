@@ -1,12 +1,14 @@
 """PackedLinear (bf16 on CPU) against an fp32 matmul of the same bf16 operands.
 
-Whichever kernel this machine uses (cpu_gemm.cpp on AVX512_BF16 CPUs, oneDNN elsewhere),
-the result is the fp32 product rounded once to bf16, up to fp32 summation order.
+Each kernel wherever this machine can run it (cpu_gemm.cpp on AVX512_BF16 CPUs, also where
+production prefers oneDNN, as on AMX CPUs; oneDNN wherever it has bf16 matmuls): the
+result is the fp32 product rounded once to bf16, up to fp32 summation order.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,15 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugserve.worker import cpu_linear
+from plugserve.worker import cpp_extension, cpu_linear
 
-pytestmark = pytest.mark.skipif(
-    not cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")),
-    reason="no bf16 linear kernel on this CPU",
-)
-own_kernel = pytest.mark.skipif(
-    not cpu_linear.uses_own_kernel(), reason="needs AVX512_BF16 and a C++ compiler"
-)
+# cpu_gemm.cpp forced (conftest.py's own_kernel), skipped where this CPU cannot run it.
+on_own_kernel = pytest.mark.usefixtures("own_kernel")
+
+
+@pytest.fixture(params=["own", "onednn"])
+def kernel(request: pytest.FixtureRequest) -> str:
+    """Each kernel in turn, wherever it runs: either is production's choice on some CPU."""
+    request.getfixturevalue(f"{request.param}_kernel")
+    return request.param
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -45,26 +49,30 @@ def assert_rounded_once(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (40, 1536), (24, 70)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_is_the_fp32_product_rounded_once(
-    rows: int, out_features: int, in_features: int, with_bias: bool
+    rows: int, out_features: int, in_features: int, with_bias: bool, kernel: str
 ) -> None:
     torch.manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.05
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
 
-    out = cpu_linear.PackedLinear(weight, bias)(x)
+    linear = cpu_linear.PackedLinear(weight, bias)
+    out = linear(x)
 
+    assert linear.own_kernel == (kernel == "own")
     assert_rounded_once(out, reference(x, weight, bias))
 
 
-def test_lm_head_sized_matmul() -> None:
+def test_lm_head_sized_matmul(kernel: str) -> None:
     torch.manual_seed(0)
     weight = torch.randn(49152, 576, dtype=torch.bfloat16) * 0.05
     x = torch.randn(4, 576, dtype=torch.bfloat16)
-    assert_rounded_once(cpu_linear.PackedLinear(weight)(x), reference(x, weight, None))
+    linear = cpu_linear.PackedLinear(weight)
+    assert linear.own_kernel == (kernel == "own")
+    assert_rounded_once(linear(x), reference(x, weight, None))
 
 
-@own_kernel
+@on_own_kernel
 @pytest.mark.parametrize("rows", [1, 13])
 def test_a_matmul_is_exact_while_another_thread_takes_a_core(rows: int) -> None:
     """Each kernel thread works its own share of the columns, then takes what is left of
@@ -105,7 +113,7 @@ def test_the_row_pool_is_for_processes_whose_openmp_spins_briefly(
     assert cpu_linear.openmp_spins_briefly() is uses_helper
 
 
-@own_kernel
+@on_own_kernel
 @pytest.mark.parametrize(("setting", "uses_helper"), [(None, False), ("2000", True)])
 def test_loading_the_kernel_turns_the_row_pool_on_only_where_openmp_spins_briefly(
     setting: str | None, uses_helper: bool
@@ -118,7 +126,7 @@ def test_loading_the_kernel_turns_the_row_pool_on_only_where_openmp_spins_briefl
     code = (
         "import torch\n"
         "from plugserve.worker import cpu_linear\n"
-        "assert cpu_linear.uses_own_kernel()\n"
+        "assert cpu_linear.own_kernel_unavailable_reason() is None\n"
         "print(torch.ops.plugserve_gemm.row_pool_enabled())"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -131,7 +139,7 @@ def test_loading_the_kernel_turns_the_row_pool_on_only_where_openmp_spins_briefl
 HELPER_HOLD_US = 1_000_000
 
 
-@own_kernel
+@on_own_kernel
 @pytest.mark.usefixtures("row_pool")
 def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_dropped() -> None:
     """The one-row path shares its blocks with a helper thread (row_pool.h) that the
@@ -183,7 +191,7 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
         torch.set_num_threads(previous)
 
 
-@own_kernel
+@on_own_kernel
 @pytest.mark.usefixtures("row_pool")
 def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
     """The helper made to sleep on a block still reads that job's weight when it wakes;
@@ -210,7 +218,7 @@ def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
         torch.set_num_threads(previous)
 
 
-@own_kernel
+@on_own_kernel
 @pytest.mark.usefixtures("row_pool")
 def test_one_row_matmuls_from_two_threads_at_once_are_each_exact() -> None:
     """One caller at a time shares the helper; a second one meanwhile runs alone."""
@@ -239,6 +247,7 @@ def test_one_row_matmuls_from_two_threads_at_once_are_each_exact() -> None:
     assert mismatches == []
 
 
+@pytest.mark.usefixtures("kernel")
 def test_rows_with_a_stride_are_read_in_place() -> None:
     """A column slice of a wider tensor (its rows not adjacent) gives the same result."""
     torch.manual_seed(1)
@@ -248,7 +257,6 @@ def test_rows_with_a_stride_are_read_in_place() -> None:
     assert_rounded_once(cpu_linear.PackedLinear(weight)(x), reference(x, weight, None))
 
 
-@own_kernel
 def test_k_pair_layout_puts_sixteen_columns_of_a_k_pair_together() -> None:
     weight = torch.arange(20 * 4, dtype=torch.float32).view(20, 4).to(torch.bfloat16)
     packed = cpu_linear.pack_k_pairs(weight)
@@ -260,7 +268,7 @@ def test_k_pair_layout_puts_sixteen_columns_of_a_k_pair_together() -> None:
     assert packed[1, :, 4:].abs().sum() == 0
 
 
-@own_kernel
+@on_own_kernel
 @pytest.mark.usefixtures("row_pool")
 @pytest.mark.parametrize("rows", [1, 3, 13])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -290,7 +298,7 @@ def test_fp32_output_is_the_fp32_product_unrounded(rows: int, with_bias: bool) -
     assert all(torch.equal(out, expected[i]) for i, out in repeated)
 
 
-@own_kernel
+@on_own_kernel
 def test_own_kernel_rejects_mismatched_inputs() -> None:
     packed = cpu_linear.pack_k_pairs(torch.zeros(32, 16, dtype=torch.bfloat16))
     op = torch.ops.plugserve_gemm.linear_bf16
@@ -304,6 +312,7 @@ def test_own_kernel_rejects_mismatched_inputs() -> None:
         op(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 32, None, torch.float16)
 
 
+@pytest.mark.usefixtures("kernel")
 def test_odd_input_width_falls_back_to_onednn() -> None:
     torch.manual_seed(2)
     weight = torch.randn(48, 33, dtype=torch.bfloat16)
@@ -315,7 +324,7 @@ def test_odd_input_width_falls_back_to_onednn() -> None:
     assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32, linear(x).float())
 
 
-@own_kernel
+@on_own_kernel
 def test_an_arena_holds_packed_weights_back_to_back_from_a_huge_page_boundary() -> None:
     torch.manual_seed(3)
     weights = [torch.randn(n, k, dtype=torch.bfloat16) for n, k in [(40, 64), (960, 576)]]
@@ -363,3 +372,77 @@ def vma_field(address: int, field: str) -> str:
         elif inside and head == f"{field}:":
             return line.split()[1]
     raise AssertionError(f"no {field} for address {address:#x}")
+
+
+# ------------------------------------------- which kernel: the machine's, production's
+
+
+def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch, add: list[str], drop: list[str]) -> None:
+    """cpp_extension.cpu_flags() as on a CPU with `add` and without `drop` (the library
+    loaded first, under this CPU's flags, so as not to build it again under the fake ones)."""
+    cpu_linear.own_kernel_unavailable_reason()
+    flags = [flag for flag in cpp_extension.cpu_flags().split() if flag not in drop]
+    monkeypatch.setattr(cpp_extension, "cpu_flags", lambda: " ".join([*flags, *add]))
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_production_picks_the_own_kernel_where_it_runs_except_on_amx_cpus(
+    monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    """Whether it runs and whether production prefers it are two questions: an AMX CPU that
+    runs it still gets oneDNN by default, and the kernel when told to."""
+    fake_cpu_flags(monkeypatch, add=["amx_bf16"] if amx else [], drop=["amx_bf16"])
+    runnable = cpu_linear.own_kernel_unavailable_reason() is None
+    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    assert cpu_linear.uses_own_kernel() == (runnable and not amx)
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "onednn")
+    assert not cpu_linear.uses_own_kernel()
+    assert not cpu_linear.packs_k_pairs(torch.bfloat16, torch.device("cpu"), 64)
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
+    if runnable:
+        assert cpu_linear.uses_own_kernel()
+        assert cpu_linear.PackedLinear(torch.zeros(32, 64, dtype=torch.bfloat16)).own_kernel
+    else:
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            cpu_linear.uses_own_kernel()
+
+
+@pytest.mark.parametrize(
+    ("drop", "reason"),
+    [
+        (["avx512_bf16"], "the CPU lacks avx512_bf16"),
+        (["avx512f", "avx512_bf16"], "the CPU lacks avx512f and avx512_bf16"),
+    ],
+)
+def test_a_cpu_without_avx512_bf16_is_named_as_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, drop: list[str], reason: str
+) -> None:
+    fake_cpu_flags(monkeypatch, add=[], drop=drop)
+    assert cpu_linear.own_kernel_unavailable_reason() == reason
+    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    assert not cpu_linear.uses_own_kernel()
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
+    with pytest.raises(
+        RuntimeError, match=f"KERNEL=own, but cpu_gemm.cpp cannot run here: {reason}"
+    ):
+        cpu_linear.uses_own_kernel()
+    with pytest.raises(RuntimeError, match=re.escape(reason)):
+        cpu_linear.code_exponents(torch.zeros(1, 2, 16, 2, dtype=torch.bfloat16))
+
+
+def test_without_a_compiler_the_reason_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    compiler = tmp_path / "no-such-c++"
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))  # no build of it there
+    monkeypatch.setattr(cpp_extension, "_failures", {})  # nothing tried yet
+    assert cpu_linear._load_own_kernel.__wrapped__() == (
+        f"cpu_gemm.cpp cannot be built or loaded: no C++ compiler: {compiler} not found (set $CXX)"
+    )
+
+
+def test_an_unknown_kernel_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match="PLUGSERVE_CPU_BF16_KERNEL='fastest'"):
+        cpu_linear.uses_own_kernel()

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from plugserve.worker import cpu_ops
 from plugserve.worker.models.llama import RotaryEmbedding, rope_inv_freq
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="no C++ compiler to build cpu_ops")
+MISSING = cpu_ops.unavailable_reason()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"cpu_ops.cpp: {MISSING}")
 
 HIDDEN, EPS = 576, 1e-5
 DTYPES = [torch.float32, torch.bfloat16]

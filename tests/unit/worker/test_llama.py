@@ -32,6 +32,9 @@ from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 # paged keys). Observed on SmolLM2 ≈ 2e-5; logits span about ±30.
 LOGITS_ATOL = 1e-3
 BLOCK_SIZE = 16
+# The fused CPU ops (cpu_ops.cpp), built wherever there is a C++ compiler, on any CPU.
+OPS_MISSING = cpu_ops.unavailable_reason()
+needs_fused_ops = pytest.mark.skipif(OPS_MISSING is not None, reason=f"cpu_ops.cpp: {OPS_MISSING}")
 
 
 class PagedRunner:
@@ -248,10 +251,7 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
         torch.testing.assert_close(ours[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=0)
 
 
-@pytest.mark.skipif(
-    not cpu_ops.supported(torch.bfloat16, torch.device("cpu")),
-    reason="no C++ compiler for the fused CPU ops",
-)
+@needs_fused_ops
 @pytest.mark.parametrize(
     "config",
     [
@@ -259,19 +259,19 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
         pytest.param(Qwen2Config(**TINY, tie_word_embeddings=False), id="qwen2-qkv-bias"),
     ],
 )
-@pytest.mark.parametrize("kernel", ["this-machine", "onednn", "unpacked"])
+@pytest.mark.parametrize("kernel", ["own", "onednn", "unpacked"])
 def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
-    config: Any, kernel: str, monkeypatch: pytest.MonkeyPatch
+    config: Any, kernel: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """process_weights_after_loading moves a bf16 CPU model onto the fused ops and packed
-    matmuls; it computes what the plain ATen path computes, within bf16 rounding. The
-    "onednn" case takes the path of CPUs without AVX512-BF16 (or with AMX) on this one,
-    prefill-sized MLPs as oneDNN post-ops included; "unpacked" that of a CPU where neither
-    kernel packs bf16, the layers then calling the Linear modules."""
-    if kernel == "onednn":
-        if not cpu_linear._onednn_bf16_supported():
-            pytest.skip("oneDNN has no bf16 matmuls on this CPU")
-        monkeypatch.setattr(cpu_linear, "uses_own_kernel", lambda: False)
+    matmuls; it computes what the plain ATen path computes, within bf16 rounding. "own"
+    takes the path of AVX512-BF16 CPUs without AMX (cpu_gemm.cpp, the stack as one
+    FusedCpuDecoder), wherever this CPU can run it; "onednn" that of CPUs without
+    AVX512-BF16 or with AMX, prefill-sized MLPs as oneDNN post-ops included; "unpacked"
+    that of a CPU where neither kernel packs bf16, the layers then calling the Linear
+    modules."""
+    if kernel in ("own", "onednn"):
+        request.getfixturevalue(f"{kernel}_kernel")  # conftest.py: forced, or skipped saying why
     if kernel == "unpacked":
         monkeypatch.setattr(cpu_linear, "packing_supported", lambda dtype, device: False)
 
@@ -290,7 +290,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     # Every layer runs the one-frame-per-layer path, or, where every linear runs cpu_gemm,
     # the whole stack runs as FusedCpuDecoder (one op between two attention calls)...
     assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
-    own_kernel = kernel == "this-machine" and cpu_linear.uses_own_kernel()
+    own_kernel = kernel == "own"
     assert isinstance(fast.decoder, FusedCpuDecoder) == own_kernel
     assert plain.decoder is None
     assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
@@ -300,7 +300,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     elif cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
         assert all(m.packed is not None for m in fast.modules() if isinstance(m, Linear))
         assert all(
-            m.packed.own_kernel == cpu_linear.uses_own_kernel()
+            m.packed.own_kernel == own_kernel
             for m in fast.modules()
             if isinstance(m, Linear) and m.packed is not None
         )
@@ -309,7 +309,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
         assert packed and all(m.weight.numel() == 0 for m in packed)
         with pytest.raises(RuntimeError, match="packed"):
             fast.load_weights(hf_model.state_dict().items())
-        if cpu_linear.uses_own_kernel():  # ...lying one after the other in one buffer,
+        if own_kernel:  # ...lying one after the other in one buffer,
             # in the order a step reads them, the LM head (a module or tied) last...
             weights = [m.packed.weight for m in packed]
             if fast._packed_head is not None:
@@ -333,7 +333,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.99
 
 
-@pytest.mark.skipif(not cpu_linear.uses_own_kernel(), reason="needs AVX512_BF16")
+@pytest.mark.usefixtures("own_kernel")
 @pytest.mark.parametrize(
     "config",
     [
@@ -360,10 +360,8 @@ def test_a_packed_lm_head_gives_the_fp32_logits_unrounded(config: Any, rows: int
     torch.testing.assert_close(logits, hidden.float() @ weight.T, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(
-    not cpu_linear.uses_own_kernel() or not cpu_ops.supported(torch.bfloat16, torch.device("cpu")),
-    reason="FusedCpuDecoder needs AVX512_BF16 and the fused ops",
-)
+@pytest.mark.usefixtures("own_kernel")
+@needs_fused_ops
 def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -405,11 +403,9 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
     assert len(one_op_calls) == len(steps) and all(c is not None for c in one_op_calls)
 
 
+@pytest.mark.usefixtures("own_kernel")
+@needs_fused_ops
 def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_layer() -> None:
-    if not cpu_linear.uses_own_kernel() or not cpu_ops.supported(
-        torch.bfloat16, torch.device("cpu")
-    ):
-        pytest.skip("FusedCpuDecoder needs AVX512_BF16 and the fused ops")
     model, _ = bf16_model(LlamaConfig(**TINY), num_blocks=4)
     model.process_weights_after_loading()
     decoder = model.decoder
