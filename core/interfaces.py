@@ -354,7 +354,11 @@ class AttentionBackend(Protocol):
     (worker/layer_attention.h) and of the state it takes for the step prepared last, valid
     until the next prepare(). The fused bf16 CPU decoder then runs every layer of a step in
     one C++ op instead of calling `forward` from Python per layer; None (or no such
-    method) keeps the per-layer calls."""
+    method) keeps the per-layer calls.
+
+    A backend whose kernels compute only in some dtypes lists them in a class attribute
+    `dtypes` (torch dtype names, e.g. ("bfloat16", "float16")); the plugin matrix then
+    tests it in those only. Without it, float32 and bfloat16 are assumed."""
 
     def __init__(self, *, spec: AttentionSpec) -> None: ...
 

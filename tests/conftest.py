@@ -83,3 +83,40 @@ def hf_greedy_generate(hf_reference_model):
         return outputs
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_references(hf_reference_model):
+    """Hugging Face greedy continuations with the log-softmax of every step's logits, one
+    prompt at a time, exactly `max_new_tokens` tokens: the reference bf16 runs are held to
+    (tests/correctness/agreement.py). Returns references(prompts, max_new_tokens, dtype);
+    each distinct call is computed once per session."""
+    import torch
+    from correctness.agreement import Reference
+
+    computed: dict[tuple[Any, ...], list[Reference]] = {}
+
+    def references(prompts: list[list[int]], max_new_tokens: int, dtype: Any) -> list[Reference]:
+        key = (dtype, max_new_tokens, tuple(tuple(p) for p in prompts))
+        if key not in computed:
+            model = hf_reference_model(dtype)
+            results = []
+            with torch.inference_mode():
+                for prompt in prompts:
+                    out = model.generate(
+                        torch.tensor([prompt]),
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        output_scores=True,
+                        return_dict_in_generate=True,
+                        pad_token_id=0,
+                    )
+                    tokens = out.sequences[0, len(prompt) :].tolist()
+                    logprobs = torch.stack(
+                        [torch.log_softmax(s[0].float(), -1) for s in out.scores]
+                    )
+                    results.append(Reference(tokens, logprobs))
+            computed[key] = results
+        return computed[key]
+
+    return references

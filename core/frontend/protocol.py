@@ -42,6 +42,9 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     priority: int = 0
     user: str | None = None
+    # vLLM's: logprobs name tokens "token_id:<id>" instead of their text, so a client
+    # sees exactly which token was chosen (a text can stand for several token ids).
+    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingRequest:

@@ -49,6 +49,7 @@ class _Prepared:
     prompts: list[list[int]]
     params: SamplingParams
     priority: int
+    tokens_as_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -114,7 +115,13 @@ class OpenAIServing:
         except ValueError as exc:
             raise InvalidRequest(str(exc), "messages") from exc
         params = self._params(body, len(prompt))
-        return _Prepared(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority)
+        return _Prepared(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            [prompt],
+            params,
+            body.priority,
+            body.return_tokens_as_token_ids,
+        )
 
     def prepare_completion(self, body: CompletionRequest) -> _Prepared:
         self._check_model(body.model)
@@ -135,7 +142,13 @@ class OpenAIServing:
         # max_tokens defaults per prompt to what fits; keep the smallest so one params
         # object serves all prompts.
         chosen = min(params, key=lambda sp: sp.max_tokens or 0)
-        return _Prepared(f"cmpl-{uuid.uuid4().hex}", prompts, chosen, body.priority)
+        return _Prepared(
+            f"cmpl-{uuid.uuid4().hex}",
+            prompts,
+            chosen,
+            body.priority,
+            body.return_tokens_as_token_ids,
+        )
 
     # ------------------------------------------------------------------ running
 
@@ -209,7 +222,9 @@ class OpenAIServing:
 
     def _final_choice(self, c: _Choice, chat: bool, prep: _Prepared) -> dict[str, Any]:
         text = "".join(c.text)
-        logprobs = self._logprobs(c.logprobs, chat) if prep.params.logprobs is not None else None
+        logprobs = None
+        if prep.params.logprobs is not None:
+            logprobs = self._logprobs(c.logprobs, chat, prep.tokens_as_ids)
         if chat:
             return {
                 "index": c.index,
@@ -266,7 +281,9 @@ class OpenAIServing:
             logprobs = None
             if prep.params.logprobs is not None and delta.logprobs:
                 logprobs = self._logprobs(
-                    list(zip(delta.token_ids, delta.logprobs, strict=False)), chat
+                    list(zip(delta.token_ids, delta.logprobs, strict=False)),
+                    chat,
+                    prep.tokens_as_ids,
                 )
             if chat:
                 choice = {"index": index, "delta": {"content": delta.text} if delta.text else {}}
@@ -295,8 +312,10 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    def _logprobs(self, entries: list[tuple[int, Logprobs]], chat: bool) -> dict[str, Any]:
-        text_of: Callable[[int], str] = self._text_of
+    def _logprobs(
+        self, entries: list[tuple[int, Logprobs]], chat: bool, tokens_as_ids: bool
+    ) -> dict[str, Any]:
+        text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else self._text_of
         if chat:
             content = []
             for token_id, lp in entries:
@@ -330,6 +349,10 @@ class OpenAIServing:
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 class ModelNotFound(InvalidRequest):

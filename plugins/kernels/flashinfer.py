@@ -37,7 +37,6 @@ from plugserve.interfaces import AttentionBatch, AttentionSpec
 
 NAME = "flashinfer"
 INSTALL_HINT = "flashinfer-python is not installed (pip install -e .[gpu])"
-_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class FlashInferOptions(BaseModel):
@@ -117,6 +116,8 @@ class FlashInferAttention:
     the optional CUDA-graph hooks of plugserve.worker.cuda_graphs."""
 
     Options = FlashInferOptions
+    # The model dtypes its kernels compute in (float32 is refused at start).
+    dtypes = ("bfloat16", "float16")
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -136,7 +137,7 @@ class FlashInferAttention:
         device = torch.device(spec.device)
         if device.type != "cuda":
             raise ValueError(f"attention {NAME!r} needs engine.device cuda, not {device.type}")
-        if spec.dtype not in _DTYPES:
+        if str(spec.dtype).removeprefix("torch.") not in self.dtypes:
             raise ValueError(
                 f"attention {NAME!r} runs in bfloat16 or float16, not "
                 f"{str(spec.dtype).removeprefix('torch.')}; set engine.dtype"

@@ -1,10 +1,14 @@
-"""Every registered combination of scheduler × transport × executor × attention backend
-that can run on this machine serves one shared scenario through the real server, and
-every cell's greedy output equals the Hugging Face reference (so every other cell's).
+"""Every registered combination of scheduler × transport × executor × attention backend,
+in each dtype the attention backend computes in, that can run on this machine serves one
+shared scenario through the real server. An fp32 cell's greedy output equals the Hugging
+Face reference token for token (so every other fp32 cell's); a bf16 cell agrees with
+Hugging Face bf16 by tests/correctness/agreement.py's criterion.
 
 The cells come from the plugin registry: a newly installed plugin joins with no edit
 here. A component that cannot run on this machine says why through an optional
-`unavailable_reason()` classmethod, and its cells are skipped with that reason.
+`unavailable_reason()` classmethod, and its cells are skipped with that reason. An
+attention backend that computes only in some dtypes lists them in an optional `dtypes`
+class attribute (torch dtype names); the others get float32 and bfloat16 cells.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import itertools
 from dataclasses import dataclass
 
 import pytest
+import torch
+from correctness.agreement import Reference, assert_agrees, assert_clear_first_tokens
 from integration.conftest import running_server
 
 from plugserve.plugins import get_registry
@@ -26,6 +32,7 @@ PROMPTS = [
     "Photosynthesis is the process by which",
 ]
 MAX_TOKENS = 16
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -35,10 +42,14 @@ class Cell:
     executor: str
     attention: str
     tensor_parallel_size: int
+    dtype: str
 
     @property
     def id(self) -> str:
-        return f"{self.scheduler}-{self.transport}-{self.executor}{self.tensor_parallel_size}-{self.attention}"
+        return (
+            f"{self.scheduler}-{self.transport}-{self.executor}{self.tensor_parallel_size}"
+            f"-{self.attention}-{self.dtype}"
+        )
 
     def settings(self) -> list[str]:
         return [
@@ -49,7 +60,7 @@ class Cell:
             "--max-num-seqs", "8",
             "--kv-cache-memory", "32MiB",
             "--max-model-len", "512",
-            "--dtype", "float32",
+            "--dtype", self.dtype,
         ]  # fmt: skip
 
 
@@ -62,14 +73,17 @@ def matrix_cells() -> list:
         executor_cls = impls["executor"][chosen["executor"]].cls
         # An executor that spans processes is exercised with two ranks.
         tp = min(2, getattr(executor_cls, "max_tensor_parallel_size", None) or 2)
-        cell = Cell(tensor_parallel_size=tp, **chosen)
         reasons = [
             reason
             for slot in SLOTS
             if (reason := _unavailable(impls[slot][chosen[slot]].cls)) is not None
         ]
         marks = [pytest.mark.skip(reason="; ".join(reasons))] if reasons else []
-        params.append(pytest.param(cell, id=cell.id, marks=marks))
+        attention_cls = impls["attention"][chosen["attention"]].cls
+        # A backend's own dtypes, of those the matrix has references for.
+        for dtype in [d for d in DTYPES if d in getattr(attention_cls, "dtypes", DTYPES)]:
+            cell = Cell(tensor_parallel_size=tp, dtype=dtype, **chosen)
+            params.append(pytest.param(cell, id=cell.id, marks=marks))
     return params
 
 
@@ -78,40 +92,79 @@ def _unavailable(cls: type) -> str | None:
     return check() if callable(check) else None
 
 
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path, hf_greedy_generate) -> list[str]:
-    """Greedy text from Hugging Face transformers `generate`, fp32, prompt by prompt."""
+def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    ids = hf_greedy_generate([tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS)
-    return [tokenizer.decode(out, skip_special_tokens=True) for out in ids]
+    return AutoTokenizer.from_pretrained(smollm2_path)
 
 
-async def _scenario(server) -> list[str]:
-    """Half the prompts streamed, half not, all at once."""
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(prompt_ids, hf_greedy_generate, tokenizer) -> list[Completion]:
+    """Greedy tokens and text from Hugging Face transformers `generate`, fp32, prompt by
+    prompt (no logprobs: fp32 cells are compared token for token)."""
+    ids = hf_greedy_generate(prompt_ids, MAX_TOKENS)
+    return [Completion(tokenizer.decode(t, skip_special_tokens=True), t, []) for t in ids]
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(prompt_ids, hf_greedy_references) -> list[Reference]:
+    references = hf_greedy_references(prompt_ids, MAX_TOKENS, torch.bfloat16)
+    assert_clear_first_tokens(references, PROMPTS)
+    return references
+
+
+async def _scenario(server) -> list[Completion]:
+    """Half the prompts streamed, half not, all at once; each token with its logprob."""
     async with server.async_openai_client() as client:
 
-        async def one(i: int, prompt: str) -> str:
+        async def one(i: int, prompt: str) -> Completion:
             kwargs = dict(
                 model="smollm2-135m-instruct",
                 prompt=prompt,
                 max_tokens=MAX_TOKENS,
                 temperature=0,
-                extra_body={"ignore_eos": True},
+                logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
             )
             if i % 2:
                 stream = await client.completions.create(stream=True, **kwargs)
-                return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
-            return (await client.completions.create(**kwargs)).choices[0].text
+                choices = [chunk.choices[0] async for chunk in stream if chunk.choices]
+            else:
+                choices = [(await client.completions.create(**kwargs)).choices[0]]
+            tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+            return Completion(
+                text="".join(c.text for c in choices),
+                token_ids=[int(t.removeprefix("token_id:")) for t in tokens],
+                logprobs=[lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs],
+            )
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
 
 
 @pytest.mark.parametrize("cell", matrix_cells())
-def test_cell_matches_hf(cell: Cell, hf_reference, tmp_path):
+def test_cell_matches_hf(cell: Cell, request: pytest.FixtureRequest, tmp_path) -> None:
     with running_server(cell.transport, tmp_path, settings=cell.settings()) as server:
-        texts = asyncio.run(_scenario(server))
+        completions = asyncio.run(_scenario(server))
         idle = server.wait_idle()
-    assert texts == hf_reference
+    if cell.dtype == "float32":
+        expected = request.getfixturevalue("hf_fp32")
+        assert [c.token_ids for c in completions] == [e.token_ids for e in expected]
+        assert [c.text for c in completions] == [e.text for e in expected]
+    else:
+        references = request.getfixturevalue("hf_bf16")
+        for prompt, reference, c in zip(PROMPTS, references, completions, strict=True):
+            assert_agrees(repr(prompt), reference, c.token_ids, c.logprobs)
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
