@@ -107,6 +107,20 @@ def _load_own_kernel() -> str | None:
     return None
 
 
+def describe_bf16_path(coded_weights: bool) -> str:
+    """One line for the start-up log: which kernel bf16 linears run here, and whether
+    one-row steps read exponent-coded copies and share their work with the helper thread
+    (whose use also needs more than one torch thread)."""
+    if not _onednn_bf16_supported() and not uses_own_kernel():
+        return "F.linear (no packed bf16 kernel on this CPU)"
+    if not uses_own_kernel():
+        return "oneDNN, packed once"
+    coded = "exponent-coded copies" if coded_weights else "packed weights (coding off)"
+    pool = torch.ops.plugserve_gemm.row_pool_enabled() and torch.get_num_threads() > 1
+    helper = "shared with the helper thread" if pool else "on the calling threads only"
+    return f"cpu_gemm.cpp; one-row steps read {coded}, {helper}"
+
+
 # At most this many turns of spinning after a parallel region (GNU OpenMP's default is
 # 300000, milliseconds here) for the one-row matmuls to use their helper thread.
 _BRIEF_SPIN_COUNT = 20000

@@ -137,6 +137,9 @@ class ModelRunner:
                 model_path, model_cls, self.attention, self.dtype, self.device, parallel
             )
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            coded = self.config.engine.cpu_coded_weights
+            logger.info("bf16 linears: %s", cpu_linear.describe_bf16_path(coded))
 
         # Ranks hold different numbers of KV heads (uneven shards), hence fit different
         # numbers of blocks; block ids are shared, so all use the smallest count.
