@@ -31,7 +31,10 @@ TRANSPORTS = ["zmq", "shm"]
 # and oversubscribed OpenMP threads slow both down many times over.
 MAX_MODEL_LEN = 512
 NUM_THREADS = 1
+# fp32, pinned: the reference (offline_llm) is fp32 and compares text exactly, and
+# "auto" would serve bf16 on a GPU. bf16 serving has its own tests (test_bf16_served.py).
 SERVER_SETTINGS = (
+    "--dtype", "float32",
     "--kv-cache-memory", "64MiB",
     "--max-num-seqs", "32",
     "--max-model-len", str(MAX_MODEL_LEN),
