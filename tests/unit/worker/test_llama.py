@@ -124,9 +124,9 @@ def hf_last_logits(hf_model: Any, token_ids: list[int], count: int = 1) -> torch
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path: Path) -> tuple[Any, Any, TorchPagedAttention]:
+def smollm2(smollm2_path: Path, hf_reference_model) -> tuple[Any, Any, TorchPagedAttention]:
     tokenizer = load_tokenizer(smollm2_path)
-    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    hf_model = hf_reference_model(torch.float32)  # from the GGUF, by transformers itself
     backend = make_backend(hf_model.config, num_blocks=64)
     started = time.perf_counter()
     model = load_model(smollm2_path, LlamaForCausalLM, backend, torch.float32, torch.device("cpu"))
