@@ -21,19 +21,19 @@ float32 is never packed: the fp32 path keeps `F.linear`, bit for bit with Huggin
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from plugserve.worker import cpp_extension
+from plugserve import ops
 
-_GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+# Moved to plugserve.ops; re-exported here for one release, for plugins that took them
+# from this module.
+from plugserve.ops import HUGE_PAGE_BYTES, huge_page_buffer  # noqa: F401
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -88,13 +88,13 @@ def own_kernel_unavailable_reason() -> str | None:
 
 
 def _cpu_flags() -> list[str]:
-    return cpp_extension.cpu_flags().split()
+    return ops.cpu_flags().split()
 
 
 @cache
 def _load_own_kernel() -> str | None:
     """Builds and loads cpu_gemm.cpp; None where its kernel is then there, else why not."""
-    error = cpp_extension.unavailable_reason(_GEMM_SOURCE)
+    error = ops.unavailable_reason(ops.GEMM_SOURCE)
     if error is not None:
         return f"cpu_gemm.cpp cannot be built or loaded: {error}"
     if not hasattr(torch.ops.plugserve_gemm, "linear_bf16"):
@@ -186,27 +186,6 @@ def code_exponents(packed: torch.Tensor, out: torch.Tensor | None = None) -> tor
         out = torch.empty(blocks, coded_block_bytes(2 * pairs), dtype=torch.uint8)
     torch.ops.plugserve_gemm.code_exponents(packed, out)
     return out
-
-
-HUGE_PAGE_BYTES = 2 << 20
-
-
-def huge_page_buffer(num_bytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor of `num_bytes` starting on a 2 MB boundary, which Linux backs with
-    transparent huge pages where it allows them (THP "always" or "madvise").
-
-    A decode step streams every weight once. On 4 KB pages that is a TLB miss every 4 KB
-    and the hardware prefetchers restart at each page; on 2 MB pages SmolLM2's 269 MB of
-    weights read 7 % faster (3.8 vs 4.1 ms at a 75 GB/s phase of this VM)."""
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advise is None or num_bytes == 0:  # not Linux: ordinary pages
-        return torch.empty(num_bytes, dtype=torch.uint8)
-    # Private: shared anonymous memory is shmem, which THP's madvise mode leaves alone.
-    region = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
-    region.madvise(advise)  # before the first touch, which is when pages are chosen
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
-    start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    return raw[start : start + num_bytes]
 
 
 _EXPONENT_CODING: ContextVar[bool] = ContextVar("plugserve_exponent_coding", default=False)

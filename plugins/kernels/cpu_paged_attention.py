@@ -6,7 +6,7 @@ small-query overheads were a third of a decode step. The kernel reads K and V in
 block by block, one query token per row; prefill tokens are rows too (causal by their
 seq_len), which also beats SDPA's CPU kernel on short prompts.
 
-It is compiled once per machine by plugserve.worker.cpp_extension; where that fails the
+It is compiled once per machine by plugserve.ops; where that fails the
 torch backend keeps SDPA.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from plugserve.worker import cpp_extension
+from plugserve import ops
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
 
@@ -25,7 +25,7 @@ _SOURCE = Path(__file__).with_suffix(".cpp")
 def load() -> bool:
     """Make torch.classes.plugserve_cpu.PagedAttentionStep available; False (with the
     reason logged once) if it cannot be built or loaded here."""
-    return cpp_extension.load(_SOURCE)
+    return ops.load(_SOURCE)
 
 
 def paged_attention_step(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
 from plugserve.interfaces import AttentionBatch, AttentionSpec
-from plugserve.worker.cpu_linear import huge_page_buffer
+from plugserve.ops import huge_page_buffer
 from plugserve_plugins.kernels import cpu_paged_attention
 
 

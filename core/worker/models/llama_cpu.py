@@ -16,14 +16,14 @@ compute the same values (tested).
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from plugserve.worker import cpp_extension, cpu_linear
+from plugserve import ops
+from plugserve.worker import cpu_linear
 
-_DECODER_SOURCE = Path(__file__).parents[1] / "cpu_decoder.cpp"
+_DECODER_SOURCE = ops.DECODER_SOURCE
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
@@ -102,7 +102,7 @@ class FusedCpuDecoder:
         return (
             bool(layers)
             and all(isinstance(m, cpu_linear.PackedLinear) and m.own_kernel for m in linears)
-            and cpp_extension.load(_DECODER_SOURCE)
+            and ops.load(_DECODER_SOURCE)
             and hasattr(torch.ops.plugserve_decoder, "decode_layers")
         )
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from plugserve import ops
 from plugserve.worker import cpu_linear
 
 # cpu_gemm.cpp forced wherever this CPU can run it (conftest.py), else skipped saying why.
@@ -140,7 +141,7 @@ def test_an_arena_holds_coded_copies_only_inside_exponent_coding() -> None:
     first, odd, last = (cpu_linear.PackedLinear(w, arena=arena) for w in weights)
     assert odd.own_kernel and odd.coded is None  # 70 inputs: 35 k-pairs, not whole groups
     assert first.coded is not None and last.coded is not None
-    assert first.coded.data_ptr() % cpu_linear.HUGE_PAGE_BYTES == 0
+    assert first.coded.data_ptr() % ops.HUGE_PAGE_BYTES == 0
     assert last.coded.data_ptr() == first.coded.data_ptr() + first.coded.numel()
     x = torch.randn(1, 576).bfloat16()
     assert torch.equal(last(x), torch.ops.plugserve_gemm.linear_bf16(x, last.weight, 960, None))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugserve.worker import cpp_extension, cpu_linear, cpu_ops
-from plugserve.worker.models import llama_cpu
+from plugserve import ops
+from plugserve.worker import cpu_linear, cpu_ops
 
 OPS_MISSING = cpu_ops.unavailable_reason()
-DECODER_MISSING = cpp_extension.unavailable_reason(llama_cpu._DECODER_SOURCE)
+DECODER_MISSING = ops.unavailable_reason(ops.DECODER_SOURCE)
 pytestmark = [
     # cpu_gemm.cpp forced wherever this CPU can run it (conftest.py), else skipped saying why.
     pytest.mark.usefixtures("own_kernel"),

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugserve.worker import cpp_extension, cpu_linear
+from plugserve import ops
+from plugserve.worker import cpu_linear
 
 # cpu_gemm.cpp forced (conftest.py's own_kernel), skipped where this CPU cannot run it.
 on_own_kernel = pytest.mark.usefixtures("own_kernel")
@@ -333,7 +334,7 @@ def test_an_arena_holds_packed_weights_back_to_back_from_a_huge_page_boundary() 
     linears = [cpu_linear.PackedLinear(w, arena=arena) for w in weights]
 
     first, second = (linear.weight for linear in linears)
-    assert first.data_ptr() % cpu_linear.HUGE_PAGE_BYTES == 0
+    assert first.data_ptr() % ops.HUGE_PAGE_BYTES == 0
     assert second.data_ptr() == first.data_ptr() + 2 * first.numel()
     for linear, weight in zip(linears, weights, strict=True):
         assert torch.equal(linear.weight, cpu_linear.pack_k_pairs(weight))
@@ -344,9 +345,9 @@ def test_an_arena_holds_packed_weights_back_to_back_from_a_huge_page_boundary() 
 
 
 def test_huge_page_buffer_is_aligned_writable_and_eligible_for_huge_pages() -> None:
-    buffer = cpu_linear.huge_page_buffer(3 * cpu_linear.HUGE_PAGE_BYTES + 5)
-    assert buffer.numel() == 3 * cpu_linear.HUGE_PAGE_BYTES + 5
-    assert buffer.data_ptr() % cpu_linear.HUGE_PAGE_BYTES == 0
+    buffer = ops.huge_page_buffer(3 * ops.HUGE_PAGE_BYTES + 5)
+    assert buffer.numel() == 3 * ops.HUGE_PAGE_BYTES + 5
+    assert buffer.data_ptr() % ops.HUGE_PAGE_BYTES == 0
     buffer.fill_(7)
     assert int(buffer[-1]) == 7 and int(buffer.sum()) == 7 * buffer.numel()
     if thp_mode() in ("always", "madvise"):  # the kernel may then back it with 2 MB pages
@@ -378,11 +379,11 @@ def vma_field(address: int, field: str) -> str:
 
 
 def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch, add: list[str], drop: list[str]) -> None:
-    """cpp_extension.cpu_flags() as on a CPU with `add` and without `drop` (the library
+    """ops.cpu_flags() as on a CPU with `add` and without `drop` (the library
     loaded first, under this CPU's flags, so as not to build it again under the fake ones)."""
     cpu_linear.own_kernel_unavailable_reason()
-    flags = [flag for flag in cpp_extension.cpu_flags().split() if flag not in drop]
-    monkeypatch.setattr(cpp_extension, "cpu_flags", lambda: " ".join([*flags, *add]))
+    flags = [flag for flag in ops.cpu_flags().split() if flag not in drop]
+    monkeypatch.setattr(ops, "cpu_flags", lambda: " ".join([*flags, *add]))
 
 
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
@@ -436,7 +437,7 @@ def test_without_a_compiler_the_reason_says_so(
     compiler = tmp_path / "no-such-c++"
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))  # no build of it there
-    monkeypatch.setattr(cpp_extension, "_failures", {})  # nothing tried yet
+    monkeypatch.setattr(ops.build, "_failures", {})  # nothing tried yet
     assert cpu_linear._load_own_kernel.__wrapped__() == (
         f"cpu_gemm.cpp cannot be built or loaded: no C++ compiler: {compiler} not found (set $CXX)"
     )

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from plugserve import ops
 from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.model_loader import load_model, load_tokenizer
@@ -317,7 +318,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
             starts = [w.data_ptr() for w in weights]
             ends = [w.data_ptr() + 2 * w.numel() for w in weights]
             assert starts[1:] == ends[:-1]
-            assert starts[0] % cpu_linear.HUGE_PAGE_BYTES == 0
+            assert starts[0] % ops.HUGE_PAGE_BYTES == 0
         # ...and on one rank the layers call the packed weights directly.
         assert all(isinstance(f.down_proj, cpu_linear.PackedLinear) for f in fast.layer_fns)
         if kernel == "onednn":

@@ -1,6 +1,6 @@
 // bf16 <-> fp32 for plugserve's CPU kernels, written with integer ops so that loops over
 // them vectorize (c10::BFloat16's own conversions go through a NaN branch per element).
-// Kernels built by plugserve.worker.cpp_extension find this header on their include path.
+// Public (plugserve.ops): kernels built by plugserve.ops.load find it on their include path.
 #pragma once
 
 #include <c10/util/BFloat16.h>

@@ -1,0 +1,82 @@
+"""The build helper's cache key: a library is rebuilt when a header it includes changes,
+and only then. Checked on copies of the real sources, so no compiler is needed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from plugserve import ops
+from plugserve.ops import build
+
+ATTENTION_SOURCE = Path(__file__).parents[3] / "plugins" / "kernels" / "cpu_paged_attention.cpp"
+
+
+def names(headers: list[Path]) -> set[str]:
+    return {header.name for header in headers}
+
+
+def test_the_attention_plugin_includes_only_public_headers() -> None:
+    headers = build.included_headers(ATTENTION_SOURCE, ops.include_dir())
+    assert names(headers) == {"cpu_bf16.h", "layer_attention.h", "row_pool.h"}
+    assert all(header.parent == ops.include_dir().resolve() for header in headers)
+
+
+def test_headers_count_through_the_headers_that_include_them() -> None:
+    """cpu_decoder.cpp names cpu_gemm.h and cpu_ops.h; they bring row_pool.h and
+    cpu_bf16.h from the public folder."""
+    headers = build.included_headers(ops.DECODER_SOURCE, ops.include_dir())
+    assert names(headers) == {
+        "cpu_gemm.h",
+        "cpu_ops.h",
+        "layer_attention.h",
+        "row_pool.h",
+        "cpu_bf16.h",
+    }
+
+
+@pytest.fixture
+def copied_sources(tmp_path: Path) -> Path:
+    """plugserve.ops' sources and headers, and the attention plugin beside them."""
+    ops_dir = Path(ops.__file__).parent
+    shutil.copytree(ops_dir, tmp_path / "ops", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (tmp_path / "plugin").mkdir()
+    shutil.copy(ATTENTION_SOURCE, tmp_path / "plugin")
+    return tmp_path
+
+
+def append_comment(header: Path) -> None:
+    header.write_text(header.read_text() + "// edited\n")
+
+
+def test_editing_a_header_rebuilds_only_the_libraries_that_include_it(
+    copied_sources: Path,
+) -> None:
+    include = copied_sources / "ops" / "include"
+    plugin = copied_sources / "plugin" / ATTENTION_SOURCE.name
+    gemm, decoder = (copied_sources / "ops" / name for name in ("cpu_gemm.cpp", "cpu_decoder.cpp"))
+
+    def keys() -> dict[str, str]:
+        return {source.name: build.cache_key(source, include) for source in (plugin, gemm, decoder)}
+
+    before = keys()
+    append_comment(copied_sources / "ops" / "cpu_gemm.h")
+    after_gemm_header = keys()
+    assert after_gemm_header[plugin.name] == before[plugin.name]  # not included
+    assert after_gemm_header[gemm.name] != before[gemm.name]
+    assert after_gemm_header[decoder.name] != before[decoder.name]
+
+    append_comment(include / "row_pool.h")  # the plugin's, and cpu_gemm.h's
+    after_pool_header = keys()
+    assert all(after_pool_header[name] != after_gemm_header[name] for name in before)
+
+
+def test_the_old_import_paths_still_work_for_one_release() -> None:
+    from plugserve.worker import cpp_extension, cpu_linear
+
+    assert cpp_extension.load is ops.load
+    assert cpp_extension.unavailable_reason is ops.unavailable_reason
+    assert cpu_linear.huge_page_buffer is ops.huge_page_buffer
+    assert cpu_linear.HUGE_PAGE_BYTES == ops.HUGE_PAGE_BYTES
