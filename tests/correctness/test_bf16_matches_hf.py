@@ -80,7 +80,7 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
             kv_cache_memory="64MiB",
             cpu_coded_weights=coded,
         )
-        head = llm.engine.executor.runner.model._packed_head
+        head = llm.engine.executor.runner.model.model.embed_tokens.packed_head  # tied
         assert (head.coded is not None) == coded
         results.append(
             [llm.generate([{"prompt_token_ids": p}], params)[0] for p in mixed_prompts[:4]]

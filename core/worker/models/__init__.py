@@ -7,8 +7,7 @@ from plugserve import hookimpl
 
 @hookimpl
 def register_models(register):
-    from plugserve.worker.models.llama import LlamaForCausalLM
+    from plugserve.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
     register("LlamaForCausalLM", LlamaForCausalLM)
-    # Qwen2 is Llama with biases on q/k/v; the same class reads it from the config.
-    register("Qwen2ForCausalLM", LlamaForCausalLM)
+    register("Qwen2ForCausalLM", Qwen2ForCausalLM)

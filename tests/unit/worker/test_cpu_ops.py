@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from plugserve.worker import cpu_ops
-from plugserve.worker.models.llama import RotaryEmbedding, rope_inv_freq
+from plugserve.worker.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 MISSING = cpu_ops.unavailable_reason()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"cpu_ops.cpp: {MISSING}")

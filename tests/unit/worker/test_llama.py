@@ -19,11 +19,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from plugserve import ops
 from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
 from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker.layers.linear import Linear
 from plugserve.worker.model_loader import load_model, load_tokenizer
 from plugserve.worker.models.llama import (
-    Linear,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    Qwen2ForCausalLM,
 )
 from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
 from plugserve.worker.parallel import ParallelContext
@@ -100,6 +101,11 @@ def make_backend(
     return backend
 
 
+def model_class(config: Any) -> type[LlamaForCausalLM]:
+    """The class registered for the config's architecture."""
+    return Qwen2ForCausalLM if config.model_type == "qwen2" else LlamaForCausalLM
+
+
 def bf16_model(
     config: Any, num_blocks: int, parallel: ParallelContext | None = None
 ) -> tuple[LlamaForCausalLM, TorchPagedAttention]:
@@ -108,7 +114,7 @@ def bf16_model(
     torch.set_default_dtype(torch.bfloat16)
     try:
         backend = make_backend(config, num_blocks=num_blocks, dtype=torch.bfloat16)
-        model = LlamaForCausalLM(hf_config=config, attention=backend, parallel=parallel)
+        model = model_class(config)(hf_config=config, attention=backend, parallel=parallel)
     finally:
         torch.set_default_dtype(previous)
     return model, backend
@@ -243,7 +249,7 @@ TINY = dict(
 def test_tiny_random_models_match_transformers(config: Any) -> None:
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model = LlamaForCausalLM(hf_config=config, attention=make_backend(config, num_blocks=16))
+    model = model_class(config)(hf_config=config, attention=make_backend(config, num_blocks=16))
     model.load_weights(hf_model.state_dict().items())
     runner = PagedRunner(model, model.model.layers[0].self_attn.attention, num_blocks=16)
     prompts = [torch.randint(0, 128, (n,)).tolist() for n in (40, 3, 17)]
@@ -313,8 +319,9 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
         if own_kernel:  # ...lying one after the other in one buffer,
             # in the order a step reads them, the LM head (a module or tied) last...
             weights = [m.packed.weight for m in packed]
-            if fast._packed_head is not None:
-                weights.append(fast._packed_head.weight)
+            tied_head = fast.model.embed_tokens.packed_head
+            if tied_head is not None:
+                weights.append(tied_head.weight)
             starts = [w.data_ptr() for w in weights]
             ends = [w.data_ptr() + 2 * w.numel() for w in weights]
             assert starts[1:] == ends[:-1]

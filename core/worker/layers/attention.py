@@ -1,0 +1,64 @@
+"""Self-attention over the paged KV cache, around the AttentionBackend.
+
+One fused QKV projection (column-parallel by heads), q and k rotated together, the
+backend's paged attention over this rank's heads, the output projection (row-parallel
+over the same heads' columns, summed over ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plugserve.interfaces import AttentionBackend
+from plugserve.worker.layers.direct_call import direct_call
+from plugserve.worker.layers.linear import QKVParallelLinear, RowParallelLinear
+from plugserve.worker.layers.rotary import RopeStep, RotaryEmbedding
+from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+
+
+@direct_call
+class Attention(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        attention: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+        parallel: ParallelContext = NO_PARALLEL,
+    ):
+        """num_heads, num_kv_heads: the model's (all ranks'); this rank keeps its shard."""
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, parallel
+        )
+        self.shard = self.qkv_proj.heads  # this rank's heads (all without parallelism)
+        self.num_heads = self.shard.num_heads
+        self.num_kv_heads = self.shard.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.num_qk_heads = self.num_heads + self.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim,
+            hidden_size,
+            o_bias,
+            parallel,
+            input_range=(self.shard.q_start * head_dim, self.shard.q_end * head_dim),
+        )
+        self.layer_idx = layer_idx
+        self.attention = attention  # not a submodule: one backend serves every layer
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, rope: RopeStep) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # q and k rotate as one [T, heads + kv_heads, D] block of the fused output.
+        qk = rotary(qkv, rope, self.num_qk_heads)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        out = self.attention.forward(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))

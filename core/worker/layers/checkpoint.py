@@ -1,0 +1,71 @@
+"""Loading a Hugging Face checkpoint through the parameters' weight loaders."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from plugserve.worker.layers.linear import Linear
+from plugserve.worker.layers.weight_loader import (
+    WeightShapeError,
+    shard_ids_of,
+    weight_loader_of,
+)
+
+# A checkpoint module name → (the fused module holding it, its shard id there), as
+# {"q_proj": ("qkv_proj", "q"), "gate_proj": ("gate_up_proj", 0), ...}.
+PackedModulesMapping = Mapping[str, tuple[str, Any]]
+
+
+def load_checkpoint(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed_modules_mapping: PackedModulesMapping,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Copy HF-named tensors into `model`'s (partly fused) parameters, each through its
+    weight loader; skip the names `ignore` accepts. Raise on an unknown name, a wrong
+    shape, and on parameters (or shards of a fused one) the checkpoint left unset."""
+    if any(isinstance(m, Linear) and m.packed is not None for m in model.modules()):
+        raise RuntimeError(
+            "the linear weights were packed (process_weights_after_loading) and their "
+            "loaded copies freed: load weights into a fresh model"
+        )
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, Any]] = set()
+    for name, tensor in weights:
+        if ignore(name):
+            continue
+        target, shard_id = _fused_target(name, packed_modules_mapping)
+        param = params.get(target)
+        if param is None or shard_id not in (shard_ids_of(param) or (None,)):
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        try:
+            weight_loader_of(param)(param, tensor, shard_id)
+        except WeightShapeError as error:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {error.got}, expected {error.expected}"
+            ) from None
+        loaded.add((target, shard_id))
+    expected = {
+        (name, shard_id)
+        for name, param in params.items()
+        for shard_id in (shard_ids_of(param) or (None,))
+    }
+    missing = sorted(
+        name if shard_id is None else f"{name}[{shard_id}]" for name, shard_id in expected - loaded
+    )
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _fused_target(name: str, packed_modules_mapping: PackedModulesMapping) -> tuple[str, Any]:
+    """HF parameter name → (our parameter name, its shard id there, or None)."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in packed_modules_mapping:
+        return name, None
+    fused, shard_id = packed_modules_mapping[parts[-2]]
+    return ".".join([*parts[:-2], fused, parts[-1]]), shard_id

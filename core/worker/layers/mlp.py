@@ -1,0 +1,64 @@
+"""The gated MLP: down(act(gate(x)) * up(x)), gate and up in one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugserve.worker import cpu_linear
+from plugserve.worker.layers.direct_call import direct_call
+from plugserve.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+@direct_call
+class GatedMLP(nn.Module):
+    """gate_up_proj column-parallel (this rank's slice of the intermediate dimension, for
+    gate and up alike), down_proj row-parallel over the same slice."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        hidden_act: str = "silu",
+        parallel: ParallelContext = NO_PARALLEL,
+    ):
+        super().__init__()
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_act {hidden_act!r} "
+                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+            )
+        self.inter_start, self.inter_end = parallel.shard(intermediate_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias, parallel
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel)
+        self.inter = self.inter_end - self.inter_start
+        self.fused: cpu_linear.FusedMLP | None = None
+
+    def pack(self, arena: cpu_linear.WeightArena | None = None) -> None:
+        """With oneDNN, also pack gate and up apart for the post-op path (cpu_linear).
+        (`arena` is for the own kernel's layout, which never runs this path.) Reads the
+        loaded weights: runs before gate_up_proj and down_proj are packed."""
+        if (
+            not cpu_linear.uses_own_kernel()
+            and self.down_proj.parallel.world_size == 1
+            and self.gate_up_proj.bias is None
+        ):
+            self.fused = cpu_linear.FusedMLP(
+                self.gate_up_proj.weight[: self.inter],
+                self.gate_up_proj.weight[self.inter :],
+                self.down_proj.weight,
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
+        if self.fused is not None and x.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
+            return self.fused(x)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

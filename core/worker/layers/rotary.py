@@ -1,0 +1,105 @@
+"""Rotary position embeddings (neox/HF rotate-half) and the RoPE scaling variants."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from plugserve.worker.layers.direct_call import direct_call
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict with "rope_type") from a transformers 4 config
+    (rope_theta + rope_scaling) or a transformers 5 one (rope_parameters)."""
+    params = dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
+    return float(theta), params
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies for the "default", "linear" and "llama3" RoPE types, computed
+    exactly as transformers does so logits match it bit for bit in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+@dataclass
+class RopeStep:
+    """One step's rotary inputs, gathered once for all layers."""
+
+    positions: torch.Tensor  # int64 [T]
+    # [T, 1, D] each in the model's dtype, for the ATen path; None with the fused op.
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+@direct_call
+class RotaryEmbedding(nn.Module):
+    """Neox/HF (rotate-half) RoPE with cos/sin precomputed for every position.
+
+    ATen path: rotate_half(x) * sin equals roll(x, D/2) * sin with the first half of sin
+    negated, exactly (only signs move), which saves the split, negation and concatenation;
+    q and k rotate together. After `use_fused_op` (bf16 on CPU) the layers rotate through
+    cpu_ops in FusedCpuDecoderLayer, with `cos_sin`; `prepare` then gathers nothing.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # fp32 whatever the model dtype: cast per step, as HF does, to keep precision.
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        sin = emb.sin().float()
+        sin[:, : head_dim // 2] *= -1
+        self.register_buffer("sin", sin, persistent=False)
+        self.head_dim = head_dim
+        self.half = head_dim // 2
+        self.cos_sin: torch.Tensor | None = None  # the fused op's table, once switched on
+
+    def use_fused_op(self) -> None:
+        """Build cpu_ops' table: each position's D/2 cosines, then its D/2 unsigned sines
+        (the second half of `sin`)."""
+        self.cos_sin = torch.cat((self.cos[:, : self.half], self.sin[:, self.half :]), dim=-1)
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        if self.cos_sin is not None:
+            return RopeStep(positions)
+        return RopeStep(
+            positions,
+            self.cos[positions].to(dtype)[:, None, :],
+            self.sin[positions].to(dtype)[:, None, :],
+        )
+
+    def forward(self, qkv: torch.Tensor, step: RopeStep, num_heads: int) -> torch.Tensor:
+        """The first num_heads heads of each row of qkv [T, >= heads * D], rotated by each
+        token's position → [T, num_heads, D]."""
+        assert step.cos is not None and step.sin is not None, "prepared for the fused op"
+        x = qkv[:, : num_heads * self.head_dim].view(-1, num_heads, self.head_dim)
+        return x * step.cos + torch.roll(x, self.half, dims=-1) * step.sin
