@@ -1,53 +1,13 @@
-"""What the scheduler tells the executor each step (phase 5 → 7).
-
-Requests new to the model runner's persistent batch carry everything; requests already
-in it carry only what changed. msgspec Structs, so a multi-process executor can ship
-them to its workers as they are.
-"""
+"""Kept importable for one release: SchedulerOutput and its parts now live in
+plugserve.datatypes.scheduler_output, so that executors and the Protocols need not
+import the engine. Import them from plugserve.datatypes."""
 
 from __future__ import annotations
 
-import msgspec
+from plugserve.datatypes.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
 
-from plugserve.sampling_params import SamplingParams
-
-
-class NewRequestData(msgspec.Struct, kw_only=True):
-    """A request entering the persistent batch: first scheduled, or resumed after preemption."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # non-empty only for a request resumed after preemption
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-class CachedRequestData(msgspec.Struct, kw_only=True):
-    """Requests already in the persistent batch: only their new blocks and progress."""
-
-    req_ids: list[str] = msgspec.field(default_factory=list)
-    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
-    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
-
-
-class SchedulerOutput(msgspec.Struct, kw_only=True):
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: CachedRequestData
-    # req_id -> tokens computed this step; the sum is the step's share of the token budget.
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    # Requests to drop from the persistent batch since the last step: finished or
-    # aborted ones, and preempted ones (which come back later as new requests).
-    finished_req_ids: set[str]
-    preempted_req_ids: set[str] = msgspec.field(default_factory=set)
-
-    @classmethod
-    def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
-        return cls(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=CachedRequestData(),
-            num_scheduled_tokens={},
-            total_num_scheduled_tokens=0,
-            finished_req_ids=finished_req_ids or set(),
-        )
+__all__ = ["CachedRequestData", "NewRequestData", "SchedulerOutput"]

@@ -1,0 +1,35 @@
+"""The data that crosses a boundary between parts: a leaf of the import graph.
+
+- `Request`, `RequestStatus`: a request as the scheduler, its policy and the KV
+  allocator see it (datatypes/request.py).
+- `SchedulerOutput` with `NewRequestData` and `CachedRequestData`: what the scheduler
+  hands the executor each step (datatypes/scheduler_output.py).
+- `ModelRunnerOutput`, `Logprobs`: what the executor hands back; `Logprobs` also
+  travels on to the API server inside EngineCoreOutput (datatypes/runner_output.py).
+
+The Protocols in plugserve.interfaces, the plugins, the wire messages, the engine, the
+frontend and the worker import these from here. This package imports only the standard
+library, msgspec and plugserve.sampling_params, so a third-party plugin can be typed
+without reaching into the engine or the worker (tests/unit/test_import_rules.py keeps it
+so).
+"""
+
+from __future__ import annotations
+
+from plugserve.datatypes.request import Request, RequestStatus
+from plugserve.datatypes.runner_output import Logprobs, ModelRunnerOutput
+from plugserve.datatypes.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+__all__ = [
+    "CachedRequestData",
+    "Logprobs",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "Request",
+    "RequestStatus",
+    "SchedulerOutput",
+]

@@ -1,0 +1,24 @@
+"""What the executor hands back after sampling (phase 8 → 9)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Per sampled token: the sampled token's logprob and rank, then the top-N alternatives."""
+
+    sampled_logprob: float
+    sampled_rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    # One entry per request that sampled this step; a request still in chunked prefill
+    # samples nothing and is absent.
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[Logprobs]] = msgspec.field(default_factory=dict)
+    # Requests whose step failed alone (bad input reaching the worker, for example);
+    # they finish with an error while the rest of the batch goes on.
+    errors: dict[str, str] = msgspec.field(default_factory=dict)
