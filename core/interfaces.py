@@ -23,10 +23,8 @@ if TYPE_CHECKING:
     import torch
 
     from plugserve.config import StackConfig
-    from plugserve.engine.request import Request
-    from plugserve.engine.scheduler_output import SchedulerOutput
+    from plugserve.datatypes import ModelRunnerOutput, Request, SchedulerOutput
     from plugserve.sampling_params import SamplingParams
-    from plugserve.worker.model_runner_output import ModelRunnerOutput
 
 
 # --------------------------------------------------------------------------- frontend

@@ -10,8 +10,8 @@ import time
 import msgspec
 import msgspec.msgpack
 
+from plugserve.datatypes import Logprobs
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.model_runner_output import Logprobs
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

@@ -13,7 +13,7 @@ import time
 import msgspec
 
 from plugserve.config import StackConfig
-from plugserve.engine.request import Request, RequestStatus
+from plugserve.datatypes import Request, RequestStatus
 from plugserve.engine.scheduler import Scheduler
 from plugserve.interfaces import Executor, KVCacheInfo
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from plugserve.engine.request import Request, RequestStatus
-from plugserve.engine.scheduler_output import (
+from plugserve.datatypes import (
     CachedRequestData,
+    ModelRunnerOutput,
     NewRequestData,
+    Request,
+    RequestStatus,
     SchedulerOutput,
 )
 from plugserve.interfaces import KVAllocator, SchedulingPolicy
 from plugserve.messages import EngineCoreOutput, SchedulerStats
-from plugserve.worker.model_runner_output import ModelRunnerOutput
 
 
 class Scheduler:

@@ -15,11 +15,11 @@ from typing import Any
 
 import msgspec
 
+from plugserve.datatypes import Logprobs
 from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from plugserve.interfaces import Renderer
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.model_runner_output import Logprobs
 
 
 class InvalidRequest(ValueError):

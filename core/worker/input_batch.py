@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from plugserve.engine.scheduler_output import NewRequestData
+from plugserve.datatypes import NewRequestData
 from plugserve.sampling_params import SamplingParams
 
 

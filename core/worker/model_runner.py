@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from plugserve.config import StackConfig
-from plugserve.engine.scheduler_output import SchedulerOutput
+from plugserve.datatypes import Logprobs, ModelRunnerOutput, SchedulerOutput
 from plugserve.interfaces import AttentionSpec, KVCacheInfo
 from plugserve.plugins import get_registry
 from plugserve.worker import cpu_linear
@@ -35,7 +35,6 @@ from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
 from plugserve.worker.model_loader import load_model, resolve_model_path
-from plugserve.worker.model_runner_output import Logprobs, ModelRunnerOutput
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 from plugserve.worker.sampler import (
     LogprobsTensors,

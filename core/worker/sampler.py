@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from plugserve.datatypes import Logprobs
 from plugserve.sampling_params import _GREEDY_EPS, SamplingParams
 from plugserve.worker import cpu_ops
-from plugserve.worker.model_runner_output import Logprobs
 
 __all__ = [
     "LogprobsTensors",

@@ -39,10 +39,9 @@ from pydantic import BaseModel, Field
 
 from plugserve import hookimpl
 from plugserve.config import StackConfig, load_config
-from plugserve.engine.scheduler_output import SchedulerOutput
+from plugserve.datatypes import ModelRunnerOutput, SchedulerOutput
 from plugserve.interfaces import KVCacheInfo
 from plugserve.logging_utils import configure_process_logging
-from plugserve.worker.model_runner_output import ModelRunnerOutput
 from plugserve_plugins.executors.mp_worker import (
     ERROR,
     EXECUTE,

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from plugserve.config import StackConfig
-from plugserve.engine.scheduler_output import SchedulerOutput
+from plugserve.datatypes import SchedulerOutput
 from plugserve.logging_utils import configure_process_logging
 
 logger = logging.getLogger(__name__)

@@ -10,10 +10,9 @@ from typing import Any
 
 from plugserve import hookimpl
 from plugserve.config import StackConfig
-from plugserve.engine.scheduler_output import SchedulerOutput
+from plugserve.datatypes import ModelRunnerOutput, SchedulerOutput
 from plugserve.interfaces import KVCacheInfo
 from plugserve.worker.model_runner import ModelRunner
-from plugserve.worker.model_runner_output import ModelRunnerOutput
 
 
 class UniProcExecutor:

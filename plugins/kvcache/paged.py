@@ -28,7 +28,7 @@ from plugserve import hookimpl
 from plugserve.interfaces import KVCacheStats
 
 if TYPE_CHECKING:
-    from plugserve.engine.request import Request
+    from plugserve.datatypes import Request
     from plugserve.hookspecs import Register
 
 BlockHash = bytes

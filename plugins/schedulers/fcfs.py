@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 from plugserve import hookimpl
-from plugserve.engine.request import Request
+from plugserve.datatypes import Request
 
 
 class FCFSPolicy:

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 from plugserve import hookimpl
-from plugserve.engine.request import Request
+from plugserve.datatypes import Request
 
 
 def _rank(request: Request) -> tuple[int, float]:
