@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plugserve.config import StackConfig
+from plugserve.datatypes import Logprobs
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.interfaces import ClientChannel, Detokenizer
 from plugserve.messages import (
@@ -42,7 +43,6 @@ from plugserve.messages import (
 from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.model_runner_output import Logprobs
 
 logger = logging.getLogger(__name__)
 
