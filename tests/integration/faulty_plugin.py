@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from plugserve import hookimpl
-from plugserve.engine.request import Request
+from plugserve.datatypes import Request
 from plugserve_plugins.schedulers.fcfs import FCFSPolicy
 
 UNLUCKY_PRIORITY = 13

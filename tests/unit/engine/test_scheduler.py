@@ -11,11 +11,10 @@ import zlib
 
 import pytest
 
-from plugserve.engine.request import Request, RequestStatus
+from plugserve.datatypes import ModelRunnerOutput, Request, RequestStatus
 from plugserve.engine.scheduler import Scheduler
 from plugserve.plugins import get_registry
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.model_runner_output import ModelRunnerOutput
 
 EOS = 2
 TOKEN = 7  # what the stand-in runner samples

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from plugserve.engine.request import Request
+from plugserve.datatypes import Request
 from plugserve.interfaces import KVAllocator
 from plugserve.sampling_params import SamplingParams
 from plugserve_plugins.kvcache import paged

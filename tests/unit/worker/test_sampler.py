@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from plugserve.datatypes import Logprobs
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.model_runner_output import Logprobs
 from plugserve.worker.sampler import (
     Sampler,
     SamplingMetadata,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from plugserve.engine.scheduler_output import NewRequestData
+from plugserve.datatypes import NewRequestData
 from plugserve.sampling_params import SamplingParams
 from plugserve.worker.input_batch import InputBatch
 from plugserve.worker.step_inputs import StepInputBuilder
