@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from plugserve import LLM, SamplingParams
-from plugserve.worker.model_loader import resolve_model_path
+from plugserve.model_files import resolve_model_path
 
 MODEL = "smollm2-135m-instruct"
 SEED = 0

@@ -30,8 +30,8 @@ from plugserve.bench.dataset import sample_random_prompts
 from plugserve.config import load_config
 from plugserve.engine.core import EngineCore, StepStats
 from plugserve.messages import EngineCoreRequest
+from plugserve.model_files import resolve_model_path
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.model_loader import resolve_model_path
 
 
 def parse_overrides(text: str) -> dict[str, object]:

@@ -16,10 +16,10 @@ from plugserve.config import StackConfig, load_config
 from plugserve.engine.core import EngineCore
 from plugserve.interfaces import Detokenizer, Renderer
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest
+from plugserve.model_files import resolve_model_path
 from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.model_loader import resolve_model_path
 
 
 @dataclass(frozen=True)

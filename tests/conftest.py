@@ -19,7 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 def smollm2_path() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted from its GGUF
     into the plugserve cache on first use, ~10 s; reused afterwards)."""
-    from plugserve.worker.model_loader import resolve_model_path
+    from plugserve.model_files import resolve_model_path
 
     return resolve_model_path("smollm2-135m-instruct")
 
@@ -27,7 +27,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The GGUF file the embedded model ships as."""
-    from plugserve.worker.model_loader import BUILTIN_MODELS, _builtin_gguf
+    from plugserve.model_files import BUILTIN_MODELS, _builtin_gguf
 
     return _builtin_gguf("smollm2-135m-instruct", *BUILTIN_MODELS["smollm2-135m-instruct"])
 

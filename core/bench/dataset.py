@@ -21,7 +21,7 @@ def get_tokenizer(name: str | None) -> Any:
 
     path: str | Path = name or EMBEDDED_MODEL
     if not Path(path).expanduser().is_dir():
-        from plugserve.worker.model_loader import BUILTIN_MODELS, resolve_model_path
+        from plugserve.model_files import BUILTIN_MODELS, resolve_model_path
 
         if str(path).lower() in BUILTIN_MODELS:
             path = resolve_model_path(str(path))

@@ -27,7 +27,7 @@ def weight_bytes_per_step(model: str, dtype_bytes: int = 2) -> int:
     of which it reads a few rows (unless the LM head shares it)."""
     from transformers import AutoConfig
 
-    from plugserve.worker.model_loader import resolve_model_path
+    from plugserve.model_files import resolve_model_path
     from plugserve.worker.random_model import LlamaShape, num_parameters
 
     c = AutoConfig.from_pretrained(resolve_model_path(model))

@@ -28,8 +28,8 @@ from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from plugserve.frontend.engines import EngineSupervision, SpawnedEngines, transport_addresses
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.logging_utils import configure_process_logging
+from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
-from plugserve.worker.model_loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
 

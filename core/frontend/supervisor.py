@@ -44,7 +44,7 @@ from plugserve.frontend.engines import (
     transport_addresses,
 )
 from plugserve.frontend.launcher import ApiServerSetup, http_url, name_process, run_api_server_loop
-from plugserve.worker.model_loader import resolve_model_path
+from plugserve.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from plugserve.worker.model_loader import write_sharded_safetensors
+from plugserve.model_files import write_sharded_safetensors
 
 # The embedded model's tokenizer: the vocabulary every shape here uses.
 TOKENIZER_MODEL = "smollm2-135m-instruct"
@@ -118,7 +118,7 @@ def num_parameters(shape: LlamaShape) -> int:
 def _tokenizer_source(tokenizer_from: str | Path | None) -> Path:
     if tokenizer_from is not None:
         return Path(tokenizer_from)
-    from plugserve.worker.model_loader import resolve_model_path
+    from plugserve.model_files import resolve_model_path
 
     return resolve_model_path(TOKENIZER_MODEL)
 

@@ -18,9 +18,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from plugserve import ops
 from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
+from plugserve.model_files import load_tokenizer
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.layers.linear import Linear
-from plugserve.worker.model_loader import load_model, load_tokenizer
+from plugserve.worker.model_loader import load_model
 from plugserve.worker.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,

@@ -10,17 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from plugserve.worker import model_loader
-from plugserve.worker.model_loader import (
-    BUILTIN_MODELS,
-    iter_weights,
-    load_tokenizer,
-    resolve_model_path,
-)
+from plugserve import model_files
+from plugserve.model_files import BUILTIN_MODELS, load_tokenizer, resolve_model_path
+from plugserve.worker.model_loader import iter_weights
 
 
 def _builtin_gguf() -> Path:
-    return model_loader._builtin_gguf(
+    return model_files._builtin_gguf(
         "smollm2-135m-instruct", *BUILTIN_MODELS["smollm2-135m-instruct"]
     )
 
@@ -47,7 +43,7 @@ def test_builtin_name_resolves_to_a_hf_folder(smollm2_path: Path) -> None:
     generation = json.loads((smollm2_path / "generation_config.json").read_text())
     assert generation["eos_token_id"] == config["eos_token_id"] == 2
     # The folder is named after the GGUF's content hash.
-    assert smollm2_path.name == model_loader.file_sha256(_builtin_gguf())[:16]
+    assert smollm2_path.name == model_files.file_sha256(_builtin_gguf())[:16]
 
 
 def test_second_resolve_reuses_the_cache(
@@ -58,7 +54,7 @@ def test_second_resolve_reuses_the_cache(
     def no_conversion(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cached folder should have been reused")
 
-    monkeypatch.setattr(model_loader, "convert_gguf", no_conversion)
+    monkeypatch.setattr(model_files, "convert_gguf", no_conversion)
     assert resolve_model_path("smollm2-135m-instruct") == smollm2_path
     assert resolve_model_path(str(_builtin_gguf())) == smollm2_path  # same file, by path
     after = smollm2_path.stat()
