@@ -28,13 +28,18 @@ import torch
 
 from plugserve.config import StackConfig
 from plugserve.datatypes import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+# resolve_device and resolve_dtype moved to plugserve.device (the engine process asks
+# without importing the runner); still importable from here for one release.
+from plugserve.device import resolve_device, resolve_dtype
 from plugserve.interfaces import AttentionSpec, KVCacheInfo
+from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
 from plugserve.worker import cpu_linear
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
-from plugserve.worker.model_loader import load_model, resolve_model_path
+from plugserve.worker.model_loader import load_model
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 from plugserve.worker.sampler import (
     LogprobsTensors,
@@ -45,22 +50,6 @@ from plugserve.worker.sampler import (
 from plugserve.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("engine.device is 'cuda' but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 @dataclass

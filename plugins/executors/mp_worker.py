@@ -115,7 +115,8 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
 def _run(spec: WorkerSpec, conn: Connection | None) -> None:
     import torch
 
-    from plugserve.worker.model_runner import ModelRunner, resolve_device
+    from plugserve.device import resolve_device
+    from plugserve.worker.model_runner import ModelRunner
     from plugserve.worker.parallel import init_parallel
 
     config = StackConfig.model_validate_json(spec.config_json)
