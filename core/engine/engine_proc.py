@@ -33,7 +33,12 @@ from typing import Any
 
 from plugserve import __version__
 from plugserve.config import StackConfig
+from plugserve.device import resolve_device
 from plugserve.engine.core import EngineCore
+
+# engine_process_name moved to plugserve.engine.entrypoint, which the API server imports
+# without this module's imports; still importable from here for one release.
+from plugserve.engine.entrypoint import engine_process_name
 from plugserve.interfaces import EngineChannel
 from plugserve.logging_utils import configure_process_logging
 from plugserve.messages import (
@@ -55,7 +60,6 @@ from plugserve.messages import (
     request_decoder,
 )
 from plugserve.plugins import get_registry
-from plugserve.worker.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +70,9 @@ _BROADCAST = -1  # an output item for every client (DEAD)
 _Input = tuple[bytes, Any, int]
 
 
-def engine_process_name(engine_index: int, data_parallel_size: int) -> str:
-    return "EngineCore" if data_parallel_size == 1 else f"EngineCore_DP{engine_index}"
-
-
 def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: int = 0) -> None:
-    """Entry point of a spawned engine-core process (one per data-parallel rank)."""
+    """What a spawned engine-core process runs (one per data-parallel rank), called by
+    its spawn target, plugserve.engine.entrypoint.run_engine_core."""
     config = StackConfig.model_validate_json(config_json)
     dp_size = config.engine.data_parallel_size
     name = engine_process_name(engine_index, dp_size)

@@ -20,7 +20,11 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from plugserve.config import StackConfig
-from plugserve.engine.engine_proc import engine_process_name, run_engine_core
+
+# The spawn target's light module: engine_proc (the engine, the model runner, torch) is
+# imported by the engine process itself, never by an API server.
+from plugserve.engine.entrypoint import engine_process_name, run_engine_core
+from plugserve.ops.process_env import engine_environment
 from plugserve.plugins import get_registry
 
 ENGINE_STOP_TIMEOUT_S = 5.0  # per step: asked (SHUTDOWN or SIGTERM), terminated, killed
@@ -37,18 +41,12 @@ def transport_addresses(config: StackConfig) -> dict[str, str]:
     return transport.addresses(config.engine.data_parallel_size, config.server.api_server_count)
 
 
-# After each parallel region GNU OpenMP's threads spin 300000 turns (~6 ms here) before
-# they sleep: at a batch-1 decode step that kept a second core busy through the step's
-# Python, where the one-row matmuls' helper thread (row_pool.h) and the API server could
-# have run. 2000 turns still cover the gaps between the regions of a batched step.
-ENGINE_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
-
-
 @contextlib.contextmanager
 def _engine_environment() -> Iterator[None]:
-    """ENGINE_ENVIRONMENT for the processes started inside (spawned children read the
-    environment as it is at their start), except what the user has set."""
-    added = {k: v for k, v in ENGINE_ENVIRONMENT.items() if k not in os.environ}
+    """The environment the compiled ops want an engine process to start with, for the
+    processes started inside (spawned children read the environment as it is at their
+    start), except what the user has set."""
+    added = {k: v for k, v in engine_environment().items() if k not in os.environ}
     os.environ.update(added)
     try:
         yield

@@ -31,6 +31,10 @@ transitively, so editing a header rebuilds only the libraries that include it. T
 headers here (cpu_gemm.h, cpu_ops.h) belong to core's libraries below and may change in
 any release.
 
+`plugserve.ops.process_env` says what environment an engine process starts with for
+these kernels (GOMP_SPINCOUNT); whoever spawns engines asks it, and this package imports
+torch only once one of the names above is used.
+
 Core's own libraries, whose Python wrappers live in the worker (cpu_linear, cpu_ops):
 cpu_gemm.cpp (packed bf16 matmuls and the row pool), cpu_ops.cpp (fused norm, RoPE,
 SiLU * up, argmax) and cpu_decoder.cpp (a stretch of the layer stack as one op).
@@ -38,10 +42,25 @@ SiLU * up, argmax) and cpu_decoder.cpp (a stretch of the layer stack as one op).
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from plugserve.ops.build import cpu_flags, include_dir, load, unavailable_reason
-from plugserve.ops.memory import HUGE_PAGE_BYTES, huge_page_buffer
+if TYPE_CHECKING:
+    from plugserve.ops.build import cpu_flags, include_dir, load, unavailable_reason
+    from plugserve.ops.memory import HUGE_PAGE_BYTES, huge_page_buffer
+
+# build and memory import torch, which the process that spawns engines does not need for
+# the one thing it takes from here (process_env): their names load on first use.
+_LAZY_NAMES = {
+    "cpu_flags": "build",
+    "include_dir": "build",
+    "load": "build",
+    "unavailable_reason": "build",
+    "HUGE_PAGE_BYTES": "memory",
+    "huge_page_buffer": "memory",
+}
+_SUBMODULES = ("build", "memory", "process_env")
 
 _HERE = Path(__file__).parent
 GEMM_SOURCE = _HERE / "cpu_gemm.cpp"
@@ -59,3 +78,13 @@ __all__ = [
     "load",
     "unavailable_reason",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -129,7 +129,7 @@ _BRIEF_SPIN_COUNT = 20000
 def openmp_spins_briefly() -> bool:
     """Whether this process started with OpenMP's threads spinning only briefly after a
     parallel region (GOMP_SPINCOUNT, read when OpenMP loads): engine processes do
-    (frontend/engines.py). Only then do one-row matmuls share their blocks with the
+    (plugserve.ops.process_env). Only then do one-row matmuls share their blocks with the
     helper thread of row_pool.h: a spinning OpenMP thread would starve it."""
     try:
         return int(os.environ.get("GOMP_SPINCOUNT", "")) <= _BRIEF_SPIN_COUNT
