@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
+from plugserve.interfaces import reports_unavailability
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 
 # The slots stack.yaml selects; models are picked by the checkpoint's architecture.
@@ -143,8 +144,7 @@ class StackConfig(_Section):
             cls = registry.get(slot, name)
             # A component that cannot run on this machine (no CUDA, a missing package)
             # says why, so the error comes now rather than from a dying engine.
-            check = getattr(cls, "unavailable_reason", None)
-            reason = check() if callable(check) else None
+            reason = cls.unavailable_reason() if reports_unavailability(cls) else None
             if reason:
                 raise PluginError(f"{slot} {name!r} cannot run here: {reason}")
             options = self.plugin_options(name)

@@ -8,8 +8,8 @@ to the nearest captured batch size; every other step runs eagerly.
 What a graph captures is fixed: tensor addresses and launch shapes. So the model reads
 its token ids and positions from static buffers owned here, and the attention backend
 must write each step's metadata into static buffers of its own. A backend opts in with
-two methods (FlashInferAttention has them; the torch backend does not, as its kernels'
-shapes follow each step's longest context):
+two methods, interfaces.SupportsCudaGraphs (FlashInferAttention has them; the torch
+backend does not, as its kernels' shapes follow each step's longest context):
 
 - `init_cuda_graphs(sizes, max_blocks_per_req)`: allocate those buffers, once, after
   `allocate_kv_cache`;
@@ -29,15 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from plugserve.interfaces import AttentionBatch
+from plugserve.interfaces import AttentionBatch, supports_cuda_graphs
 
 logger = logging.getLogger(__name__)
-
-
-def supports_cuda_graphs(attention: Any) -> bool:
-    return callable(getattr(attention, "init_cuda_graphs", None)) and callable(
-        getattr(attention, "prepare_graph", None)
-    )
 
 
 def cuda_graphs_enabled(

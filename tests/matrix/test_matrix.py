@@ -6,9 +6,10 @@ Hugging Face bf16 by tests/correctness/agreement.py's criterion.
 
 The cells come from the plugin registry: a newly installed plugin joins with no edit
 here. A component that cannot run on this machine says why through an optional
-`unavailable_reason()` classmethod, and its cells are skipped with that reason. An
-attention backend that computes only in some dtypes lists them in an optional `dtypes`
-class attribute (torch dtype names); the others get float32 and bfloat16 cells.
+`unavailable_reason()` classmethod (interfaces.ReportsUnavailability), and its cells are
+skipped with that reason. An attention backend that computes only in some dtypes lists
+them in an optional `dtypes` class attribute (interfaces.HasDtypes, torch dtype names);
+the others get float32 and bfloat16 cells.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from correctness.agreement import Reference, assert_agrees, assert_clear_first_tokens
 from integration.conftest import running_server
 
+from plugserve.interfaces import has_dtypes, has_tensor_parallel_limit, reports_unavailability
 from plugserve.plugins import get_registry
 
 SLOTS = ("scheduler", "transport", "executor", "attention")
@@ -72,7 +74,9 @@ def matrix_cells() -> list:
         chosen = dict(zip(SLOTS, names, strict=True))
         executor_cls = impls["executor"][chosen["executor"]].cls
         # An executor that spans processes is exercised with two ranks.
-        tp = min(2, getattr(executor_cls, "max_tensor_parallel_size", None) or 2)
+        tp = 2
+        if has_tensor_parallel_limit(executor_cls):
+            tp = min(tp, executor_cls.max_tensor_parallel_size or tp)
         reasons = [
             reason
             for slot in SLOTS
@@ -81,15 +85,15 @@ def matrix_cells() -> list:
         marks = [pytest.mark.skip(reason="; ".join(reasons))] if reasons else []
         attention_cls = impls["attention"][chosen["attention"]].cls
         # A backend's own dtypes, of those the matrix has references for.
-        for dtype in [d for d in DTYPES if d in getattr(attention_cls, "dtypes", DTYPES)]:
+        own_dtypes = attention_cls.dtypes if has_dtypes(attention_cls) else DTYPES
+        for dtype in [d for d in DTYPES if d in own_dtypes]:
             cell = Cell(tensor_parallel_size=tp, dtype=dtype, **chosen)
             params.append(pytest.param(cell, id=cell.id, marks=marks))
     return params
 
 
 def _unavailable(cls: type) -> str | None:
-    check = getattr(cls, "unavailable_reason", None)
-    return check() if callable(check) else None
+    return cls.unavailable_reason() if reports_unavailability(cls) else None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from plugserve import ops
+from plugserve.interfaces import supports_fused_cpu_layer
 from plugserve.worker import cpu_linear
 
 _DECODER_SOURCE = ops.DECODER_SOURCE
@@ -136,6 +137,8 @@ class FusedCpuDecoder:
                 None if qkv is None else qkv.coded,
             )
         self.attention = first.attention
+        # Asked once: a Protocol check costs microseconds, too many for every step.
+        self.offers_layer_call = supports_fused_cpu_layer(self.attention)
 
     def __call__(self, x: torch.Tensor, rope: Any) -> torch.Tensor:
         ops = torch.ops.plugserve_ops
@@ -147,8 +150,7 @@ class FusedCpuDecoder:
         ops.rotary_embedding(qkv, positions, first.cos_sin, first.num_qk_heads, first.head_dim)
         # Where the backend offers its kernel as a C++ call (for this step: it may offer it
         # only for some), decode_layers runs every layer in one op.
-        layer_call = getattr(self.attention, "cpu_layer_call", None)
-        call = None if layer_call is None else layer_call()
+        call = self.attention.cpu_layer_call() if self.offers_layer_call else None
         if call is not None:
             return decoder_ops.decode_layers(self.stack, qkv, residual, positions, *call)
         for index, layer in enumerate(self.layers):
