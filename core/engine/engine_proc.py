@@ -39,7 +39,7 @@ from plugserve.engine.core import EngineCore
 # engine_process_name moved to plugserve.engine.entrypoint, which the API server imports
 # without this module's imports; still importable from here for one release.
 from plugserve.engine.entrypoint import engine_process_name
-from plugserve.interfaces import EngineChannel
+from plugserve.interfaces import EngineChannel, supports_weight_read_probe
 from plugserve.logging_utils import configure_process_logging
 from plugserve.messages import (
     EngineCoreOutput,
@@ -262,13 +262,15 @@ class EngineCoreProc:
     def _read_weights(self, probe: ReadWeights) -> WeightRead:
         # Between two steps, so running requests wait for it: a benchmark asks while idle.
         answer = WeightRead(nonce=probe.nonce, engine_index=self.engine_index)
-        measure = getattr(self.engine.executor, "measure_weight_read", None)
-        if measure is None:
-            executor = self.engine.config.stack.executor
-            answer.error = f"executor '{executor}' cannot measure how fast its weights read"
+        executor = self.engine.executor
+        if not supports_weight_read_probe(executor):
+            name = self.engine.config.stack.executor
+            answer.error = f"executor '{name}' cannot measure how fast its weights read"
             return answer
         try:
-            answer.weight_bytes, answer.bytes_per_second = measure(probe.seconds)
+            answer.weight_bytes, answer.bytes_per_second = executor.measure_weight_read(
+                probe.seconds
+            )
         except ValueError as exc:
             answer.error = str(exc)
         return answer

@@ -32,7 +32,7 @@ from plugserve.datatypes import Logprobs, ModelRunnerOutput, SchedulerOutput
 # resolve_device and resolve_dtype moved to plugserve.device (the engine process asks
 # without importing the runner); still importable from here for one release.
 from plugserve.device import resolve_device, resolve_dtype
-from plugserve.interfaces import AttentionSpec, KVCacheInfo
+from plugserve.interfaces import AttentionSpec, KVCacheInfo, supports_weight_buffer
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
 from plugserve.worker import cpu_linear
@@ -202,8 +202,7 @@ class ModelRunner:
     def measure_weight_read(self, seconds: float) -> tuple[int, float]:
         """(weight bytes, bytes/s): how fast this process reads the buffer of weights its
         batch-1 steps read, now. ValueError where the model keeps no such buffer."""
-        weight_buffer = getattr(self.model, "weight_buffer", None)
-        data = None if weight_buffer is None else weight_buffer()
+        data = self.model.weight_buffer() if supports_weight_buffer(self.model) else None
         if data is None:
             raise ValueError(
                 "the model keeps no single weight buffer to read (only bfloat16 on a CPU "
