@@ -19,8 +19,6 @@ import torch
 
 from plugserve.interfaces import supports_weight_post_processing
 
-from plugserve.interfaces import supports_weight_post_processing
-
 # Moved to plugserve.model_files (the API server resolves models without importing the
 # worker) and plugserve.user_cache; still importable from here for one release.
 from plugserve.model_files import (  # noqa: F401
