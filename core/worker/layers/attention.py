@@ -19,6 +19,9 @@ from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 
 @direct_call
 class Attention(nn.Module):
+    """x [T, hidden] → [T, hidden]. Under tensor parallelism each rank attends over its
+    own heads, and o_proj's all-reduce sums the ranks' parts."""
+
     def __init__(
         self,
         *,
