@@ -12,7 +12,6 @@ from plugserve import hookimpl
 from plugserve.config import StackConfig
 from plugserve.datatypes import ModelRunnerOutput, SchedulerOutput
 from plugserve.interfaces import KVCacheInfo
-from plugserve.worker.model_runner import ModelRunner
 
 
 class UniProcExecutor:
@@ -24,6 +23,11 @@ class UniProcExecutor:
                 f"executor 'uni' runs one rank; tensor_parallel_size="
                 f"{config.engine.tensor_parallel_size} needs a multi-process executor"
             )
+        # Imported where the executor is built (the engine process): the registry loads
+        # this module in every process, the API server's too, which must not import the
+        # model runner.
+        from plugserve.worker.model_runner import ModelRunner
+
         self.runner = ModelRunner(config)
 
     def initialize(self) -> KVCacheInfo:
