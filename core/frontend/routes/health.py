@@ -1,0 +1,30 @@
+"""/health: a round trip to every engine's busy loop, not a static 200; /version."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from plugserve import __version__
+from plugserve.frontend.engine_client import EngineDeadError
+from plugserve.frontend.routes.shared import HEALTH_TIMEOUT_S, EngineClient, error_response
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(client: EngineClient) -> Response:
+    try:
+        await client.check_health(HEALTH_TIMEOUT_S)
+    except EngineDeadError as exc:
+        return error_response(503, str(exc), "server_error")
+    except TimeoutError:
+        return error_response(
+            503, f"the engine did not answer within {HEALTH_TIMEOUT_S:.0f} s", "server_error"
+        )
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}

@@ -1,0 +1,35 @@
+"""What the routers share: the app's engine client and serving layer as FastAPI
+dependencies, OpenAI's error shape, and how long an answer from the engine may take."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+
+from plugserve.frontend.engine_client import AsyncEngineClient
+from plugserve.frontend.serving import OpenAIServing
+
+HEALTH_TIMEOUT_S = 5.0  # for the engine's answer to a ping (health, metrics) or a probe
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        status_code=status,
+    )
+
+
+# Set on app.state by api_server.build_app. The getters are async so that FastAPI calls
+# them in the event loop: a plain function would be run in its thread pool, per request.
+async def _engine_client(request: Request) -> AsyncEngineClient:
+    return request.app.state.engine_client
+
+
+async def _openai_serving(request: Request) -> OpenAIServing:
+    return request.app.state.openai_serving
+
+
+EngineClient = Annotated[AsyncEngineClient, Depends(_engine_client)]
+Serving = Annotated[OpenAIServing, Depends(_openai_serving)]
