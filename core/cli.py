@@ -64,7 +64,7 @@ def cmd_config(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 def cmd_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     config = load_config(args.config, overrides)
-    from plugserve.frontend.launcher import serve
+    from plugserve.frontend.serve import serve
 
     return serve(config)
 

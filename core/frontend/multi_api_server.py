@@ -1,10 +1,12 @@
 """Several API servers on one port (`server.api_server_count: N > 1`), as vLLM's
-`--api-server-count`.
+`--api-server-count`: what the launcher process runs, and the entry point of each API
+server it spawns.
 
-This process (plugserve::Launcher) binds the listening socket(s), spawns N API-server
-processes (plugserve::ApiServer_0 … ApiServer_{N-1}) and the engine cores, and then only
-supervises: every API server has its own transport channel to every engine (client
-number i), and a control pipe to the launcher. Failures are the server's failures:
+The launcher (plugserve::Launcher, the process `plugserve serve` started) binds the
+listening socket(s), spawns N API-server processes (plugserve::ApiServer_0 …
+ApiServer_{N-1}) and the engine cores, and then only supervises: every API server has its
+own transport channel to every engine (client number i), and a control pipe to the
+launcher. Failures are the server's failures:
 
 - an engine exits: the launcher tells every API server (which fail their in-flight
   requests with 503 and exit 1), stops the rest and exits 1;
@@ -36,6 +38,12 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from plugserve.config import StackConfig
+from plugserve.frontend.api_server_process import (
+    ApiServerSetup,
+    http_url,
+    name_process,
+    run_api_server_loop,
+)
 from plugserve.frontend.engines import (
     ENGINE_GONE,
     EngineProcesses,
@@ -43,7 +51,6 @@ from plugserve.frontend.engines import (
     join_all,
     transport_addresses,
 )
-from plugserve.frontend.launcher import ApiServerSetup, http_url, name_process, run_api_server_loop
 from plugserve.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,12 @@
-"""`plugserve serve`: the API server(s) and the engine core(s).
+"""What one API-server process runs: its engine client (which waits for every engine's
+handshake before anything is served), its renderer, the FastAPI app and uvicorn.
 
-With one API server (`server.api_server_count: 1`, the default) the API server runs in
-this process and spawns the engine cores. With more, this process is the launcher of
-supervisor.py, and each API server runs `run_api_server` in a child process of its own.
+With one API server (`server.api_server_count: 1`) that is the process `plugserve serve`
+started (serve.py), and it spawns the engine cores itself; with more, each runs in a
+child of the launcher (multi_api_server.py).
 
-An API server's engine client opens its channel and waits for every engine's handshake;
-only then does the API server accept requests. If an engine dies, in-flight requests
-fail, the server stops and the process exits 1. SIGINT (Ctrl-C) or SIGTERM stops the
-server in order, engines included, and exits 0.
+If an engine dies, in-flight requests fail, the server stops and the process exits 1.
+SIGINT (Ctrl-C) or SIGTERM stops the server in order, engines included, and exits 0.
 """
 
 from __future__ import annotations
@@ -25,15 +24,13 @@ import uvicorn
 from plugserve.config import StackConfig
 from plugserve.frontend.api_server import build_app
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
-from plugserve.frontend.engines import EngineSupervision, SpawnedEngines, transport_addresses
+from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.logging_utils import configure_process_logging
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
 
 logger = logging.getLogger(__name__)
-
-SINGLE_API_SERVER_NAME = "ApiServer"
 
 
 def name_process(name: str) -> None:
@@ -49,22 +46,6 @@ def name_process(name: str) -> None:
 
 def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def serve(config: StackConfig) -> int:
-    if config.server.api_server_count > 1:
-        from plugserve.frontend.supervisor import serve_with_api_servers
-
-        return serve_with_api_servers(config)
-    name_process(SINGLE_API_SERVER_NAME)
-    addresses = transport_addresses(config)
-    setup = ApiServerSetup(
-        name=SINGLE_API_SERVER_NAME,
-        client_index=0,
-        addresses=addresses,
-        engines=SpawnedEngines(config, addresses),
-    )
-    return run_api_server_loop(config, setup)
 
 
 @dataclass
