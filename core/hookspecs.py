@@ -15,7 +15,9 @@ import pluggy
 
 hookspec = pluggy.HookspecMarker("plugserve")
 
-Register = Callable[[str, type], None]
+# register(name, cls): `cls` may also be a "module:Class" reference, imported only when
+# the implementation is first used (so a process that never builds it never imports it).
+Register = Callable[[str, "type | str"], None]
 
 
 # --------------------------------------------------------------- API-server process
@@ -79,8 +81,10 @@ def register_attention_backends(register: Register) -> None:
 @hookspec
 def register_models(register: Register) -> None:
     """Register model classes (interfaces.CausalLM) under the Hugging Face architecture
-    names they implement, e.g. `register("LlamaForCausalLM", LlamaForCausalLM)`. The
-    model's config.json `architectures` picks one."""
+    names they implement, e.g. `register("LlamaForCausalLM", LlamaForCausalLM)`, or by
+    reference, `register("LlamaForCausalLM", "my_models.llama:LlamaForCausalLM")`, so the
+    API-server process, which never builds a model, never imports its code. The model's
+    config.json `architectures` picks one."""
 
 
 # --------------------------------------------------------------- observers

@@ -52,9 +52,27 @@ class PluginError(ValueError):
 class Implementation:
     slot: str
     name: str
-    cls: type
+    # The class, or a "module:Class" reference to it, imported on first use of `cls`: a
+    # process that never builds the implementation (the API server and the model code)
+    # never imports its module.
+    target: type | str
     distribution: str  # the installed distribution that registered it
     plugin: str  # the entry-point (or module) name
+
+    @property
+    def cls(self) -> type:
+        if isinstance(self.target, type):
+            return self.target
+        module_name, _, attribute = self.target.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise PluginError(
+                f"{self.slot} {self.name!r} from plugin {self.plugin!r}: "
+                f"cannot import {self.target!r}: {exc}"
+            ) from exc
+        object.__setattr__(self, "target", cls)  # resolved once
+        return cls
 
 
 class PluginRegistry:
@@ -92,11 +110,12 @@ class PluginRegistry:
         self._dist_of_plugin[name] = distribution
 
     def _register_builtins(self) -> None:
-        # The model architectures that ship inside the core itself.
-        from plugserve.worker import models
+        # The model architectures that ship inside the core itself (by reference: loading
+        # the registry imports no model code).
+        from plugserve import builtin_models
 
-        if not self._pm.is_registered(models):
-            self._pm.register(models, name="plugserve.models")
+        if not self._pm.is_registered(builtin_models):
+            self._pm.register(builtin_models, name="plugserve.models")
             self._dist_of_plugin["plugserve.models"] = BUILTIN_DISTRIBUTION
 
     def _load_named_modules(self) -> None:
@@ -151,7 +170,7 @@ class PluginRegistry:
 
                 def register(
                     name: str,
-                    cls: type,
+                    cls: type | str,
                     *,
                     _slot: str = slot,
                     _dist: str = dist,
@@ -160,8 +179,13 @@ class PluginRegistry:
                 ) -> None:
                     if not isinstance(name, str) or not name:
                         raise PluginError(f"plugin {_plugin!r} registered a {_slot} without a name")
+                    if isinstance(cls, str) and ":" not in cls:
+                        raise PluginError(
+                            f"plugin {_plugin!r} registered {_slot} {name!r} as {cls!r}; "
+                            "a reference reads 'module:Class'"
+                        )
                     existing = _registry.get(name)
-                    if existing is not None and existing.cls is not cls:
+                    if existing is not None and existing.target != cls:
                         raise PluginError(
                             f"two plugins claim the {_slot} name {name!r}: "
                             f"{existing.plugin!r} from distribution {existing.distribution!r} "

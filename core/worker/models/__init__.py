@@ -1,13 +1,3 @@
-"""Model architectures that ship with the core, registered like any plugin's."""
-
-from __future__ import annotations
-
-from plugserve import hookimpl
-
-
-@hookimpl
-def register_models(register):
-    from plugserve.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-
-    register("LlamaForCausalLM", LlamaForCausalLM)
-    register("Qwen2ForCausalLM", Qwen2ForCausalLM)
+"""Model architectures: each module wires plugserve.worker.layers into one family. The
+core registers its own in plugserve.builtin_models, by reference, exactly as a
+third-party package registers its models through `register_models`."""

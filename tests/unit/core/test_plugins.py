@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import pytest
@@ -121,3 +123,45 @@ def test_cli_lists_every_slot_with_distribution(capsys):
     for slot in SLOT_HOOKS:
         assert f"{slot}:" in out
     assert "priority" in out and "plugserve" in out
+
+
+def test_a_class_registered_by_reference_is_imported_on_first_use(tmp_path, monkeypatch):
+    (tmp_path / "lazy_models_probe.py").write_text("class TinyLM:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def register_models(register):
+        register("TinyLM", "lazy_models_probe:TinyLM")
+
+    registry = PluginRegistry()
+    registry.register(_plugin(register_models=register_models), "lazy", "lazy-dist")
+    impl = registry.implementations("model")["TinyLM"]
+
+    assert "lazy_models_probe" not in sys.modules  # registered, not imported
+    assert impl.cls.__name__ == "TinyLM"
+    assert impl.cls.__module__ == "lazy_models_probe"
+    assert registry.get("model", "TinyLM") is impl.cls
+
+
+def test_a_broken_reference_fails_naming_the_plugin_and_the_reference():
+    def register_models(register):
+        register("Ghost", "no_such_module_anywhere:Ghost")
+
+    registry = PluginRegistry()
+    registry.register(_plugin(register_models=register_models), "ghosts", "ghost-dist")
+    with pytest.raises(PluginError, match=r"model 'Ghost' from plugin 'ghosts'.*no_such_module"):
+        registry.get("model", "Ghost")
+
+
+def test_loading_the_registry_imports_no_model_code():
+    """The API server loads the registry for its own slots: every plugin module and the
+    built-in model registrations import, but no worker module does."""
+    probe = (
+        "import sys\n"
+        "from plugserve.plugins import SLOT_HOOKS, PluginRegistry\n"
+        "registry = PluginRegistry()\n"
+        "for slot in SLOT_HOOKS:\n"
+        "    registry.implementations(slot)\n"
+        "print([m for m in sys.modules if m.startswith('plugserve.worker')])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,16 @@
+"""The model architectures that ship with the core, registered like any plugin's.
+
+By "module:Class" reference: the registry imports a model's module only when an engine
+builds it, so the API-server process, which loads the registry for its own slots, never
+imports model code.
+"""
+
+from __future__ import annotations
+
+from plugserve import hookimpl
+
+
+@hookimpl
+def register_models(register):
+    register("LlamaForCausalLM", "plugserve.worker.models.llama:LlamaForCausalLM")
+    register("Qwen2ForCausalLM", "plugserve.worker.models.llama:Qwen2ForCausalLM")
