@@ -283,16 +283,39 @@ def test_cli_parses_vllm_flags_strictly(capsys):
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
-def test_poisson_arrivals_are_spread_and_seeded():
-    async def times(rate, seed):
-        stamps = []
-        async for _ in bench._arrivals(5, rate, seed):
-            stamps.append(asyncio.get_running_loop().time())
-        return stamps
+class _FakeClock:
+    """Stands in for asyncio.sleep: time passes only when someone sleeps."""
 
-    at_once = asyncio.run(times(float("inf"), 0))
-    assert at_once[-1] - at_once[0] < 0.05
-    paced = asyncio.run(times(100.0, 0))  # mean gap 10 ms
-    assert paced[-1] - paced[0] > 0.001
-    rng = np.random.default_rng(0)
-    assert paced[-1] - paced[0] >= sum(rng.exponential(0.01, 4)) * 0.9
+    def __init__(self):
+        self.now = 0.0
+
+    async def sleep(self, delay, result=None):
+        assert delay >= 0
+        self.now += delay
+        return result
+
+
+def test_poisson_arrivals_are_spread_and_seeded(monkeypatch):
+    """When each request is sent, on a fake clock: all at once for rate inf, else after
+    exponential gaps of mean 1/rate (Poisson arrivals), the same for the same seed."""
+    clock = _FakeClock()
+    monkeypatch.setattr(asyncio, "sleep", clock.sleep)
+
+    def send_times(n, rate, seed):
+        async def collect():
+            return [(i, clock.now) async for i in bench._arrivals(n, rate, seed)]
+
+        clock.now = 0.0
+        sent = asyncio.run(collect())
+        assert [i for i, _ in sent] == list(range(n))
+        return np.array([t for _, t in sent])
+
+    assert not send_times(5, float("inf"), 0).any()  # no waiting at all
+    paced = send_times(2001, 100.0, 0)
+    gaps = np.diff(paced)
+    assert (gaps > 0).all()
+    # Exponential gaps: mean 1/rate (10 ms), and a standard deviation as large as the mean.
+    assert gaps.mean() == pytest.approx(0.01, rel=0.1)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)
+    np.testing.assert_array_equal(send_times(2001, 100.0, 0), paced)
+    assert not np.allclose(send_times(2001, 100.0, 1), paced)

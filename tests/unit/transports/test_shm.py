@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -141,10 +142,11 @@ def test_a_message_larger_than_the_ring_raises_value_error_and_the_channel_goes_
 
 def test_a_full_request_ring_makes_senders_wait_in_order_without_blocking_the_loop():
     transport = build("shm", ring_bytes=SMALL_RING)
-    count, payload = 60, b"p" * 1000  # ~15 rings' worth; the engine reads nothing for 0.5 s
+    count, payload = 60, b"p" * 1000  # ~15 rings' worth; the engine reads nothing at first
+    hold = multiprocessing.get_context("spawn").Event()
 
     async def main():
-        async with echo_pair(transport, start_delay=0.5) as (client, _):
+        async with echo_pair(transport, hold=hold) as (client, _):
             ticks = 0
 
             async def ticker():
@@ -154,15 +156,16 @@ def test_a_full_request_ring_makes_senders_wait_in_order_without_blocking_the_lo
                     ticks += 1
 
             ticking = asyncio.create_task(ticker())
-            started = time.monotonic()
             # Concurrent senders, all held back by the full ring, keep their order.
             sends = asyncio.gather(*(client.send([b"%d" % i, payload]) for i in range(count)))
+            while ticks < 20:  # the event loop runs while they wait ...
+                await asyncio.sleep(0.01)
+            assert not sends.done()  # ... and they do wait: nobody reads the full ring
+            hold.set()
             for i in range(count):
                 assert await client.recv() == [b"echo0:%d" % i, payload]
             await sends
             ticking.cancel()
-            assert time.monotonic() - started >= 0.4  # the senders did have to wait
-            assert ticks >= 20  # and the event loop ran meanwhile
 
     asyncio.run(main())
 

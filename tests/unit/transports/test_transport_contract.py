@@ -18,8 +18,10 @@ import contextlib
 import multiprocessing
 import os
 import random
+import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +30,53 @@ from plugserve.plugins import get_registry
 
 TRANSPORTS = ["zmq", "shm"]
 IDLE_SECONDS = 1.0
-IDLE_CPU_LIMIT = 0.1  # CPU seconds over IDLE_SECONDS of waiting: well under, or it spins
+# Times the waiting thread may fall asleep over IDLE_SECONDS of waiting: a wait in the
+# kernel sleeps once or a few times; polling every millisecond would sleep ~1000 times.
+IDLE_WAKEUP_LIMIT = 20
+
+
+# --------------------------------------------------------------------------- idle waits
+
+
+class ThreadWatch:
+    """How one thread of this process spends a wait, as the kernel counts it: how many
+    times it fell asleep (its voluntary context switches, `wakeups`), and its scheduling
+    state sampled every 10 ms by a watcher thread (`states`: "S" asleep, "R" running or
+    ready to). A thread that waits in the kernel is asleep in (nearly) every sample and
+    wakes a few times; one that spins is running in every sample."""
+
+    def __init__(self, tid: int | None = None) -> None:
+        self.task = Path(f"/proc/self/task/{tid or threading.get_native_id()}")
+        self.states: list[str] = []
+        self.wakeups = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> ThreadWatch:
+        self._before = self._switches()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self.wakeups = self._switches() - self._before
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.states.append((self.task / "stat").read_text().rpartition(")")[2].split()[0])
+
+    def _switches(self) -> int:
+        for line in (self.task / "status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+        raise AssertionError(f"no voluntary_ctxt_switches in {self.task}/status")
+
+
+def assert_slept(wakeups: int, states: list[str]) -> None:
+    """A ThreadWatch's thread waited in the kernel: few wakeups, (nearly) never running."""
+    assert wakeups <= IDLE_WAKEUP_LIMIT, f"it fell asleep {wakeups} times: it polls"
+    assert states.count("R") <= len(states) // 10, f"it was running: {''.join(states)}"
 
 
 # --------------------------------------------------------------------------- the engine
@@ -39,7 +87,7 @@ def echo_engine(
     options: Any,
     addresses: dict[str, str],
     engine: int = 0,
-    start_delay: float = 0.0,
+    hold: Any = None,
 ) -> None:
     """A stand-in engine core number `engine`, run in a spawned child.
 
@@ -47,15 +95,17 @@ def echo_engine(
     answering the client that sent it:
       [b"stop"]            → close and exit 0
       [b"idle", seconds]   → recv(timeout=seconds), answer [b"idle", result-is-None,
-                             CPU seconds, wall seconds] of that wait
+                             wall seconds, wakeups, states] of that wait (ThreadWatch)
       anything else        → send it back with b"echo<engine>:" before the first frame
                              (see `echoed`); a send the transport refuses with
                              ValueError is answered [b"error", message]
-    `start_delay` keeps it from reading at first, so the request side fills up.
+    `hold`, an Event, keeps it from reading until it is set (60 s at most), so the
+    request side fills up.
     """
     channel = transport_cls(options=options).engine(addresses, engine)
     channel.send_ready([b"ready", b"%d" % engine, str(os.getpid()).encode()])
-    time.sleep(start_delay)
+    if hold is not None:
+        hold.wait(60)
     while True:
         received = channel.recv(timeout=None)
         assert received is not None
@@ -64,11 +114,13 @@ def echo_engine(
         if first == b"stop":
             break
         if first == b"idle":
-            cpu, wall = time.process_time(), time.monotonic()
-            result = channel.recv(timeout=float(bytes(frames[1])))
-            cpu, wall = time.process_time() - cpu, time.monotonic() - wall
-            answer = [b"idle", b"%d" % (result is None), b"%f" % cpu, b"%f" % wall]
-            channel.send(answer, client)
+            wall = time.monotonic()
+            with ThreadWatch() as watch:
+                result = channel.recv(timeout=float(bytes(frames[1])))
+            wall = time.monotonic() - wall
+            states = "".join(watch.states).encode()
+            answer = [b"idle", b"%d" % (result is None), b"%f" % wall, b"%d" % watch.wakeups]
+            channel.send([*answer, states], client)
             continue
         try:
             channel.send([b"echo%d:" % engine + first, *frames[1:]], client)
@@ -93,10 +145,10 @@ def build(name: str, **options: Any):
     return get_registry().build("transport", name, options)
 
 
-def spawn_engine(transport, addresses: dict[str, str], engine: int = 0, start_delay=0.0):
+def spawn_engine(transport, addresses: dict[str, str], engine: int = 0, hold: Any = None):
     process = multiprocessing.get_context("spawn").Process(
         target=echo_engine,
-        args=(type(transport), transport.options, addresses, engine, start_delay),
+        args=(type(transport), transport.options, addresses, engine, hold),
         daemon=True,
     )
     process.start()
@@ -108,7 +160,7 @@ async def echo_servers(
     transport,
     num_engines: int = 1,
     num_clients: int = 1,
-    start_delay: float = 0.0,
+    hold: Any = None,
     addresses: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[list[Any], list[Any]]]:
     """(client channels, engine processes) by index, after every client has every
@@ -121,7 +173,7 @@ async def echo_servers(
         for index in range(num_clients):
             clients.append(transport.client(addresses, index))
         for engine in range(num_engines):
-            processes.append(spawn_engine(transport, addresses, engine, start_delay))
+            processes.append(spawn_engine(transport, addresses, engine, hold))
         expected = sorted(
             [b"ready", b"%d" % engine, str(process.pid).encode()]
             for engine, process in enumerate(processes)
@@ -148,11 +200,11 @@ async def echo_servers(
 async def echo_engines(
     transport,
     num_engines: int = 1,
-    start_delay: float = 0.0,
+    hold: Any = None,
     addresses: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[Any, list[Any]]]:
     """One client: (client channel, engine processes), as `echo_servers`."""
-    async with echo_servers(transport, num_engines, 1, start_delay, addresses) as (
+    async with echo_servers(transport, num_engines, 1, hold, addresses) as (
         (client,),
         processes,
     ):
@@ -161,10 +213,10 @@ async def echo_engines(
 
 @contextlib.asynccontextmanager
 async def echo_pair(
-    transport, start_delay: float = 0.0, addresses: dict[str, str] | None = None
+    transport, hold: Any = None, addresses: dict[str, str] | None = None
 ) -> AsyncIterator[tuple[Any, Any]]:
     """One engine: (client channel, engine process), as `echo_engines`."""
-    async with echo_engines(transport, 1, start_delay, addresses) as (client, (process,)):
+    async with echo_engines(transport, 1, hold, addresses) as (client, (process,)):
         yield client, process
 
 
@@ -287,10 +339,11 @@ def test_recv_never_returns_a_handshake(name):
 def test_an_idle_engine_recv_times_out_with_none_without_spinning(name):
     async def main():
         async with echo_pair(build(name)) as (client, _):
-            kind, is_none, cpu, wall = await round_trip(client, [b"idle", b"%f" % IDLE_SECONDS])
+            answer = await round_trip(client, [b"idle", b"%f" % IDLE_SECONDS])
+            kind, is_none, wall, wakeups, states = answer
             assert kind == b"idle" and is_none == b"1"
-            assert float(wall) >= IDLE_SECONDS * 0.95
-            assert float(cpu) < IDLE_CPU_LIMIT
+            assert float(wall) >= IDLE_SECONDS * 0.95  # not before its timeout
+            assert_slept(int(wakeups), list(states.decode()))
 
     asyncio.run(main())
 
@@ -300,10 +353,9 @@ def test_an_idle_engine_recv_times_out_with_none_without_spinning(name):
 def test_an_idle_client_recv_waits_without_spinning(name, num_engines):
     async def main():
         async with echo_engines(build(name), num_engines) as (client, _):
-            cpu = time.process_time()
-            with pytest.raises(asyncio.TimeoutError):
+            with ThreadWatch() as watch, pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(client.recv(), IDLE_SECONDS)
-            assert time.process_time() - cpu < IDLE_CPU_LIMIT
+            assert_slept(watch.wakeups, watch.states)  # the event loop's thread
             # The cancelled wait lost nothing and left the channel usable.
             for engine in range(num_engines):
                 assert await round_trip(client, [b"after"], engine) == echoed([b"after"], engine)
