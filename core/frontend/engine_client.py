@@ -47,7 +47,8 @@ from plugserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 OUTPUT_CHUNK_SIZE = 64  # outputs processed before yielding to the event loop
-LAST_WORDS_TIMEOUT_S = 1.0  # for an exited engine's DEAD message to arrive while starting
+# For the DEAD message of an engine whose exit was seen first, while starting or serving.
+LAST_WORDS_TIMEOUT_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -166,7 +167,22 @@ class AsyncEngineClient:
         if not self._engines_gone.done():
             self._engines_gone.set_result(reason)
         if len(self.readies) == self.num_engines:  # started: requests may be in flight
-            self._mark_dead(reason)
+            self._tasks.append(asyncio.ensure_future(self._mark_dead_after_last_words(reason)))
+
+    async def _mark_dead_after_last_words(self, reason: str) -> None:
+        """An engine that fails sends why (DEAD) and then exits, and its exit can reach us
+        first: the requests in flight wait a moment for those last words, which name the
+        cause (the output handler ends on them); new requests are refused meanwhile."""
+        output_handler = self._tasks[0]
+        await asyncio.wait([output_handler], timeout=LAST_WORDS_TIMEOUT_S)
+        self._mark_dead(reason)
+
+    @property
+    def _refusal(self) -> str | None:
+        """Why nothing more can be sent: the engines are dead, or one has exited."""
+        if self.dead_reason is None and self._engines_gone is not None:
+            return self._engines_gone.result() if self._engines_gone.done() else None
+        return self.dead_reason
 
     async def _next_handshake(self, timeout: float) -> EngineReady:
         assert self._channel is not None and self._engines_gone is not None
@@ -237,7 +253,7 @@ class AsyncEngineClient:
 
     @property
     def is_dead(self) -> bool:
-        return self.dead_reason is not None
+        return self._refusal is not None
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -267,8 +283,8 @@ class AsyncEngineClient:
     ) -> AsyncIterator[RequestDelta]:
         """Submit one request and yield its deltas until it finishes. Leaving the
         iteration early (a client disconnect cancels the handler) aborts it."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+        if (refusal := self._refusal) is not None:
+            raise EngineDeadError(refusal)
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine = min(range(self.num_engines), key=self._load.__getitem__)
@@ -300,7 +316,7 @@ class AsyncEngineClient:
                 if item.finished:
                     return
         finally:
-            if not state.finished and self.dead_reason is None:
+            if not state.finished and self._refusal is None:
                 await self.abort([request_id])
 
     def _register(self, state: RequestState) -> None:
@@ -328,8 +344,8 @@ class AsyncEngineClient:
     async def check_health(self, timeout: float) -> None:
         """A round trip through the transport to the engine's busy loop. Raises
         EngineDeadError if the engine is gone, TimeoutError if it does not answer."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+        if (refusal := self._refusal) is not None:
+            raise EngineDeadError(refusal)
         loop = asyncio.get_running_loop()
         nonces = [next(self._nonces) for _ in range(self.num_engines)]
         futures = [loop.create_future() for _ in nonces]
@@ -348,8 +364,8 @@ class AsyncEngineClient:
         """How fast engine `engine` reads its own weights now, measured for `seconds`
         between two of its steps (WeightRead.error says why it cannot). TimeoutError if
         the answer takes longer than `timeout`."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+        if (refusal := self._refusal) is not None:
+            raise EngineDeadError(refusal)
         if not 0 <= engine < self.num_engines:
             raise ValueError(f"no engine {engine}: there are {self.num_engines}")
         nonce = next(self._nonces)

@@ -1,7 +1,7 @@
-"""Failures: the engine killed (in-flight requests fail fast, the server exits
-non-zero), the API server killed (its engine goes too), the engine stopped (/health
-turns 503, then recovers), and an engine-side error confined to one request by a faulty
-plugin. All but the stopped engine get a server of their own."""
+"""Failures: the engine killed (in-flight requests fail with its death in OpenAI's error
+shape, the server exits non-zero), the API server killed (its engine goes too), the
+engine stopped (/health turns 503, then recovers), and an engine-side error confined to
+one request by a faulty plugin. All but the stopped engine get a server of their own."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import openai
 import pytest
+
+from plugserve.frontend.api_server import HEALTH_TIMEOUT_S
 
 from .conftest import (
     CHAT_CONVERSATIONS,
@@ -28,7 +29,6 @@ from .conftest import (
     ServerProcess,
     assert_openai_error,
     children_of,
-    cpu_seconds,
     is_engine,
     process_cmdline,
     running_server,
@@ -52,6 +52,21 @@ def health(server: ServerProcess, timeout: float = 30) -> int | None:
         return None
 
 
+def engine_dead(message: str) -> dict[str, Any]:
+    """The error, in OpenAI's shape, of a request the engine's death failed."""
+    return {"message": message, "type": "server_error", "param": None, "code": 503}
+
+
+def dead_health(server: ServerProcess, message: str) -> bool:
+    """/health answers 503 with the engine's death, unless the server (which exits once
+    its requests have failed) no longer answers at all."""
+    try:
+        response = httpx.get(server.url("/health"), timeout=10)
+    except httpx.TransportError:
+        return True
+    return response.status_code == 503 and response.json() == {"error": engine_dead(message)}
+
+
 def test_killed_engine_fails_in_flight_requests_and_the_server_exits(transport, tmp_path):
     with (
         running_server(transport, tmp_path, check_exit=False) as server,
@@ -71,22 +86,19 @@ def test_killed_engine_fails_in_flight_requests_and_the_server_exits(transport, 
         assert wait_until(lambda: server.metrics()["num_requests_running"] == 2, 30)
 
         os.kill(engine, signal.SIGKILL)
-        killed_at = time.monotonic()
+        died = "the engine core EngineCore exited unexpectedly (exit code -9)"
         # A non-streamed request in flight gets a 503 with OpenAI's error body ...
         with pytest.raises(openai.APIStatusError) as plain:
-            plain_future.result(timeout=15)
+            plain_future.result(timeout=60)
         assert plain.value.status_code == 503
-        assert "engine" in plain.value.message
-        # ... a streamed one an error event (or, at worst, a broken connection).
+        assert plain.value.response.json() == {"error": engine_dead(died)}
+        # ... a streamed one an error event in the same shape, not a cut connection.
         with pytest.raises(openai.APIError) as streamed_error:
-            stream_future.result(timeout=15)
-        if streamed_error.value.body is not None:  # the error event's body
-            assert streamed_error.value.body["code"] == 503
-            assert "engine" in streamed_error.value.message
-        assert time.monotonic() - killed_at < 10
+            stream_future.result(timeout=60)
+        assert type(streamed_error.value) is openai.APIError, streamed_error.value
+        assert streamed_error.value.body == engine_dead(died)
 
-        # /health reports the engine dead, unless the server is already gone.
-        assert health(server, timeout=10) in (503, None)
+        assert dead_health(server, died)
         code = server.popen.wait(30)
         assert code != 0, server.log_tail()
         assert "exited unexpectedly" in server.log_text()
@@ -97,14 +109,17 @@ def test_stopped_engine_turns_health_503_and_it_recovers(server: ServerProcess, 
     engine = server.engine_pid()
     os.kill(engine, signal.SIGSTOP)
     try:
-        started = time.monotonic()
+        # Within its own time limit: a /health that hangs fails here after 30 s.
         response = httpx.get(server.url("/health"), timeout=30)
-        elapsed = time.monotonic() - started
     finally:
         os.kill(engine, signal.SIGCONT)
-    assert_openai_error(response, 503)
-    assert "did not answer" in response.json()["error"]["message"]
-    assert elapsed < 10
+    error = assert_openai_error(response, 503)
+    assert error == {
+        "message": f"the engine did not answer within {HEALTH_TIMEOUT_S:.0f} s",
+        "type": "server_error",
+        "param": None,
+        "code": 503,
+    }
     assert wait_until(lambda: health(server) == 200, 15), server.log_tail()
     result = client.completions.create(
         model=MODEL, prompt=COMPLETION_PROMPTS[0], temperature=0, max_tokens=4
@@ -193,11 +208,11 @@ def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_p
         idle = server.wait_idle()
         assert (idle["num_requests_running"], idle["num_requests_waiting"]) == (0, 0)
         assert idle["kv_cache_usage"] == 0
-        # Nothing of the refused requests lingers in the engine: it goes idle.
+        # Nothing of the refused requests lingers in the engine: its busy loop stops
+        # stepping (a request left in the scheduler would be stepped on every turn).
         engine = server.engine_pid()
-        before = cpu_seconds(engine)
-        time.sleep(1.0)
-        assert cpu_seconds(engine) - before < 0.3
+        steps = server.metrics()["engine_steps_total"]
+        assert not wait_until(lambda: server.metrics()["engine_steps_total"] != steps, 1.0)
         with server.openai_client() as client:
             again = client.completions.create(
                 model=MODEL, prompt=COMPLETION_PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS
@@ -211,9 +226,17 @@ def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_p
         assert wait_until(lambda: not is_engine(engine), 10)
 
 
-def test_killed_tensor_parallel_worker_fails_the_request_within_seconds(tmp_path):
-    """A worker of the mp executor dies mid-request: the client hears of it within 5 s."""
-    settings = (*SERVER_SETTINGS, "--stack.executor", "mp", "--tensor-parallel-size", "2")
+def test_killed_tensor_parallel_worker_fails_the_request_naming_it(tmp_path):
+    """A worker of the mp executor dies mid-request: the client hears which one, and how,
+    from the engine's own last words (not a bare "the engine exited")."""
+    # A collective timeout past this test's own waits: only the executor watching its
+    # workers can end the request in time.
+    settings = (
+        *SERVER_SETTINGS,
+        "--stack.executor", "mp",
+        "--tensor-parallel-size", "2",
+        "--plugins.mp.collective_timeout_s", "3600",
+    )  # fmt: skip
     with (
         running_server("zmq", tmp_path, check_exit=False, settings=settings) as server,
         server.openai_client(timeout=60) as client,
@@ -235,11 +258,15 @@ def test_killed_tensor_parallel_worker_fails_the_request_within_seconds(tmp_path
         assert streaming.wait(60), "the streamed request never started"
         victim = next(p for p in workers if "Worker_TP1" in process_cmdline(p))
         os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
         with pytest.raises(openai.APIError) as error:
-            future.result(timeout=15)
-        assert time.monotonic() - killed_at < 5
-        if error.value.body is not None:
-            assert "Worker_TP1" in error.value.message
-        assert health(server, timeout=10) in (503, None)
+            future.result(timeout=60)
+        assert type(error.value) is openai.APIError, error.value  # an error event
+        body = error.value.body
+        assert isinstance(body, dict) and body.keys() == {"message", "type", "param", "code"}
+        assert body["message"].startswith(
+            f"the engine core failed: RuntimeError: Worker_TP1 (pid {victim}) died "
+            "unexpectedly: it was killed by SIGKILL"
+        ), body
+        assert (body["type"], body["param"], body["code"]) == ("server_error", None, 503)
+        assert dead_health(server, body["message"])
         assert server.popen.wait(30) != 0
