@@ -114,10 +114,20 @@ def is_api_server_child(pid: int) -> bool:
     return pid_alive(pid) and API_SERVER_CHILD_TITLE in process_cmdline(pid)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time the process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def running_thread_samples(pid: int, samples: int = 50, interval: float = 0.01) -> int:
+    """Of `samples` looks at every thread of `pid` (its scheduler state in /proc), how many
+    found one running: near zero for a process whose threads all block."""
+    running = 0
+    for _ in range(samples):
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+            except OSError:
+                continue  # a thread that just ended
+        running += "R" in states
+        time.sleep(interval)
+    return running
 
 
 def transport_registered(name: str) -> bool:
