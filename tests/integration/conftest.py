@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +334,39 @@ def running_server(
             assert code == 0, f"exit code {code} after SIGTERM:\n{server.log_tail()}"
     finally:
         server.kill_all()
+
+
+@dataclass
+class GreedyCompletion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token
+
+
+async def greedy_completion(
+    client: openai.AsyncOpenAI, prompt: str | list[int], max_tokens: int, *, stream: bool
+) -> GreedyCompletion:
+    """A greedy completion of exactly `max_tokens` tokens, with each token's id (vLLM's
+    return_tokens_as_token_ids) and logprob: what bf16 runs are compared by."""
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    if stream:
+        chunks = await client.completions.create(stream=True, **kwargs)
+        choices = [chunk.choices[0] async for chunk in chunks if chunk.choices]
+    else:
+        choices = [(await client.completions.create(**kwargs)).choices[0]]
+    logprobs = [c.logprobs for c in choices if c.logprobs]
+    return GreedyCompletion(
+        text="".join(c.text for c in choices),
+        token_ids=[int(t.removeprefix("token_id:")) for lp in logprobs for t in lp.tokens],
+        logprobs=[v for lp in logprobs for v in lp.token_logprobs],
+    )
 
 
 # --------------------------------------------------------------------------- fixtures

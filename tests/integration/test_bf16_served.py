@@ -14,7 +14,7 @@ import torch
 from correctness.agreement import Reference, assert_agrees, assert_clear_first_tokens
 from correctness.conftest import CORPUS
 
-from integration.conftest import MAX_MODEL_LEN, MODEL, ServerProcess, running_server
+from integration.conftest import MAX_MODEL_LEN, ServerProcess, greedy_completion, running_server
 from plugserve.worker import cpu_linear
 
 MAX_TOKENS = 24
@@ -76,31 +76,16 @@ def test_the_engine_runs_the_served_bf16_path(bf16_server: ServerProcess) -> Non
     assert "dtype torch.bfloat16" in log or "dtype bfloat16" in log, log
 
 
-async def _complete(server: ServerProcess, prompts: list, together: bool) -> list[tuple]:
-    """(token ids, logprob of each) per prompt; every other prompt streamed."""
+async def _complete(server: ServerProcess, prompts: list, together: bool) -> list:
+    """Every prompt's greedy completion; every other one streamed."""
     async with server.async_openai_client() as client:
-
-        async def one(i: int, prompt: str | list[int]) -> tuple[list[int], list[float]]:
-            kwargs = dict(
-                model=MODEL,
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                logprobs=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-            )
-            if i % 2:
-                stream = await client.completions.create(stream=True, **kwargs)
-                choices = [chunk.choices[0] async for chunk in stream if chunk.choices]
-            else:
-                choices = [(await client.completions.create(**kwargs)).choices[0]]
-            logprobs = [c.logprobs for c in choices if c.logprobs]
-            tokens = [int(t.removeprefix("token_id:")) for lp in logprobs for t in lp.tokens]
-            return tokens, [v for lp in logprobs for v in lp.token_logprobs]
-
+        answers = [
+            greedy_completion(client, p, MAX_TOKENS, stream=bool(i % 2))
+            for i, p in enumerate(prompts)
+        ]
         if together:
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-        return [await one(i, p) for i, p in enumerate(prompts)]
+            return list(await asyncio.gather(*answers))
+        return [await answer for answer in answers]
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["together", "one-at-a-time"])
@@ -109,9 +94,9 @@ def test_served_bf16_agrees_with_hf_bf16(
 ) -> None:
     steps_before = bf16_server.metrics()["engine_steps_total"]
     answers = asyncio.run(_complete(bf16_server, prompts, together))
-    for prompt, reference, (token_ids, logprobs) in zip(prompts, hf_bf16, answers, strict=True):
+    for prompt, reference, answer in zip(prompts, hf_bf16, answers, strict=True):
         label = repr(prompt) if isinstance(prompt, str) else f"{len(prompt)}-token prompt"
-        assert_agrees(label, reference, token_ids, logprobs)
+        assert_agrees(label, reference, answer.token_ids, answer.logprobs)
     steps = bf16_server.wait_idle()["engine_steps_total"] - steps_before
     # One at a time, every decode step is a one-row step (the coded, helper-shared path).
     if not together:

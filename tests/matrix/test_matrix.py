@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from correctness.agreement import Reference, assert_agrees, assert_clear_first_tokens
-from integration.conftest import running_server
+from integration.conftest import GreedyCompletion, greedy_completion, running_server
 
 from plugserve.interfaces import has_dtypes, has_tensor_parallel_limit, reports_unavailability
 from plugserve.plugins import get_registry
@@ -96,13 +96,6 @@ def _unavailable(cls: type) -> str | None:
     return cls.unavailable_reason() if reports_unavailability(cls) else None
 
 
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-
-
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
@@ -116,11 +109,11 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_fp32(prompt_ids, hf_greedy_generate, tokenizer) -> list[Completion]:
+def hf_fp32(prompt_ids, hf_greedy_generate, tokenizer) -> list[GreedyCompletion]:
     """Greedy tokens and text from Hugging Face transformers `generate`, fp32, prompt by
     prompt (no logprobs: fp32 cells are compared token for token)."""
     ids = hf_greedy_generate(prompt_ids, MAX_TOKENS)
-    return [Completion(tokenizer.decode(t, skip_special_tokens=True), t, []) for t in ids]
+    return [GreedyCompletion(tokenizer.decode(t, skip_special_tokens=True), t, []) for t in ids]
 
 
 @pytest.fixture(scope="module")
@@ -130,32 +123,14 @@ def hf_bf16(prompt_ids, hf_greedy_references) -> list[Reference]:
     return references
 
 
-async def _scenario(server) -> list[Completion]:
+async def _scenario(server) -> list[GreedyCompletion]:
     """Half the prompts streamed, half not, all at once; each token with its logprob."""
     async with server.async_openai_client() as client:
-
-        async def one(i: int, prompt: str) -> Completion:
-            kwargs = dict(
-                model="smollm2-135m-instruct",
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                logprobs=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-            )
-            if i % 2:
-                stream = await client.completions.create(stream=True, **kwargs)
-                choices = [chunk.choices[0] async for chunk in stream if chunk.choices]
-            else:
-                choices = [(await client.completions.create(**kwargs)).choices[0]]
-            tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
-            return Completion(
-                text="".join(c.text for c in choices),
-                token_ids=[int(t.removeprefix("token_id:")) for t in tokens],
-                logprobs=[lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs],
-            )
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+        answers = (
+            greedy_completion(client, p, MAX_TOKENS, stream=bool(i % 2))
+            for i, p in enumerate(PROMPTS)
+        )
+        return list(await asyncio.gather(*answers))
 
 
 @pytest.mark.parametrize("cell", matrix_cells())
