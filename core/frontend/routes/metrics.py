@@ -35,13 +35,18 @@ async def metrics(client: EngineClient) -> Response:
         ("plugserve_engine_generated_tokens_total", "counter", s.num_generated_tokens),
     ]
     text = "".join(f"# TYPE {name} {kind}\n{name} {value}\n" for name, kind, value in lines)
-    name = "plugserve_engine_requests_finished_total"
-    text += f"# TYPE {name} counter\n" + "".join(
-        f'{name}{{reason="{reason}"}} {s.num_finished.get(reason, 0)}\n'
-        for reason in FINISH_REASONS
+    text += _labelled_counter(
+        "plugserve_engine_requests_finished_total",
+        "reason",
+        {reason: s.num_finished.get(reason, 0) for reason in FINISH_REASONS},
     )
-    name = "plugserve_engine_requests_total"
-    text += f"# TYPE {name} counter\n" + "".join(
-        f'{name}{{engine="{i}"}} {n}\n' for i, n in enumerate(client.requests_per_engine)
+    text += _labelled_counter(
+        "plugserve_engine_requests_total", "engine", dict(enumerate(client.requests_per_engine))
     )
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _labelled_counter(name: str, label: str, values: dict) -> str:
+    return f"# TYPE {name} counter\n" + "".join(
+        f'{name}{{{label}="{key}"}} {value}\n' for key, value in values.items()
+    )
