@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
-from plugserve.interfaces import reports_unavailability
+from plugserve.capabilities import reports_unavailability
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 
 # The slots stack.yaml selects; models are picked by the checkpoint's architecture.

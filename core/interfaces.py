@@ -5,15 +5,8 @@ keyword arguments documented on the Protocol's `__init__` plus, when the class d
 an `Options` pydantic model, `options=` validated from its block under `plugins:` in
 stack.yaml. The hot path calls these objects directly, never through pluggy.
 
-What a part may offer beyond its slot's Protocol is a capability: a small
-runtime-checkable Protocol next to the slot's, with a `supports_x(obj)` (or `has_x`)
-function that callers use instead of probing attributes with getattr, so every optional
-method is declared and documented here, once:
-
-- any registered class: ReportsUnavailability (`reports_unavailability`);
-- executors: HasTensorParallelLimit, SupportsWeightReadProbe;
-- attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes;
-- models: SupportsWeightPostProcessing, SupportsWeightBuffer.
+What a part may offer beyond its slot's Protocol is a capability, declared in
+plugserve.capabilities with a `supports_x(obj)` check.
 
 The types these Protocols speak in (Request, SchedulerOutput, ModelRunnerOutput) live in
 plugserve.datatypes; this module imports no engine, worker or frontend module.
@@ -24,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -37,22 +30,6 @@ if TYPE_CHECKING:
 
 
 # --------------------------------------------------------------------------- any slot
-
-
-@runtime_checkable
-class ReportsUnavailability(Protocol):
-    """A registered class that can tell it cannot run on this machine (a CUDA-only kernel
-    on a CPU host, a missing package): selecting it then fails at config time with its
-    reason, and the plugin matrix skips its cells with that reason."""
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        """A one-line reason it cannot run here, or None when it can."""
-        ...
-
-
-def reports_unavailability(cls: object) -> TypeGuard[type[ReportsUnavailability]]:
-    return isinstance(cls, ReportsUnavailability)
 
 
 # --------------------------------------------------------------------------- frontend
@@ -328,32 +305,6 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-@runtime_checkable
-class HasTensorParallelLimit(Protocol):
-    """An executor class that runs at most this many ranks (without it: no limit)."""
-
-    max_tensor_parallel_size: int
-
-
-def has_tensor_parallel_limit(cls: object) -> TypeGuard[type[HasTensorParallelLimit]]:
-    return isinstance(cls, HasTensorParallelLimit)
-
-
-@runtime_checkable
-class SupportsWeightReadProbe(Protocol):
-    """An executor that can measure how fast the model's weights read now, where they lie:
-    the bandwidth floor the benchmarks judge a batch-1 step against."""
-
-    def measure_weight_read(self, seconds: float) -> tuple[int, float]:
-        """(weight bytes, bytes/s), reading for about `seconds`; ValueError where it
-        cannot tell (the model keeps no single weight buffer)."""
-        ...
-
-
-def supports_weight_read_probe(executor: object) -> TypeGuard[SupportsWeightReadProbe]:
-    return isinstance(executor, SupportsWeightReadProbe)
-
-
 # --------------------------------------------------------------------------- worker
 
 
@@ -420,56 +371,6 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
-class SupportsCudaGraphs(Protocol):
-    """An attention backend that can run inside CUDA graphs (see worker/cuda_graphs.py);
-    without this capability decode steps run eagerly."""
-
-    def init_cuda_graphs(self, sizes: Sequence[int], max_blocks_per_req: int) -> None:
-        """Allocate the static metadata buffers the graphs read, once, after
-        allocate_kv_cache."""
-        ...
-
-    def prepare_graph(self, batch: AttentionBatch, padded_size: int) -> None:
-        """Like prepare(), into those buffers, for a batch of one-token rows padded to
-        `padded_size` with rows that touch only scratch KV memory."""
-        ...
-
-
-def supports_cuda_graphs(attention: object) -> TypeGuard[SupportsCudaGraphs]:
-    return isinstance(attention, SupportsCudaGraphs)
-
-
-@runtime_checkable
-class SupportsFusedCpuLayer(Protocol):
-    """A CPU attention backend whose kernel is C++ and can be called from C++: the fused
-    bf16 CPU decoder then runs every layer of a step in one op instead of calling
-    `forward` from Python per layer."""
-
-    def cpu_layer_call(self) -> tuple[int, int] | None:
-        """Two addresses: a `plugserve::LayerAttentionFn` (plugserve/ops/include/
-        layer_attention.h) and the state it takes for the step prepared last, valid until
-        the next prepare(); None keeps the per-layer calls for this step."""
-        ...
-
-
-def supports_fused_cpu_layer(attention: object) -> TypeGuard[SupportsFusedCpuLayer]:
-    return isinstance(attention, SupportsFusedCpuLayer)
-
-
-@runtime_checkable
-class HasDtypes(Protocol):
-    """An attention backend class whose kernels compute only in these model dtypes (torch
-    dtype names, e.g. ("bfloat16", "float16")); the plugin matrix tests it in those only.
-    Without it, float32 and bfloat16 are assumed."""
-
-    dtypes: tuple[str, ...]
-
-
-def has_dtypes(cls: object) -> TypeGuard[type[HasDtypes]]:
-    return isinstance(cls, HasDtypes)
-
-
-@runtime_checkable
 class CausalLM(Protocol):
     """A model architecture registered through `register_models`.
 
@@ -491,31 +392,3 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights under Hugging Face names."""
         ...
-
-
-@runtime_checkable
-class SupportsWeightPostProcessing(Protocol):
-    """A model that re-lays out its weights for the kernels that will run them (packing
-    for oneDNN or plugserve's own bf16 kernel, fusing)."""
-
-    def process_weights_after_loading(self) -> None:
-        """Called once, after load_weights."""
-        ...
-
-
-def supports_weight_post_processing(model: object) -> TypeGuard[SupportsWeightPostProcessing]:
-    return isinstance(model, SupportsWeightPostProcessing)
-
-
-@runtime_checkable
-class SupportsWeightBuffer(Protocol):
-    """A model that may hold every weight a batch-1 step reads in one buffer; the
-    engine's bandwidth-floor probe (SupportsWeightReadProbe) reads it."""
-
-    def weight_buffer(self) -> torch.Tensor | None:
-        """That buffer, or None where the weights are not kept in one."""
-        ...
-
-
-def supports_weight_buffer(model: object) -> TypeGuard[SupportsWeightBuffer]:
-    return isinstance(model, SupportsWeightBuffer)

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from plugserve import __version__
+from plugserve.capabilities import supports_weight_read_probe
 from plugserve.config import StackConfig
 from plugserve.device import resolve_device
 from plugserve.engine.core import EngineCore
@@ -39,7 +40,7 @@ from plugserve.engine.core import EngineCore
 # engine_process_name moved to plugserve.engine.entrypoint, which the API server imports
 # without this module's imports; still importable from here for one release.
 from plugserve.engine.entrypoint import engine_process_name
-from plugserve.interfaces import EngineChannel, supports_weight_read_probe
+from plugserve.interfaces import EngineChannel
 from plugserve.logging_utils import configure_process_logging
 from plugserve.messages import (
     EngineCoreOutput,

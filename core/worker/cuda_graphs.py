@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from plugserve.interfaces import AttentionBatch, supports_cuda_graphs
+from plugserve.capabilities import supports_cuda_graphs
+from plugserve.interfaces import AttentionBatch
 
 logger = logging.getLogger(__name__)
 

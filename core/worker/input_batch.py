@@ -12,6 +12,7 @@ import torch
 
 from plugserve.datatypes import NewRequestData
 from plugserve.sampling_params import SamplingParams
+from plugserve.worker.sampler import SamplingMetadata, make_padded_token_tensor
 
 
 class InputBatch:
@@ -139,3 +140,65 @@ class InputBatch:
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+
+    # ------------------------------------------------------------------ reads
+
+    def sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+        """The sampler's inputs for the given rows, in that order (the logits' row order).
+
+        Optional tensors are left None when no row uses their feature, so the sampler can
+        skip it without reading the tensors (no host sync).
+        """
+        device = self.device
+        temperature = self.temperature[rows]
+        greedy = temperature == 0.0
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
+        # top_k / top_p / min_p only shape the random rows, so greedy rows never turn
+        # them on.
+        def optional(values: np.ndarray, neutral: float) -> torch.Tensor | None:
+            return tensor(values) if np.any(values[~greedy] != neutral) else None
+
+        top_k = self.top_k[rows]
+        top_p = self.top_p[rows]
+        min_p = self.min_p[rows]
+        presence = self.presence_penalty[rows]
+        frequency = self.frequency_penalty[rows]
+        repetition = self.repetition_penalty[rows]
+        use_penalties = bool(
+            np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
+        )
+        prompt_ids = output_ids = None
+        if use_penalties:
+            prompt_ids = make_padded_token_tensor(
+                [self.token_ids[r, : self.num_prompt_tokens[r]] for r in rows],
+                vocab_size,
+                device,
+            )
+            output_ids = make_padded_token_tensor(
+                [self.token_ids[r, self.num_prompt_tokens[r] : self.num_tokens[r]] for r in rows],
+                vocab_size,
+                device,
+            )
+        num_logprobs = self.num_logprobs[rows]
+        req_ids = [self.req_ids[r] for r in rows.tolist()]
+        generators = {
+            i: self.generators[rid] for i, rid in enumerate(req_ids) if rid in self.generators
+        }
+        return SamplingMetadata(
+            temperature=tensor(temperature),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_k=optional(top_k, 0),
+            top_p=optional(top_p, 1.0),
+            min_p=optional(min_p, 0.0),
+            generators=generators,
+            presence_penalties=tensor(presence) if use_penalties else None,
+            frequency_penalties=tensor(frequency) if use_penalties else None,
+            repetition_penalties=tensor(repetition) if use_penalties else None,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            max_num_logprobs=int(num_logprobs.max()) if np.any(num_logprobs >= 0) else None,
+        )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from plugserve.interfaces import supports_weight_post_processing
+from plugserve.capabilities import supports_weight_post_processing
 
 # Moved to plugserve.model_files (the API server resolves models without importing the
 # worker) and plugserve.user_cache; still importable from here for one release.

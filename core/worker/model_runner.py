@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from plugserve.capabilities import supports_weight_buffer
 from plugserve.config import StackConfig
 from plugserve.datatypes import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 # resolve_device and resolve_dtype moved to plugserve.device (the engine process asks
 # without importing the runner); still importable from here for one release.
 from plugserve.device import resolve_device, resolve_dtype
-from plugserve.interfaces import AttentionSpec, KVCacheInfo, supports_weight_buffer
+from plugserve.interfaces import AttentionSpec, KVCacheInfo
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
 from plugserve.worker import cpu_linear
@@ -45,7 +46,6 @@ from plugserve.worker.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
-    make_padded_token_tensor,
 )
 from plugserve.worker.step_inputs import StepInputBuilder
 
@@ -275,7 +275,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         out = None
         if parked.logits is not None:  # the driver rank (or no tensor parallelism)
-            metadata = self._sampling_metadata(parked.rows, parked.req_ids)
+            metadata = self._sampling_metadata(parked.rows)
             out = self.sampler(parked.logits, metadata)
             sampled_tensor = out.sampled_token_ids.to(torch.int64)
         else:
@@ -295,70 +295,14 @@ class ModelRunner:
             result.logprobs = self._logprobs_lists(parked, out.logprobs)
         return result
 
-    def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         key = (self.input_batch.version, rows.tobytes())
         if self._metadata is not None and self._metadata[0] == key:
             return self._metadata[1]
-        metadata = self._build_sampling_metadata(rows, req_ids)
+        metadata = self.input_batch.sampling_metadata(rows, self.vocab_size)
         # Penalties read the tokens so far, which change every step: never reused.
         self._metadata = None if metadata.uses_penalties else (key, metadata)
         return metadata
-
-    def _build_sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
-        batch = self.input_batch
-        device = self.device
-        temperature = batch.temperature[rows]
-        greedy = temperature == 0.0
-
-        def tensor(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
-
-        def optional(values: np.ndarray, neutral: float) -> torch.Tensor | None:
-            return tensor(values) if np.any(values != neutral) else None
-
-        top_k = batch.top_k[rows]
-        top_p = batch.top_p[rows]
-        min_p = batch.min_p[rows]
-        presence = batch.presence_penalty[rows]
-        frequency = batch.frequency_penalty[rows]
-        repetition = batch.repetition_penalty[rows]
-        use_penalties = bool(
-            np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
-        )
-        prompt_ids = output_ids = None
-        if use_penalties:
-            prompt_ids = make_padded_token_tensor(
-                [batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in rows],
-                self.vocab_size,
-                device,
-            )
-            output_ids = make_padded_token_tensor(
-                [
-                    batch.token_ids[r, batch.num_prompt_tokens[r] : batch.num_tokens[r]]
-                    for r in rows
-                ],
-                self.vocab_size,
-                device,
-            )
-        num_logprobs = batch.num_logprobs[rows]
-        generators = {
-            i: batch.generators[rid] for i, rid in enumerate(req_ids) if rid in batch.generators
-        }
-        return SamplingMetadata(
-            temperature=tensor(temperature),
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_k=optional(top_k, 0),
-            top_p=optional(top_p, 1.0),
-            min_p=optional(min_p, 0.0),
-            generators=generators,
-            presence_penalties=tensor(presence) if use_penalties else None,
-            frequency_penalties=tensor(frequency) if use_penalties else None,
-            repetition_penalties=tensor(repetition) if use_penalties else None,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=output_ids,
-            max_num_logprobs=int(num_logprobs.max()) if np.any(num_logprobs >= 0) else None,
-        )
 
     def _logprobs_lists(
         self, parked: _ParkedLogits, tensors: LogprobsTensors

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from plugserve.datatypes import Logprobs
-from plugserve.sampling_params import _GREEDY_EPS, SamplingParams
+from plugserve.sampling_params import _GREEDY_EPS
 from plugserve.worker import cpu_ops
 
 __all__ = [
@@ -39,7 +39,7 @@ __all__ = [
 
 @dataclass
 class SamplingMetadata:
-    """Per-step, per-row sampling inputs, built by the model runner.
+    """Per-step, per-row sampling inputs, built by `InputBatch.sampling_metadata`.
 
     Rows are the requests that sample this step, in the order of the logits. Every tensor
     lives on the logits' device; a generator must be of that device too. Optional fields
@@ -72,74 +72,6 @@ class SamplingMetadata:
             self.presence_penalties is not None
             or self.frequency_penalties is not None
             or self.repetition_penalties is not None
-        )
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        *,
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-        generators: Mapping[int, torch.Generator] | None = None,
-        prompt_token_ids: Sequence[Sequence[int] | np.ndarray] | None = None,
-        output_token_ids: Sequence[Sequence[int] | np.ndarray] | None = None,
-    ) -> SamplingMetadata:
-        """Build the metadata for one step from each row's SamplingParams.
-
-        `prompt_token_ids` / `output_token_ids` hold one token list per row; they are only
-        read (and copied to the device) when some row uses a penalty that needs them.
-        """
-        if not params:
-            raise ValueError("SamplingMetadata needs at least one row")
-        greedy = [p.greedy for p in params]
-        # top_k / top_p / min_p only shape the random rows, so greedy rows never turn
-        # them on.
-        random_params = [p for p in params if not p.greedy]
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in random_params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-        if any(p.top_p < 1.0 for p in random_params):
-            top_p = floats([p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in random_params):
-            min_p = floats([p.min_p for p in params])
-
-        presence = frequency = repetition = None
-        prompt_tensor = output_tensor = None
-        if any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-            for p in params
-        ):
-            presence = floats([p.presence_penalty for p in params])
-            frequency = floats([p.frequency_penalty for p in params])
-            repetition = floats([p.repetition_penalty for p in params])
-            if output_token_ids is None:
-                raise ValueError("penalties need output_token_ids")
-            output_tensor = make_padded_token_tensor(output_token_ids, vocab_size, device)
-            if any(p.repetition_penalty != 1.0 for p in params):
-                if prompt_token_ids is None:
-                    raise ValueError("repetition_penalty needs prompt_token_ids")
-                prompt_tensor = make_padded_token_tensor(prompt_token_ids, vocab_size, device)
-
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=floats([p.temperature for p in params]),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            generators=dict(generators or {}),
-            presence_penalties=presence,
-            frequency_penalties=frequency,
-            repetition_penalties=repetition,
-            prompt_token_ids=prompt_tensor,
-            output_token_ids=output_tensor,
-            max_num_logprobs=max(requested) if requested else None,
         )
 
 

@@ -23,7 +23,7 @@ import torch
 from correctness.agreement import Reference, assert_agrees, assert_clear_first_tokens
 from integration.conftest import GreedyCompletion, greedy_completion, running_server
 
-from plugserve.interfaces import has_dtypes, has_tensor_parallel_limit, reports_unavailability
+from plugserve.capabilities import has_dtypes, has_tensor_parallel_limit, reports_unavailability
 from plugserve.plugins import get_registry
 
 SLOTS = ("scheduler", "transport", "executor", "attention")

@@ -54,6 +54,7 @@ PACKAGE_DIRS = {"plugserve": ROOT / "core", "plugserve_plugins": ROOT / "plugins
 CONTRACT = (
     "plugserve.hookspecs",
     "plugserve.interfaces",
+    "plugserve.capabilities",
     "plugserve.datatypes",
     "plugserve.messages",
     "plugserve.sampling_params",

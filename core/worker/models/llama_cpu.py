@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from plugserve import ops
-from plugserve.interfaces import supports_fused_cpu_layer
+from plugserve.capabilities import supports_fused_cpu_layer
 from plugserve.worker import cpu_linear
 
 _DECODER_SOURCE = ops.DECODER_SOURCE

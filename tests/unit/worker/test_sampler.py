@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from plugserve.datatypes import Logprobs
+from plugserve.datatypes import Logprobs, NewRequestData
 from plugserve.sampling_params import SamplingParams
+from plugserve.worker.input_batch import InputBatch
 from plugserve.worker.sampler import (
     Sampler,
     SamplingMetadata,
@@ -46,14 +47,33 @@ def metadata(
     generators: dict[int, torch.Generator] | None = None,
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
+    device: torch.device | str = "cpu",
 ) -> SamplingMetadata:
-    return SamplingMetadata.from_params(
-        params,
-        vocab_size=vocab,
-        generators=generators,
-        prompt_token_ids=prompts if prompts is not None else [[] for _ in params],
-        output_token_ids=outputs if outputs is not None else [[] for _ in params],
+    """The sampler's inputs as the model runner builds them: from a persistent batch that
+    holds one request per row. `generators` replaces a seeded row's generator, so a test
+    can carry one generator across steps as the engine does."""
+    prompts = prompts if prompts is not None else [[] for _ in params]
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    batch = InputBatch(
+        max_num_reqs=len(params),
+        max_model_len=max(len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)) + 1,
+        max_blocks_per_req=1,
+        device=torch.device(device),
     )
+    for row, (p, prompt, output) in enumerate(zip(params, prompts, outputs, strict=True)):
+        batch.add_request(
+            NewRequestData(
+                req_id=str(row),
+                prompt_token_ids=list(prompt),
+                output_token_ids=list(output),
+                sampling_params=p,
+                block_ids=[],
+                num_computed_tokens=0,
+            )
+        )
+    for row, gen in (generators or {}).items():
+        batch.generators[str(row)] = gen
+    return batch.sampling_metadata(np.arange(len(params)), vocab)
 
 
 def sample(
@@ -497,21 +517,13 @@ def test_cuda_matches_cpu_semantics() -> None:
     logits = logits_from_probs(probs, 4000).to(device)
     params = [SamplingParams(top_p=0.75, seed=5 if i == 0 else None) for i in range(4000)]
     gens = {0: torch.Generator(device=device).manual_seed(5)}
-    md = SamplingMetadata.from_params(
-        params, vocab_size=5, device=device, generators=gens, output_token_ids=[[]] * 4000
-    )
+    md = metadata(params, vocab=5, device=device, generators=gens)
     out = sampler(logits, md).sampled_token_ids
     assert out.device.type == "cuda"
     assert set(out.tolist()) == {1, 3, 4}
 
     penalty_params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=2)] * 2
-    md = SamplingMetadata.from_params(
-        penalty_params,
-        vocab_size=5,
-        device=device,
-        prompt_token_ids=[[1], [3]],
-        output_token_ids=[[], []],
-    )
+    md = metadata(penalty_params, vocab=5, device=device, prompts=[[1], [3]], outputs=[[], []])
     # Logits are log-probs, all negative: the penalty multiplies. Row 0 loses token 1
     # (0.4 → 0.16 < 0.3); row 1 only penalizes token 3 and keeps token 1.
     out = sampler(logits[:2], md)
