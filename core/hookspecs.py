@@ -39,6 +39,13 @@ def register_detokenizers(register: Register) -> None:
     `stack.detokenizer`."""
 
 
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register ToolParser classes (interfaces.ToolParser) that find tool calls in a model
+    family's output text when a request offers tools with `tool_choice: "auto"`. Selected
+    by `stack.tool_parser`."""
+
+
 # --------------------------------------------------------------- between the processes
 
 
@@ -67,6 +74,14 @@ def register_kv_allocators(register: Register) -> None:
 def register_executors(register: Register) -> None:
     """Register Executor classes (interfaces.Executor) that run the model for the engine:
     in-process or across worker processes. Selected by `stack.executor`."""
+
+
+@hookspec
+def register_structured_output_backends(register: Register) -> None:
+    """Register StructuredOutputBackend classes (interfaces.StructuredOutputBackend) that
+    compile JSON schemas, regexes, EBNF grammars and choice lists into per-request
+    grammars whose token bitmask masks the logits. Selected by `stack.structured_output`;
+    the API server also calls the class's `validate`."""
 
 
 # --------------------------------------------------------------- worker

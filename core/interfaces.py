@@ -25,11 +25,8 @@ if TYPE_CHECKING:
     import torch
 
     from plugserve.config import StackConfig
-    from plugserve.datatypes import ModelRunnerOutput, Request, SchedulerOutput
-    from plugserve.sampling_params import SamplingParams
-
-
-# --------------------------------------------------------------------------- any slot
+    from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, Request, SchedulerOutput
+    from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 # --------------------------------------------------------------------------- frontend
@@ -77,6 +74,39 @@ class Detokenizer(Protocol):
     def flush(self) -> str:
         """The request ended for another reason (EOS, stop token, length, abort): return
         the held-back text; `output_text` is final afterwards."""
+        ...
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model asked for: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ExtractedToolCalls:
+    """A finished output split into the text meant for the user and the calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+@runtime_checkable
+class ToolParser(Protocol):
+    """Finds tool calls in the text of a model family's output (`tool_choice: "auto"`).
+    Built once per request that offers tools, so it may keep streaming state."""
+
+    def __init__(self, *, tokenizer: Any, tools: list[dict[str, Any]]) -> None: ...
+
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        """The whole output at once (non-streamed responses)."""
+        ...
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> tuple[str, list[ToolCall]]:
+        """Streamed: feed the new text; returns (text to show as content now, calls
+        completed by it). Text that may belong to a call is held back until it is known."""
         ...
 
 
@@ -294,8 +324,9 @@ class Executor(Protocol):
         sample; a ModelRunnerOutput directly when there is not."""
         ...
 
-    def sample_tokens(self, grammar_output: Any | None) -> ModelRunnerOutput:
-        """Phase 8: apply logits processors to the parked logits and sample."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Phase 8: mask the parked logits of constrained rows with the grammar bitmask,
+        apply the logits processors and sample."""
         ...
 
     def check_health(self) -> None:
@@ -303,6 +334,44 @@ class Executor(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Grammar(Protocol):
+    """One request's compiled constraint and where its output stands in it."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+        ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row `row` of an int32 [rows, ceil(vocab/32)]
+        bitmask (layout: datatypes.GrammarOutput)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The constraint is complete: the request finishes with `stop`."""
+        ...
+
+
+@runtime_checkable
+class StructuredOutputBackend(Protocol):
+    """Compiles structured-output constraints into Grammars for one tokenizer. Built once
+    per engine process; `compile` runs on a worker thread, off the engine's loop."""
+
+    def __init__(self, *, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        """`vocab_size` is the model's logits width (it may exceed the tokenizer's)."""
+        ...
+
+    @classmethod
+    def validate(cls, spec: StructuredOutputsParams) -> None:
+        """Raise ValueError naming the problem (bad schema, regex, grammar) without a
+        tokenizer: the API server calls it so a bad request gets a 400 before it queues."""
+        ...
+
+    def compile(self, spec: StructuredOutputsParams) -> Grammar:
+        """A fresh Grammar for one request (the backend may cache compiled forms)."""
+        ...
 
 
 # --------------------------------------------------------------------------- worker

@@ -12,6 +12,44 @@ import msgspec
 _GREEDY_EPS = 1e-5
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """One constraint on the output, as vLLM's `structured_outputs` request field: exactly
+    one of the fields is set. The engine compiles it with the stack's structured-output
+    backend (interfaces.StructuredOutputBackend) and masks every sampling step with it."""
+
+    json: str | None = None  # a JSON schema, serialized
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            found = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                f"structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar; got {found}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must list at least one string")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what the grammar cache is keyed by."""
+        if self.json is not None:
+            return ("json", self.json)
+        if self.json_object:
+            return ("json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", "\x00".join(self.choice))
+        return ("grammar", self.grammar or "")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
     temperature: float = 1.0
@@ -30,6 +68,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Token sequences that must never be completed: the frontend tokenizes the request's
+    # bad_words (with and without a leading space, as vLLM) into these.
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # Completions: logprobs of each prompt token given the ones before (top-N alternatives).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +110,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+            ),
+            (
+                all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids must not be empty",
             ),
         ]
         for ok, message in checks:

@@ -4,18 +4,21 @@
   allocator see it (datatypes/request.py).
 - `SchedulerOutput` with `NewRequestData` and `CachedRequestData`: what the scheduler
   hands the executor each step (datatypes/scheduler_output.py).
+- `GrammarOutput`: the allowed-token bitmask the engine hands the executor between
+  `execute_model` and `sample_tokens` (datatypes/grammar_output.py).
 - `ModelRunnerOutput`, `Logprobs`: what the executor hands back; `Logprobs` also
   travels on to the API server inside EngineCoreOutput (datatypes/runner_output.py).
 
 The Protocols in plugserve.interfaces, the plugins, the wire messages, the engine, the
 frontend and the worker import these from here. This package imports only the standard
-library, msgspec and plugserve.sampling_params, so a third-party plugin can be typed
+library, msgspec, numpy and plugserve.sampling_params, so a third-party plugin can be typed
 without reaching into the engine or the worker (tests/unit/test_import_rules.py keeps it
 so).
 """
 
 from __future__ import annotations
 
+from plugserve.datatypes.grammar_output import GrammarOutput
 from plugserve.datatypes.request import Request, RequestStatus
 from plugserve.datatypes.runner_output import Logprobs, ModelRunnerOutput
 from plugserve.datatypes.scheduler_output import (
@@ -26,6 +29,7 @@ from plugserve.datatypes.scheduler_output import (
 
 __all__ = [
     "CachedRequestData",
+    "GrammarOutput",
     "Logprobs",
     "ModelRunnerOutput",
     "NewRequestData",
