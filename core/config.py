@@ -41,6 +41,7 @@ class StackSelection(_Section):
 
     renderer: str = "hf"
     detokenizer: str = "incremental"
+    tool_parser: str = "hermes"
     transport: str = "zmq"
     scheduler: str = "fcfs"
     kv_allocator: str = "paged"

@@ -109,6 +109,11 @@ class ToolParser(Protocol):
         completed by it). Text that may belong to a call is held back until it is known."""
         ...
 
+    def finish_streaming(self) -> tuple[str, list[ToolCall]]:
+        """Streamed: the output ended. Returns what was held back: text that turned out
+        not to be a call, and a last call the model did not close."""
+        ...
+
 
 # --------------------------------------------------------------------------- transport
 

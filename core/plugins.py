@@ -33,6 +33,7 @@ ENTRY_POINT_GROUP = "plugserve"
 SLOT_HOOKS: dict[str, str] = {
     "renderer": "register_renderers",
     "detokenizer": "register_detokenizers",
+    "tool_parser": "register_tool_parsers",
     "transport": "register_transports",
     "scheduler": "register_scheduler_policies",
     "kv_allocator": "register_kv_allocators",
