@@ -46,9 +46,18 @@ class Renderer(Protocol):
         messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Apply the chat template and tokenize; raise ValueError for a malformed conversation."""
+        """Apply the chat template and tokenize; raise ValueError for a malformed
+        conversation. `messages` are OpenAI's (assistant turns may carry `tool_calls`
+        with content None, `tool` turns a `tool_call_id`). `tools` (OpenAI's function
+        tools) reach the template as transformers' `apply_chat_template(tools=...)`
+        passes them. `continue_final_message`: the last message is the assistant's and
+        stays open, for the model to continue (not with `add_generation_prompt`).
+        `chat_template`: a template given with the request, instead of the model's."""
         ...
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...

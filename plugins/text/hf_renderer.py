@@ -7,6 +7,7 @@ a message naming the offending message rather than a template traceback.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
         "conversation",
         "messages",
         "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
         "chat_template",
         "tokenize",
         "tokenizer_kwargs",
@@ -55,17 +59,35 @@ class HFRenderer:
         messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Apply the chat template and tokenize; raise ValueError for a malformed
         conversation, a template that rejects it, or a model without a chat template.
 
         Content given as a list of text parts is joined with newlines, since templates
-        written for plain-text models concatenate `message['content']` as a string.
+        written for plain-text models concatenate `message['content']` as a string; an
+        assistant turn with only tool calls gets empty content, and its calls' arguments
+        are given to the template as objects (templates write them with `tojson`).
+        `tools` reach the template as transformers' `apply_chat_template(tools=...)`
+        passes them; `continue_final_message` leaves the last (assistant) message open
+        for the model to continue; `chat_template` replaces the model's own template.
         """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message continues the last message; it cannot be combined "
+                "with add_generation_prompt (set add_generation_prompt to false)"
+            )
         conversation = _normalize_conversation(messages)
+        if continue_final_message and conversation[-1]["role"] != "assistant":
+            raise ValueError(
+                "continue_final_message needs the last message to be the assistant's, "
+                f"got {conversation[-1]['role']!r}"
+            )
         extra = _check_template_kwargs(chat_template_kwargs)
-        if not getattr(self.tokenizer, "chat_template", None):
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 f"the model at {self.model_path} has no chat template; "
                 "send a plain prompt (completions) instead of chat messages"
@@ -73,7 +95,10 @@ class HFRenderer:
         try:
             prompt = self.tokenizer.apply_chat_template(
                 conversation,
+                tools=tools or None,
+                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **extra,
             )
@@ -81,6 +106,8 @@ class HFRenderer:
             # Templates signal invalid conversations (e.g. roles not alternating) through
             # raise_exception, which surfaces as a TemplateError: a client error, not ours.
             raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
+        except (TypeError, ValueError) as exc:  # a template that failed on this input
+            raise ValueError(f"the chat template failed on this conversation: {exc}") from exc
         # The template writes every control token itself, BOS included; letting the
         # tokenizer add its own special tokens again would double the BOS.
         return self.encode(prompt, add_special_tokens=False)
@@ -107,12 +134,42 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise ValueError(f"{where}.role must be a non-empty string, got {role!r}")
-    if "content" not in message:
-        raise ValueError(f"{where} ({role}) has no content")
     # Copy so that normalizing never mutates the caller's request body.
     normalized = dict(message)
-    normalized["content"] = _content_text(where, message["content"])
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        if role != "assistant":
+            raise ValueError(f"{where} ({role}) has tool_calls; only assistant turns may")
+        normalized["tool_calls"] = [_template_tool_call(where, c) for c in tool_calls]
+    if message.get("content") is None:
+        if not tool_calls:
+            if "content" not in message:
+                raise ValueError(f"{where} ({role}) has no content")
+            raise ValueError(
+                f"{where}.content is null; only an assistant turn with tool_calls may omit it"
+            )
+        normalized["content"] = ""
+    else:
+        normalized["content"] = _content_text(where, message["content"])
     return normalized
+
+
+def _template_tool_call(where: str, call: Any) -> dict[str, Any]:
+    """An OpenAI tool call with its arguments (JSON text) as an object, which is what
+    chat templates expect (they write `tool_call.arguments | tojson`); vLLM passes them
+    the same way."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        raise ValueError(f"{where}.tool_calls: each call must be an object with a function")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{where}.tool_calls: the arguments of {function.get('name')!r} are not JSON: {exc}"
+            ) from exc
+    return {**call, "function": function}
 
 
 def _content_text(where: str, content: Any) -> str:

@@ -203,3 +203,105 @@ def test_encode_matches_the_tokenizer(renderer: HFRenderer) -> None:
 def test_encode_rejects_non_strings(renderer: HFRenderer) -> None:
     with pytest.raises(ValueError, match="must be a string"):
         renderer.encode([1, 2, 3])  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- tools (issue 21)
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+# Writes what a tool-aware template (Qwen's, Hermes') would: the tools, each call with
+# its arguments as an object, and tool results.
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}|{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def decode(renderer: HFRenderer, ids: list[int]) -> str:
+    return renderer.tokenizer.decode(ids)
+
+
+def test_tools_reach_the_template_as_apply_chat_template_passes_them(
+    renderer: HFRenderer,
+) -> None:
+    ids = renderer.render_chat(CONVERSATION, tools=[WEATHER_TOOL], chat_template=TOOL_TEMPLATE)
+    assert decode(renderer, ids).startswith("TOOLS:get_weather;|")
+    expected = renderer.tokenizer.apply_chat_template(
+        CONVERSATION, tools=[WEATHER_TOOL], chat_template=TOOL_TEMPLATE,
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    assert decode(renderer, ids) == expected
+
+
+def test_assistant_tool_calls_and_tool_results_are_rendered(renderer: HFRenderer) -> None:
+    conversation = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    text = decode(renderer, renderer.render_chat(conversation, chat_template=TOOL_TEMPLATE))
+    # The arguments arrive as an object (tojson writes it back), content null as "".
+    assert '|assistant:<call>get_weather{"city": "Paris"}</call>|' in text
+    assert "|tool:18 C, sunny[call_1]|" in text
+    # The model's own template (no tool support) still renders the conversation.
+    assert "18 C, sunny" in decode(renderer, renderer.render_chat(conversation))
+    assert conversation[1]["content"] is None  # the request body is left as it was
+
+
+def test_tool_call_arguments_must_be_json(renderer: HFRenderer) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls.*not JSON"):
+        renderer.render_chat(messages)
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(renderer: HFRenderer) -> None:
+    conversation = [*CONVERSATION, {"role": "assistant", "content": "The capital is"}]
+    ids = renderer.render_chat(
+        conversation, add_generation_prompt=False, continue_final_message=True
+    )
+    assert decode(renderer, ids).endswith("<|im_start|>assistant\nThe capital is")
+    closed = renderer.render_chat(conversation, add_generation_prompt=False)
+    assert decode(renderer, closed).endswith("The capital is<|im_end|>\n")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"add_generation_prompt": True, "continue_final_message": True}, "add_generation_prompt"),
+        ({"add_generation_prompt": False, "continue_final_message": True}, "last message"),
+    ],
+)
+def test_continue_final_message_needs_a_final_assistant_turn_and_no_generation_prompt(
+    renderer: HFRenderer, kwargs: dict[str, bool], fragment: str
+) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        renderer.render_chat(CONVERSATION, **kwargs)
+
+
+def test_a_request_chat_template_replaces_the_models(renderer: HFRenderer) -> None:
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    ids = renderer.render_chat(CONVERSATION, add_generation_prompt=False, chat_template=template)
+    assert (
+        decode(renderer, ids) == "<<You are a terse assistant.>><<What is the capital of France?>>"
+    )
