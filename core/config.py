@@ -45,6 +45,7 @@ class StackSelection(_Section):
     transport: str = "zmq"
     scheduler: str = "fcfs"
     kv_allocator: str = "paged"
+    structured_output: str = "xgrammar"
     executor: str = "uni"
     attention: str = "torch"
 

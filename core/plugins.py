@@ -37,6 +37,7 @@ SLOT_HOOKS: dict[str, str] = {
     "transport": "register_transports",
     "scheduler": "register_scheduler_policies",
     "kv_allocator": "register_kv_allocators",
+    "structured_output": "register_structured_output_backends",
     "executor": "register_executors",
     "attention": "register_attention_backends",
     "model": "register_models",

@@ -1,0 +1,166 @@
+"""`llguidance`: a second bundled structured-output backend, on Microsoft's llguidance
+engine (Rust; an Earley parser over a lazily built token trie, no ahead-of-time
+compilation of the whole vocabulary).
+
+The constraint becomes an llguidance grammar: a JSON schema, any JSON object (the schema
+`{"type": "object"}`), a regex, an EBNF grammar (GBNF, converted to llguidance's Lark
+dialect), or a choice list (a Lark alternation of the quoted strings). A pristine
+LLMatcher per constraint key is cached; each request gets a deep copy of it.
+
+JSON is generated compact by default, as with the xgrammar backend (`, ` and `: `
+separators, no free whitespace); `plugins: {llguidance: {any_whitespace: true}}` allows
+any. llguidance reports a grammar as terminated once it accepts nothing but the end, so
+a constrained request finishes with `stop` on its last content token.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from plugserve import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from plugserve.sampling_params import StructuredOutputsParams
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+class LLGuidanceOptions(BaseModel):
+    """`plugins: {llguidance: {...}}` in stack.yaml."""
+
+    any_whitespace: bool = False  # JSON: allow any whitespace between tokens
+    cache_size: int = Field(256, ge=1)  # compiled grammars kept, least recently used dropped
+
+
+class LLGuidanceGrammar:
+    """One request's matcher."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.consume_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_stopped())
+
+
+class LLGuidanceBackend:
+    Options = LLGuidanceOptions
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        options: LLGuidanceOptions | None = None,
+    ) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self.options = options or LLGuidanceOptions()
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
+        )
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # compilations actually run (cache misses)
+        # The first mask over a tokenizer builds llguidance's token trie (~2 s for a 49k
+        # vocabulary): pay it here, on the engine's compile thread, not in a step.
+        import torch
+        from llguidance.torch import fill_next_token_bitmask
+
+        warm = llguidance.LLMatcher(self._tokenizer, llguidance.LLMatcher.grammar_from_regex("a"))
+        fill_next_token_bitmask(warm, torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32))
+
+    @classmethod
+    def validate(cls, spec: StructuredOutputsParams) -> None:
+        import llguidance
+
+        grammar = _grammar(spec, any_whitespace=False)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            kind, _ = spec.key
+            raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(messages[0])}")
+
+    def compile(self, spec: StructuredOutputsParams) -> LLGuidanceGrammar:
+        key = spec.key
+        with self._lock:
+            pristine = self._cache.get(key)
+            if pristine is not None:
+                self._cache.move_to_end(key)
+        if pristine is None:
+            pristine = self._compile(spec)
+            with self._lock:
+                self._cache[key] = pristine
+                self.num_compiled += 1
+                while len(self._cache) > self.options.cache_size:
+                    self._cache.popitem(last=False)
+        return LLGuidanceGrammar(pristine.deep_copy())
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        import llguidance
+
+        grammar = _grammar(spec, any_whitespace=self.options.any_whitespace)
+        # The constructor never raises for a bad grammar: the matcher enters an error state.
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            kind, _ = spec.key
+            raise ValueError(
+                f"invalid structured_outputs.{kind}: {_first_line(matcher.get_error())}"
+            )
+        return matcher
+
+
+def _grammar(spec: StructuredOutputsParams, *, any_whitespace: bool) -> str:
+    """The llguidance grammar text for a constraint; ValueError if it cannot be built."""
+    import llguidance
+
+    kind, _ = spec.key
+    try:
+        if spec.json is not None or spec.json_object:
+            schema = JSON_OBJECT_SCHEMA if spec.json_object else spec.json or ""
+            try:
+                parsed = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc})") from exc
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("a JSON schema is an object")
+            options: dict[str, Any] = (
+                {"whitespace_flexible": True}
+                if any_whitespace
+                else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            )
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        if spec.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        if spec.choice is not None:
+            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        return llguidance.grammar_from("grammar", spec.grammar or "")
+    except ValueError as exc:
+        raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException | str) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+@hookimpl
+def register_structured_output_backends(register):
+    register("llguidance", LLGuidanceBackend)
