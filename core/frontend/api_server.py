@@ -35,6 +35,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        # Every unknown field at once, by its path: no field is silently ignored.
+        names = [".".join(str(p) for p in e["loc"] if p != "body") for e in unknown]
+        return (
+            f"unsupported field{'s' if len(names) > 1 else ''}: {', '.join(names)} "
+            "(not implemented by this server; see docs/api.md)",
+            names[0],
+        )
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":

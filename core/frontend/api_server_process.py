@@ -142,7 +142,13 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
         await client.shutdown()
         return 1
     model_name = config.server.served_model_name or config.model
-    serving = OpenAIServing(client, renderer, model_name)
+    serving = OpenAIServing(
+        client,
+        renderer,
+        model_name,
+        structured_output_backend=registry.get("structured_output", stack.structured_output),
+        tool_parser=registry.get("tool_parser", stack.tool_parser),
+    )
     app = build_app(client, serving, config.server.api_key, server_name=setup.name)
     server = _Server(
         uvicorn.Config(

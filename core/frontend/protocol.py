@@ -1,26 +1,173 @@
 """OpenAI request bodies (pydantic, validated) and how they become SamplingParams.
 
+Every model forbids fields it does not declare: a field the server does not implement
+is a 400 naming it, never silently dropped. The few fields OpenAI's SDKs send with no
+effect on the output (IGNORED_FIELDS) are declared, accepted and logged at debug level.
+docs/api.md lists every field with its status.
+
 Responses are built as plain dicts in serving.py: their shape is OpenAI's and nothing
 on our side reads them back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from plugserve.sampling_params import SamplingParams
 
+# Accepted and without effect on the output: metadata OpenAI's SDKs and clients send
+# routinely (stored completions, billing and abuse identifiers, caching hints).
+IGNORED_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+)
 
-class StreamOptions(BaseModel):
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    # OpenAI pads streamed chunks against side channels; plugserve sends no padding.
+    include_obfuscation: bool | None = None
 
 
-class _SamplingRequest(BaseModel):
-    # Unknown fields are ignored, as OpenAI's own SDKs send ones we have no use for.
-    model_config = ConfigDict(extra="ignore")
+# ------------------------------------------------------------------ messages
 
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+def _only_text_parts(content: Any) -> Any:
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content[{j}] has type {kind!r}; only 'text' parts are supported")
+    return content
+
+
+Content = Annotated[str | list[TextPart], BeforeValidator(_only_text_parts)]
+
+
+class SystemMessage(_Strict):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    name: str | None = None
+    refusal: str | None = None  # echoed back by clients; not rendered
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+# ------------------------------------------------------------------ constraints
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # Always enforced: plugserve constrains the output to the schema, strict or not.
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+# ------------------------------------------------------------------ tools
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # Always enforced when the call is forced (tool_choice required or named).
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# ------------------------------------------------------------------ requests
+
+
+class _SamplingRequest(_Strict):
     model: str
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -41,10 +188,29 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
-    user: str | None = None
     # vLLM's: logprobs name tokens "token_id:<id>" instead of their text, so a client
     # sees exactly which token was chosen (a text can stand for several token ids).
     return_tokens_as_token_ids: bool = False
+    # OpenAI's: token id (as a string key) -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to complete (tokenized with and without a leading space).
+    bad_words: list[str] | None = None
+    # Output constraints: at most one of these (and of tool_choice required / named).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Accepted and ignored (IGNORED_FIELDS).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingRequest:
@@ -55,9 +221,18 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    def ignored_fields(self) -> list[str]:
+        """The accepted-and-ignored fields this request set (logged at debug level)."""
+        names = [name for name in IGNORED_FIELDS if name in self.model_fields_set]
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            names.append("stream_options.include_obfuscation")
+        return names
+
     def sampling_params(
-        self, *, max_tokens: int | None, num_logprobs: int | None
+        self, *, max_tokens: int | None, num_logprobs: int | None, **extra: Any
     ) -> SamplingParams:
+        """`extra`: the fields the serving layer derives with the tokenizer and the
+        structured-output backend (logit_bias, bad_words_token_ids, structured_outputs…)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -77,6 +252,8 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=num_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            **extra,
         )
 
     @property
@@ -85,17 +262,27 @@ class _SamplingRequest(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
+    def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false to continue the last message)"
+            )
         return self
 
     @property
@@ -106,6 +293,22 @@ class ChatCompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, "none" otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the renderer takes them (OpenAI's JSON shape)."""
+        return [m.model_dump(exclude_none=True, exclude={"refusal"}) for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -113,6 +316,8 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
     suffix: None = None
+    # vLLM's: each prompt token's logprob (and top alternatives) given those before it.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -7,6 +7,7 @@ they come. Validation happens here, before anything reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,18 +17,17 @@ from typing import Any
 import msgspec
 
 from plugserve.datatypes import Logprobs
+from plugserve.frontend.constraints import check_tools, request_constraint
 from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
-from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from plugserve.interfaces import Renderer
+from plugserve.frontend.errors import InvalidRequest, ModelNotFound
+from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
+from plugserve.interfaces import Renderer, StructuredOutputBackend, ToolParser
 from plugserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
-class InvalidRequest(ValueError):
-    """Bad input: answered with a 400 in OpenAI's error shape."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["SSE_DONE", "InvalidRequest", "ModelNotFound", "OpenAIServing", "sse_event"]
 
 
 @dataclass
@@ -51,14 +51,38 @@ class _Prepared:
     priority: int
     tokens_as_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Chat: how each choice's text becomes content and tool calls (tool_choice).
+    make_output: Callable[[], ChoiceOutput] = ChoiceOutput
+
+    def params_of(self, choice: int) -> SamplingParams:
+        """Choice `choice` of a prompt: with a seed and n > 1, seed + choice (as vLLM),
+        so the n samples differ and each is reproducible."""
+        params = self.params
+        if params.seed is None or params.n == 1 or choice == 0:
+            return params
+        return msgspec.structs.replace(params, seed=params.seed + choice)
 
 
 class OpenAIServing:
-    def __init__(self, client: AsyncEngineClient, renderer: Renderer, model_name: str) -> None:
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        renderer: Renderer,
+        model_name: str,
+        *,
+        structured_output_backend: type[StructuredOutputBackend] | None = None,
+        tool_parser: type[ToolParser] | None = None,
+    ) -> None:
+        """`structured_output_backend`: the stack's backend class, whose `validate`
+        checks constraints before they are queued (None: the engine reports them).
+        `tool_parser`: the stack's parser class for `tool_choice: "auto"` (None: tool
+        calls are not parsed from free text)."""
         self.client = client
         self.renderer = renderer
         self.model_name = model_name
         self.tokenizer = renderer.tokenizer
+        self.structured_output_backend = structured_output_backend
+        self.tool_parser = tool_parser
         self._token_text: dict[int, str] = {}
 
     @property
@@ -75,7 +99,10 @@ class OpenAIServing:
             )
 
     def _params(
-        self, body: ChatCompletionRequest | CompletionRequest, prompt_len: int
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt_len: int,
+        constraint: Any = None,
     ) -> SamplingParams:
         if prompt_len == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
@@ -94,37 +121,101 @@ class OpenAIServing:
                 "max_tokens",
             )
         vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in body.stop_token_ids or []):
-            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(not 0 <= t < vocab for t in getattr(body, name) or []):
+                raise InvalidRequest(f"{name} must be in [0, {vocab})", name)
+        if getattr(body, "prompt_logprobs", None) is not None:
+            raise InvalidRequest(
+                "prompt_logprobs is not supported by this server's engine", "prompt_logprobs"
+            )
         try:
             return body.sampling_params(
                 max_tokens=max_tokens if max_tokens is not None else room,
                 num_logprobs=body.num_logprobs,
+                logit_bias=self._logit_bias(body.logit_bias, vocab),
+                bad_words_token_ids=self._bad_words(body.bad_words or []),
+                structured_outputs=constraint,
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
+    @staticmethod
+    def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+        """OpenAI's keys are token ids written as strings."""
+        if not bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequest(
+                    f"logit_bias keys are token ids; got {key!r}", "logit_bias"
+                ) from None
+            if not 0 <= token_id < vocab:
+                raise InvalidRequest(
+                    f"logit_bias: token id {token_id} is not in [0, {vocab})", "logit_bias"
+                )
+            out[token_id] = value
+        return out
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as it would start the text and after a space (as vLLM
+        does): a word is banned mid-sentence too, where its tokenization differs."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.renderer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    def _log_ignored(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        if logger.isEnabledFor(logging.DEBUG) and (ignored := body.ignored_fields()):
+            logger.debug("request fields accepted and ignored: %s", ", ".join(ignored))
+
     def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
         self._check_model(body.model)
+        self._log_ignored(body)
+        check_tools(body)
+        constraint = request_constraint(body, self.structured_output_backend)
         try:
             prompt = self.renderer.render_chat(
-                body.messages,
+                body.conversation(),
                 add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tools=body.tool_dicts(),
+                chat_template=body.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc), "messages") from exc
-        params = self._params(body, len(prompt))
+        params = self._params(body, len(prompt), constraint)
         return _Prepared(
             f"chatcmpl-{uuid.uuid4().hex}",
             [prompt],
             params,
             body.priority,
             body.return_tokens_as_token_ids,
+            make_output=self._choice_output(body),
         )
+
+    def _choice_output(self, body: ChatCompletionRequest) -> Callable[[], ChoiceOutput]:
+        choice = body.effective_tool_choice
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            return lambda: NamedCall(name)
+        if choice == "required":
+            return RequiredCalls
+        if choice == "auto" and body.tools and self.tool_parser is not None:
+            parser_cls, tools = self.tool_parser, body.tool_dicts() or []
+            return lambda: AutoCalls(parser_cls(tokenizer=self.tokenizer, tools=tools))
+        return ChoiceOutput
 
     def prepare_completion(self, body: CompletionRequest) -> _Prepared:
         self._check_model(body.model)
+        self._log_ignored(body)
+        constraint = request_constraint(body, self.structured_output_backend)
         try:
             raw = body.prompts()
         except ValueError as exc:
@@ -138,7 +229,7 @@ class OpenAIServing:
                 raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
             else:
                 prompts.append(list(p))
-        params = [self._params(body, len(p)) for p in prompts]
+        params = [self._params(body, len(p), constraint) for p in prompts]
         # max_tokens defaults per prompt to what fits; keep the smallest so one params
         # object serves all prompts.
         chosen = min(params, key=lambda sp: sp.max_tokens or 0)
@@ -159,7 +250,10 @@ class OpenAIServing:
             (
                 i * n + j,
                 self.client.generate(
-                    f"{prep.request_id}-{i * n + j}", ids, prep.params, priority=prep.priority
+                    f"{prep.request_id}-{i * n + j}",
+                    ids,
+                    prep.params_of(j),
+                    priority=prep.priority,
                 ),
             )
             for i, ids in enumerate(prep.prompts)
@@ -226,11 +320,15 @@ class OpenAIServing:
         if prep.params.logprobs is not None:
             logprobs = self._logprobs(c.logprobs, chat, prep.tokens_as_ids)
         if chat:
+            content, tool_calls = prep.make_output().final(text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
             return {
                 "index": c.index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
+                "finish_reason": _finish_reason(c.finish_reason, bool(tool_calls)),
                 "stop_reason": c.stop_reason,
             }
         return {
@@ -263,6 +361,7 @@ class OpenAIServing:
         }
         num_choices = len(prep.prompts) * prep.params.n
         num_output = [0] * num_choices
+        outputs = [prep.make_output() for _ in range(num_choices)]
         cached = 0
         if chat:
             for i in range(num_choices):
@@ -285,18 +384,25 @@ class OpenAIServing:
                     chat,
                     prep.tokens_as_ids,
                 )
-            if chat:
-                choice = {"index": index, "delta": {"content": delta.text} if delta.text else {}}
+            if not chat:
+                choices: list[dict[str, Any]] = [{"index": index, "text": delta.text}]
             else:
-                choice = {"index": index, "text": delta.text}
-            choice["logprobs"] = logprobs
-            choice["finish_reason"] = delta.finish_reason
-            if delta.finished:
-                choice["stop_reason"] = delta.stop_reason
-            chunk = {**head, "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            yield sse_event(chunk)
+                output = outputs[index]
+                deltas = output.feed(delta.text)
+                if delta.finished:
+                    deltas += output.finish()
+                choices = [{"index": index, "delta": d} for d in deltas or [{}]]
+            for n_chunk, choice in enumerate(choices):
+                choice["logprobs"] = logprobs if n_chunk == 0 else None
+                choice["finish_reason"] = None
+                if n_chunk == len(choices) - 1 and delta.finished:
+                    called = chat and outputs[index].num_calls > 0
+                    choice["finish_reason"] = _finish_reason(delta.finish_reason, called)
+                    choice["stop_reason"] = delta.stop_reason
+                chunk = {**head, "choices": [choice]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse_event(chunk)
         if include_usage:
             yield sse_event(
                 {**head, "choices": [], "usage": self._usage(prep, sum(num_output), cached)}
@@ -355,8 +461,9 @@ def _token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-class ModelNotFound(InvalidRequest):
-    """An unknown model name: a 404, as OpenAI answers."""
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that ended with tool calls (not cut short) says so, as OpenAI's do."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 SSE_DONE = b"data: [DONE]\n\n"
