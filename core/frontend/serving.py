@@ -20,6 +20,7 @@ from plugserve.datatypes import Logprobs
 from plugserve.frontend.constraints import check_tools, request_constraint
 from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
+from plugserve.frontend.logprobs import LogprobsFormatter
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
 from plugserve.interfaces import Renderer, StructuredOutputBackend, ToolParser
@@ -83,7 +84,7 @@ class OpenAIServing:
         self.tokenizer = renderer.tokenizer
         self.structured_output_backend = structured_output_backend
         self.tool_parser = tool_parser
-        self._token_text: dict[int, str] = {}
+        self._logprobs = LogprobsFormatter(renderer.tokenizer)
 
     @property
     def max_model_len(self) -> int:
@@ -318,7 +319,7 @@ class OpenAIServing:
         text = "".join(c.text)
         logprobs = None
         if prep.params.logprobs is not None:
-            logprobs = self._logprobs(c.logprobs, chat, prep.tokens_as_ids)
+            logprobs = self._logprobs.format(c.logprobs, chat, prep.tokens_as_ids)
         if chat:
             content, tool_calls = prep.make_output().final(text)
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -379,7 +380,7 @@ class OpenAIServing:
                 continue  # nothing a client could show yet (held-back text)
             logprobs = None
             if prep.params.logprobs is not None and delta.logprobs:
-                logprobs = self._logprobs(
+                logprobs = self._logprobs.format(
                     list(zip(delta.token_ids, delta.logprobs, strict=False)),
                     chat,
                     prep.tokens_as_ids,
@@ -408,57 +409,6 @@ class OpenAIServing:
                 {**head, "choices": [], "usage": self._usage(prep, sum(num_output), cached)}
             )
         yield SSE_DONE
-
-    # ------------------------------------------------------------------ logprobs
-
-    def _text_of(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
-
-    def _logprobs(
-        self, entries: list[tuple[int, Logprobs]], chat: bool, tokens_as_ids: bool
-    ) -> dict[str, Any]:
-        text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else self._text_of
-        if chat:
-            content = []
-            for token_id, lp in entries:
-                text = text_of(token_id)
-                content.append(
-                    {
-                        "token": text,
-                        "logprob": lp.sampled_logprob,
-                        "bytes": list(text.encode()),
-                        "top_logprobs": [
-                            {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode())}
-                            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                        ],
-                    }
-                )
-            return {"content": content}
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = 0
-        for token_id, lp in entries:
-            text = text_of(token_id)
-            tokens.append(text)
-            token_logprobs.append(lp.sampled_logprob)
-            top.append(
-                {text_of(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-            )
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-
-def _token_id_text(token_id: int) -> str:
-    return f"token_id:{token_id}"
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -1,0 +1,70 @@
+"""Sampled tokens' logprobs in OpenAI's two shapes: chat's `content` list and
+completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from plugserve.datatypes import Logprobs
+
+
+class LogprobsFormatter:
+    """Per API server: token texts are decoded once and cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def format(
+        self, entries: list[tuple[int, Logprobs]], chat: bool, tokens_as_ids: bool
+    ) -> dict[str, Any]:
+        text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else self._text_of
+        if chat:
+            content = []
+            for token_id, lp in entries:
+                text = text_of(token_id)
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp.sampled_logprob,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode())}
+                            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for token_id, lp in entries:
+            text = text_of(token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.sampled_logprob)
+            top.append(
+                {text_of(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            )
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
