@@ -364,7 +364,8 @@ class Grammar(Protocol):
         ...
 
     def is_terminated(self) -> bool:
-        """The constraint is complete: the request finishes with `stop`."""
+        """The constraint is complete and a stop token was accepted after it: the request
+        finishes with `stop`. (A complete constraint allows only the stop tokens.)"""
         ...
 
 

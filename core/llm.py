@@ -58,7 +58,15 @@ class RequestOutput:
 PromptInput = str | dict[str, Any]
 
 # Everything but the transport: offline, the engine core runs in this process.
-OFFLINE_SLOTS = ("renderer", "detokenizer", "scheduler", "kv_allocator", "executor", "attention")
+OFFLINE_SLOTS = (
+    "renderer",
+    "detokenizer",
+    "scheduler",
+    "kv_allocator",
+    "structured_output",
+    "executor",
+    "attention",
+)
 
 
 @dataclass

@@ -59,6 +59,14 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     # and finished requests by finish reason (one of FINISH_REASONS).
     num_generated_tokens: int = 0
     num_finished: dict[str, int] = msgspec.field(default_factory=dict)
+    # Structured output since start: steps that built a grammar bitmask, the seconds spent
+    # building them (between execute_model and sample_tokens), the seconds then still
+    # waited for the forward pass, and the steps where that wait shows the forward pass
+    # was still running when the bitmask was done (it hid the bitmask entirely).
+    grammar_bitmask_steps: int = 0
+    grammar_bitmask_seconds: float = 0.0
+    grammar_forward_wait_seconds: float = 0.0
+    grammar_bitmask_hidden_steps: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

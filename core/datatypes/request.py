@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
+from typing import Any
 
 from plugserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    # Its structured-output grammar is being compiled off the busy loop; it joins the
+    # waiting queue when the grammar is ready (vLLM's WAITING_FOR_FSM).
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3  # EOS or a stop token
-    FINISHED_LENGTH = 4  # max_tokens or max_model_len
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4  # EOS, a stop token, or the grammar's end
+    FINISHED_LENGTH = 5  # max_tokens or max_model_len
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -66,6 +71,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Structured output: the compilation under way, then the request's own grammar
+        # (interfaces.Grammar), advanced by every token it accepts.
+        self.grammar_future: Future[Any] | None = None
+        self.grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

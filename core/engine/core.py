@@ -15,11 +15,16 @@ import msgspec
 from plugserve.config import StackConfig
 from plugserve.datatypes import Request, RequestStatus
 from plugserve.engine.scheduler import Scheduler
+from plugserve.engine.structured_output import StructuredOutputManager
 from plugserve.interfaces import Executor, KVCacheInfo
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from plugserve.plugins import get_registry
 
 logger = logging.getLogger(__name__)
+
+# A step's forward pass hid its grammar bitmask when the engine still waited this long for
+# the executor's result after the bitmask was done (reading a finished result takes less).
+HIDDEN_WAIT_S = 1e-4
 
 
 class StepStats(msgspec.Struct, kw_only=True):
@@ -67,6 +72,8 @@ class EngineCore:
         policy = registry.build(
             "scheduler", stack.scheduler, config.plugin_options(stack.scheduler)
         )
+        # Builds its backend on the first constrained request only.
+        self.structured_output = StructuredOutputManager(config, registry=registry)
         self.scheduler = Scheduler(
             policy=policy,
             kv_allocator=kv_allocator,
@@ -76,11 +83,16 @@ class EngineCore:
             on_finished=self._notify_finished
             if registry.has_observers("request_finished")
             else None,
+            structured_output=self.structured_output,
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
         self.num_steps = 0
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
+        self.grammar_bitmask_steps = 0
+        self.grammar_bitmask_seconds = 0.0
+        self.grammar_forward_wait_seconds = 0.0
+        self.grammar_bitmask_hidden_steps = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, dtype %s, max_model_len %d",
             info.num_blocks,
@@ -129,6 +141,10 @@ class EngineCore:
         stats.num_steps = self.num_steps
         stats.step_seconds = self.step_seconds
         stats.forward_seconds = self.forward_seconds
+        stats.grammar_bitmask_steps = self.grammar_bitmask_steps
+        stats.grammar_bitmask_seconds = self.grammar_bitmask_seconds
+        stats.grammar_forward_wait_seconds = self.grammar_forward_wait_seconds
+        stats.grammar_bitmask_hidden_steps = self.grammar_bitmask_hidden_steps
         return stats
 
     def has_requests(self) -> bool:
@@ -145,14 +161,31 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         forward_started = time.perf_counter()
         future = self.executor.execute_model(scheduler_output, non_block=True)
-        # Structured-output grammar bitmasks would be computed here, overlapping the
-        # forward pass; there are none yet.
+        # The grammar bitmask of the constrained requests that sample this step, built on
+        # the CPU while the forward pass runs (where the executor runs it elsewhere).
         grammar_output = None
+        constrained = self.scheduler.constrained_sampling(scheduler_output)
+        if constrained:
+            bitmask_started = time.perf_counter()
+            grammar_output = self.structured_output.grammar_output(constrained)
+            bitmask_done = time.perf_counter()
+            self.grammar_bitmask_steps += 1
+            self.grammar_bitmask_seconds += bitmask_done - bitmask_started
         model_output = future.result() if hasattr(future, "result") else future
+        if constrained:
+            waited = time.perf_counter() - bitmask_done
+            self.grammar_forward_wait_seconds += waited
+            # Still waiting for the forward pass after the bitmask: it hid all of it.
+            if waited > HIDDEN_WAIT_S:
+                self.grammar_bitmask_hidden_steps += 1
         if model_output is None:
             model_output = self.executor.sample_tokens(grammar_output)
         forward_time = time.perf_counter() - forward_started
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if not scheduler_output.total_num_scheduled_tokens and not outputs:
+            # Nothing could run: the requests left wait for their grammars. Wait for one
+            # to compile rather than spin (new input is looked at again within 10 ms).
+            self.scheduler.wait_for_grammars(timeout=0.01)
         step_time = time.perf_counter() - started
         self.num_steps += 1
         self.step_seconds += step_time
@@ -185,4 +218,5 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

@@ -7,11 +7,19 @@ with their KV blocks allocated in the same decision); `update_from_output()` clo
 One token budget per step is shared by decodes and chunked prefills. Running requests
 are served first, in admission order; then waiting ones in the policy's order. When the
 allocator runs dry, the policy picks a running request to preempt by recompute.
+
+A request with a structured-output constraint first waits for its grammar
+(WAITING_FOR_GRAMMAR, outside the policy's queue, so it holds up no one); it joins the
+waiting queue once the grammar is compiled, or finishes with an error if it cannot be.
+Each token it accepts advances its grammar; a grammar that reaches its end finishes the
+request with `stop`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import TYPE_CHECKING
 
 from plugserve.datatypes import (
     CachedRequestData,
@@ -24,6 +32,9 @@ from plugserve.datatypes import (
 from plugserve.interfaces import KVAllocator, SchedulingPolicy
 from plugserve.messages import EngineCoreOutput, SchedulerStats
 
+if TYPE_CHECKING:
+    from plugserve.engine.structured_output import StructuredOutputManager
+
 
 class Scheduler:
     def __init__(
@@ -35,6 +46,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         on_finished: Callable[[Request], None] | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.policy = policy
         self.kv = kv_allocator
@@ -50,14 +62,29 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.num_finished: dict[str, int] = {}
+        self.structured_output = structured_output
+        # Constrained requests whose grammar is being compiled, in arrival order.
+        self._waiting_for_grammar: list[Request] = []
+        self._num_with_grammar = 0  # live requests holding a compiled grammar
+        # Outputs of requests finished by schedule() (a grammar that failed to compile),
+        # handed out by the next update_from_output.
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        # The policy first: a policy that refuses the request (raises) leaves no trace.
-        self.policy.add(request)
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            if self.structured_output is None:
+                raise ValueError("this engine has no structured-output backend")
+            request.grammar_future = self.structured_output.submit(spec)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._waiting_for_grammar.append(request)
+        else:
+            # The policy first: a policy that refuses the request (raises) leaves no trace.
+            self.policy.add(request)
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -70,6 +97,15 @@ class Scheduler:
         ]
         if waiting:
             self.policy.remove(waiting)
+        compiling = {id(r) for r in finished if r.status == RequestStatus.WAITING_FOR_GRAMMAR}
+        if compiling:
+            for request in finished:
+                if id(request) in compiling and request.grammar_future is not None:
+                    request.grammar_future.cancel()
+                    request.grammar_future = None
+            self._waiting_for_grammar = [
+                r for r in self._waiting_for_grammar if id(r) not in compiling
+            ]
         gone = {id(r) for r in finished}
         self.running = [r for r in self.running if id(r) not in gone]
         for request in finished:
@@ -82,11 +118,69 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.policy)
+        return len(self.policy) + len(self._waiting_for_grammar)
+
+    # ------------------------------------------------------------------ grammars
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a pending grammar compilation ends or `timeout` passes: the engine
+        calls it when nothing could be scheduled, instead of spinning."""
+        futures = [r.grammar_future for r in self._waiting_for_grammar if r.grammar_future]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the waiting queue; those whose constraint
+        failed to compile finish with an error. The others keep waiting."""
+        still: list[Request] = []
+        for request in self._waiting_for_grammar:
+            future = request.grammar_future
+            if future is not None and not future.done():
+                still.append(request)
+                continue
+            request.grammar_future = None
+            try:
+                if future is None:
+                    raise RuntimeError("its compilation was lost")
+                request.grammar = future.result()
+                request.status = RequestStatus.WAITING
+                self.policy.add(request)
+                self._num_with_grammar += 1
+            except Exception as exc:
+                request.grammar = None
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = f"structured output: {exc}"
+                self._release(request)
+                self._pending_outputs.append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=request.status.finish_reason,
+                        error=request.error,
+                    )
+                )
+        self._waiting_for_grammar = still
+
+    def constrained_sampling(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The requests with a grammar that sample at this step (a prefill chunk that does
+        not reach the end of its tokens samples nothing and needs no bitmask row)."""
+        if not self._num_with_grammar:
+            return []
+        requests = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if (
+                request.grammar is not None
+                and request.num_computed_tokens + num_tokens >= request.num_tokens
+            ):
+                requests.append(request)
+        return requests
 
     # ------------------------------------------------------------------ phase 5 + 6
 
     def schedule(self) -> SchedulerOutput:
+        if self._waiting_for_grammar:
+            self._admit_compiled()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
@@ -179,6 +273,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if self._pending_outputs:
+            outputs, self._pending_outputs = self._pending_outputs, []
         any_finished = False
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -209,6 +305,17 @@ class Scheduler:
         for i, token in enumerate(token_ids):
             request.append_output_token_ids([token])
             num_output = request.num_output_tokens
+            grammar = request.grammar
+            if grammar is not None:
+                if not grammar.accept_token(token):
+                    request.status = RequestStatus.FINISHED_ERROR
+                    request.error = (
+                        f"structured output: the grammar does not allow sampled token {token}"
+                    )
+                    return token_ids[: i + 1]
+                if grammar.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    return token_ids[: i + 1]
             if num_output >= params.min_tokens and (
                 (token == request.eos_token_id and not params.ignore_eos)
                 or token in params.stop_token_ids
@@ -240,6 +347,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        if request.grammar is not None:
+            request.grammar = None
+            self._num_with_grammar -= 1
         del self.requests[request.request_id]
         self._preempted_req_ids.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
@@ -254,7 +364,7 @@ class Scheduler:
         kv = self.kv.stats()
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.policy),
+            num_waiting=self.num_waiting,
             kv_usage=kv.usage,
             num_kv_blocks=kv.num_blocks,
             num_free_kv_blocks=kv.num_free_blocks,

@@ -39,7 +39,7 @@ from pydantic import BaseModel, Field
 
 from plugserve import hookimpl
 from plugserve.config import StackConfig, load_config
-from plugserve.datatypes import ModelRunnerOutput, SchedulerOutput
+from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from plugserve.interfaces import KVCacheInfo
 from plugserve.logging_utils import configure_process_logging
 from plugserve_plugins.executors.mp_worker import (
@@ -155,7 +155,7 @@ class MultiprocExecutor:
         self._pending.append(future)
         return future if non_block else future.result()
 
-    def sample_tokens(self, grammar_output: Any | None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         self._resolve_pending(None)  # replies arrive in order: execute's comes first
         message = bytearray(SAMPLE)
         self._encoder.encode_into(grammar_output, message, 1)

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from plugserve.config import StackConfig
-from plugserve.datatypes import SchedulerOutput
+from plugserve.datatypes import GrammarOutput, SchedulerOutput
 from plugserve.logging_utils import configure_process_logging
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
     commands = _Commands(spec, conn, control)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    grammar_decoder = msgspec.msgpack.Decoder(GrammarOutput | None)
     with torch.inference_mode():
         while True:
             message = commands.next()
@@ -156,7 +157,7 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
             if kind == EXECUTE:
                 out = runner.execute_model(decoder.decode(memoryview(message)[1:]))
             elif kind == SAMPLE:
-                grammar = msgspec.msgpack.decode(memoryview(message)[1:])
+                grammar = grammar_decoder.decode(memoryview(message)[1:])
                 out = runner.sample_tokens(grammar)
             elif kind == SHUTDOWN:
                 logger.info("shutting down")

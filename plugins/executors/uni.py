@@ -6,11 +6,10 @@ At tensor-parallel size 1 a forward pass is a function call, not an IPC round tr
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
 
 from plugserve import hookimpl
 from plugserve.config import StackConfig
-from plugserve.datatypes import ModelRunnerOutput, SchedulerOutput
+from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from plugserve.interfaces import KVCacheInfo
 
 
@@ -45,7 +44,7 @@ class UniProcExecutor:
         future.set_result(output)
         return future
 
-    def sample_tokens(self, grammar_output: Any | None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.runner.sample_tokens(grammar_output)
 
     def measure_weight_read(self, seconds: float) -> tuple[int, float]:

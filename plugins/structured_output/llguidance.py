@@ -9,8 +9,10 @@ LLMatcher per constraint key is cached; each request gets a deep copy of it.
 
 JSON is generated compact by default, as with the xgrammar backend (`, ` and `: `
 separators, no free whitespace); `plugins: {llguidance: {any_whitespace: true}}` allows
-any. llguidance reports a grammar as terminated once it accepts nothing but the end, so
-a constrained request finishes with `stop` on its last content token.
+any. As with xgrammar (its strict mode), an object schema that lists properties and does not
+say `additionalProperties` allows no other keys (`strict: false` follows JSON Schema's default instead). Once the
+constraint is complete only the stop tokens are allowed, and the grammar terminates when
+one is accepted: a constrained request ends with its stop token, as an unconstrained one.
 """
 
 from __future__ import annotations
@@ -36,17 +38,22 @@ class LLGuidanceOptions(BaseModel):
     """`plugins: {llguidance: {...}}` in stack.yaml."""
 
     any_whitespace: bool = False  # JSON: allow any whitespace between tokens
+    strict: bool = True  # JSON: objects allow no keys but their properties unless said
     cache_size: int = Field(256, ge=1)  # compiled grammars kept, least recently used dropped
 
 
 class LLGuidanceGrammar:
     """One request's matcher."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
+        self._stop_token_ids = stop_token_ids
+        self._ended = False
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self._matcher.consume_token(token_id))
+        ok = bool(self._matcher.consume_token(token_id))
+        self._ended = ok and token_id in self._stop_token_ids
+        return ok
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         from llguidance.torch import fill_next_token_bitmask
@@ -54,7 +61,8 @@ class LLGuidanceGrammar:
         fill_next_token_bitmask(self._matcher, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return bool(self._matcher.is_stopped())
+        # is_stopped() alone is already true when nothing but a stop token may follow.
+        return self._ended and bool(self._matcher.is_stopped())
 
 
 class LLGuidanceBackend:
@@ -73,6 +81,7 @@ class LLGuidanceBackend:
 
         self.options = options or LLGuidanceOptions()
         self.vocab_size = vocab_size
+        self._stop_token_ids = frozenset(stop_token_ids)
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
         )
@@ -91,7 +100,7 @@ class LLGuidanceBackend:
     def validate(cls, spec: StructuredOutputsParams) -> None:
         import llguidance
 
-        grammar = _grammar(spec, any_whitespace=False)
+        grammar = _grammar(spec, any_whitespace=False, strict=True)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             kind, _ = spec.key
@@ -110,12 +119,14 @@ class LLGuidanceBackend:
                 self.num_compiled += 1
                 while len(self._cache) > self.options.cache_size:
                     self._cache.popitem(last=False)
-        return LLGuidanceGrammar(pristine.deep_copy())
+        return LLGuidanceGrammar(pristine.deep_copy(), self._stop_token_ids)
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         import llguidance
 
-        grammar = _grammar(spec, any_whitespace=self.options.any_whitespace)
+        grammar = _grammar(
+            spec, any_whitespace=self.options.any_whitespace, strict=self.options.strict
+        )
         # The constructor never raises for a bad grammar: the matcher enters an error state.
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
@@ -126,7 +137,7 @@ class LLGuidanceBackend:
         return matcher
 
 
-def _grammar(spec: StructuredOutputsParams, *, any_whitespace: bool) -> str:
+def _grammar(spec: StructuredOutputsParams, *, any_whitespace: bool, strict: bool) -> str:
     """The llguidance grammar text for a constraint; ValueError if it cannot be built."""
     import llguidance
 
@@ -140,6 +151,8 @@ def _grammar(spec: StructuredOutputsParams, *, any_whitespace: bool) -> str:
                 raise ValueError(f"not JSON ({exc})") from exc
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError("a JSON schema is an object")
+            if strict:
+                schema = json.dumps(_closed_objects(parsed))
             options: dict[str, Any] = (
                 {"whitespace_flexible": True}
                 if any_whitespace
@@ -154,6 +167,20 @@ def _grammar(spec: StructuredOutputsParams, *, any_whitespace: bool) -> str:
         return llguidance.grammar_from("grammar", spec.grammar or "")
     except ValueError as exc:
         raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(exc)}") from exc
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists
+    properties and does not say (xgrammar's strict mode; OpenAI's strict schemas require
+    it). `{"type": "object"}` alone stays any object."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed_objects(value) for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _first_line(exc: BaseException | str) -> str:

@@ -120,6 +120,12 @@ def test_json_schema_accepts_a_valid_object_and_rejects_other_text(backend, toke
     assert tokenizer.encode("}", add_special_tokens=False)[0] not in allowed(
         partial, backend.vocab_size
     )
+    # Nor admit keys the schema does not list (xgrammar's strict mode, on both backends).
+    complete = backend.compile(spec)
+    accept_text(complete, tokenizer, '{"name": "Ada", "age": 36')
+    assert tokenizer.encode(",", add_special_tokens=False)[0] not in allowed(
+        complete, backend.vocab_size
+    )
 
 
 def test_json_object_starts_with_a_brace(backend, token_texts):

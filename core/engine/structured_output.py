@@ -1,0 +1,131 @@
+"""StructuredOutputManager: the engine side of structured output.
+
+It owns the stack's structured-output backend (`stack.structured_output`), built on the
+first constrained request, never before: an engine that serves no constrained request
+loads no tokenizer for it. Compilation runs on a small thread pool, off the busy loop:
+the scheduler parks a constrained request in WAITING_FOR_GRAMMAR with the compilation's
+Future and lets it join the waiting queue once its grammar is ready, while every other
+request goes on being scheduled. Building the backend itself (the tokenizer, the
+backend's own vocabulary index) happens on that pool too, within the first compilation.
+
+Each step, between `execute_model(non_block=True)` and `sample_tokens`, the engine asks
+for the batch's bitmask: one row per constrained request that samples this step, filled
+by its grammar (layout: datatypes.GrammarOutput).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plugserve.config import StackConfig
+from plugserve.datatypes import GrammarOutput, Request
+from plugserve.interfaces import Grammar, StructuredOutputBackend
+from plugserve.model_files import load_tokenizer, resolve_model_path
+from plugserve.plugins import PluginRegistry, get_registry
+from plugserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        config: StackConfig,
+        *,
+        registry: PluginRegistry | None = None,
+        max_workers: int = 2,
+    ) -> None:
+        self._config = config
+        self._registry = registry or get_registry(config.disabled_plugins)
+        # Threads start on the first submit only.
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="plugserve-grammar")
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self.vocab_size = 0  # the model's logits width, known once the backend is built
+        self._bitmask: torch.Tensor | None = None  # reused: [rows, ceil(vocab / 32)] int32
+
+    # ------------------------------------------------------------------ compilation
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
+        """Compile `spec` on the pool; the Future raises ValueError for a bad constraint."""
+        return self._pool.submit(self._compile, spec)
+
+    def _compile(self, spec: StructuredOutputsParams) -> Grammar:
+        return self.backend().compile(spec)
+
+    def backend(self) -> StructuredOutputBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._build_backend()
+            return self._backend
+
+    def _build_backend(self) -> StructuredOutputBackend:
+        model_path = resolve_model_path(self._config.model)
+        tokenizer = load_tokenizer(model_path)
+        vocab_size = max(_model_vocab_size(model_path), len(tokenizer))
+        stop_ids = model_stop_token_ids(model_path, tokenizer)
+        name = self._config.stack.structured_output
+        backend = self._registry.build(
+            "structured_output",
+            name,
+            self._config.plugin_options(name),
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            stop_token_ids=stop_ids,
+        )
+        self.vocab_size = vocab_size
+        logger.info(
+            "structured output: %s backend ready (vocabulary %d, stop ids %s)",
+            name,
+            vocab_size,
+            stop_ids,
+        )
+        return backend
+
+    # ------------------------------------------------------------------ each step
+
+    def grammar_output(self, requests: Sequence[Request]) -> GrammarOutput:
+        """The bitmask of the given requests (each with its grammar), one row each."""
+        num_rows = len(requests)
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = torch.empty((max(num_rows, 8), words), dtype=torch.int32)
+        bitmask = self._bitmask
+        for row, request in enumerate(requests):
+            request.grammar.fill_bitmask(bitmask, row)
+        return GrammarOutput(
+            req_ids=[r.request_id for r in requests],
+            bitmask=bitmask[:num_rows].numpy().tobytes(),
+        )
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _model_vocab_size(model_path: Path) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).vocab_size)
+
+
+def model_stop_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
+    """The tokens that end the model's output: the tokenizer's EOS and every
+    generation_config.json `eos_token_id` (a chat model's end of turn among them)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    path = Path(model_path) / "generation_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
