@@ -1,14 +1,19 @@
-"""Every registered combination of scheduler × transport × executor × attention backend,
-in each dtype the attention backend computes in, that can run on this machine serves one
-shared scenario through the real server. An fp32 cell's greedy output equals the Hugging
-Face reference token for token (so every other fp32 cell's); a bf16 cell agrees with
-Hugging Face bf16 by tests/correctness/agreement.py's criterion.
+"""Every registered combination of scheduler × transport × executor × attention backend
+that can run on this machine serves one shared scenario through the real server, in
+float32 (or, for a backend that does not compute in float32, its first dtype): an fp32
+cell's greedy output equals the Hugging Face reference token for token (so every other
+fp32 cell's). Each attention backend also serves in each of its other dtypes (bf16) over
+a covering set of cells, in which every executor, scheduler and transport appears: a bf16
+cell agrees with Hugging Face bf16 by tests/correctness/agreement.py's criterion. bf16
+changes only the numeric path (executor × attention), which the full float32 product
+already crosses with every scheduler and transport; the covering set keeps the suite's
+time in bounds as plugins are added.
 
 The cells come from the plugin registry: a newly installed plugin joins with no edit
 here. A component that cannot run on this machine says why through an optional
-`unavailable_reason()` classmethod (interfaces.ReportsUnavailability), and its cells are
+`unavailable_reason()` classmethod (capabilities.ReportsUnavailability), and its cells are
 skipped with that reason. An attention backend that computes only in some dtypes lists
-them in an optional `dtypes` class attribute (interfaces.HasDtypes, torch dtype names);
+them in an optional `dtypes` class attribute (capabilities.HasDtypes, torch dtype names);
 the others get float32 and bfloat16 cells.
 """
 
@@ -66,12 +71,31 @@ class Cell:
         ]  # fmt: skip
 
 
+def _covering(names: dict[str, list[str]]) -> list[tuple[str, ...]]:
+    """Combinations in which every name of every slot appears at least once: row i takes
+    the i-th name of each slot, cycling (the product when only one slot has choices)."""
+    rows = max(len(n) for n in names.values())
+    return [tuple(n[i % len(n)] for n in names.values()) for i in range(rows)]
+
+
 def matrix_cells() -> list:
     registry = get_registry()
     impls = {slot: registry.implementations(slot) for slot in SLOTS}
+    names = {slot: sorted(impls[slot]) for slot in SLOTS}
+    combos = []
+    for attention in names["attention"]:
+        cls = impls["attention"][attention].cls
+        # A backend's own dtypes, of those the matrix has references for: the first gets
+        # the full product, the others a covering set.
+        dtypes = [d for d in DTYPES if d in (cls.dtypes if has_dtypes(cls) else DTYPES)]
+        others = {slot: names[slot] for slot in SLOTS[:-1]}
+        full = itertools.product(*others.values(), [attention])
+        covering = _covering({**others, "attention": [attention]})
+        combos += [(c, dtypes[0]) for c in full]
+        combos += [(c, dtype) for dtype in dtypes[1:] for c in covering]
     params = []
-    for names in itertools.product(*(impls[slot] for slot in SLOTS)):
-        chosen = dict(zip(SLOTS, names, strict=True))
+    for names_, dtype in combos:
+        chosen = dict(zip(SLOTS, names_, strict=True))
         executor_cls = impls["executor"][chosen["executor"]].cls
         # An executor that spans processes is exercised with two ranks.
         tp = 2
@@ -83,12 +107,8 @@ def matrix_cells() -> list:
             if (reason := _unavailable(impls[slot][chosen[slot]].cls)) is not None
         ]
         marks = [pytest.mark.skip(reason="; ".join(reasons))] if reasons else []
-        attention_cls = impls["attention"][chosen["attention"]].cls
-        # A backend's own dtypes, of those the matrix has references for.
-        own_dtypes = attention_cls.dtypes if has_dtypes(attention_cls) else DTYPES
-        for dtype in [d for d in DTYPES if d in own_dtypes]:
-            cell = Cell(tensor_parallel_size=tp, dtype=dtype, **chosen)
-            params.append(pytest.param(cell, id=cell.id, marks=marks))
+        cell = Cell(tensor_parallel_size=tp, dtype=dtype, **chosen)
+        params.append(pytest.param(cell, id=cell.id, marks=marks))
     return params
 
 
