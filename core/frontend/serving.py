@@ -392,6 +392,8 @@ class OpenAIServing:
                 deltas = output.feed(delta.text)
                 if delta.finished:
                     deltas += output.finish()
+                elif not deltas and logprobs is None:
+                    continue  # the text may open a tool call: held back for now
                 choices = [{"index": index, "delta": d} for d in deltas or [{}]]
             for n_chunk, choice in enumerate(choices):
                 choice["logprobs"] = logprobs if n_chunk == 0 else None
