@@ -114,8 +114,16 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
     # Resolving here first converts a GGUF once, before the engine needs it too.
     model_path = str(resolve_model_path(config.model))
     stack = config.stack
-    renderer = registry.build(
-        "renderer", stack.renderer, config.plugin_options(stack.renderer), model_path=model_path
+    # The tokenizer takes seconds to load, as long as the engine takes to load the model:
+    # it loads on a thread while the engines start, in their own processes.
+    renderer_built = asyncio.ensure_future(
+        asyncio.to_thread(
+            registry.build,
+            "renderer",
+            stack.renderer,
+            config.plugin_options(stack.renderer),
+            model_path=model_path,
+        )
     )
     server: uvicorn.Server | None = None
     exit_code = 0
@@ -128,8 +136,6 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
 
     client = AsyncEngineClient(
         config,
-        tokenizer=renderer.tokenizer,
-        eos_token_id=renderer.eos_token_id,
         addresses=setup.addresses,
         engines=setup.engines,
         client_index=setup.client_index,
@@ -137,10 +143,18 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
     )
     try:
         await client.start()
+        renderer = await renderer_built
     except EngineDeadError as exc:
         logger.error("%s", exc)
         await client.shutdown()
         return 1
+    except BaseException:
+        await client.shutdown()
+        raise
+    finally:
+        if not renderer_built.done():  # the engines failed first; let the thread finish
+            await asyncio.wait([renderer_built])
+    client.use_tokenizer(renderer.tokenizer, renderer.eos_token_id)
     model_name = config.server.served_model_name or config.model
     serving = OpenAIServing(
         client,

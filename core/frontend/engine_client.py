@@ -94,18 +94,17 @@ class AsyncEngineClient:
         self,
         config: StackConfig,
         *,
-        tokenizer: Any,
-        eos_token_id: int | None,
         addresses: dict[str, str],
         engines: EngineSupervision,
         client_index: int = 0,
         on_engine_dead: Callable[[str], None] | None = None,
     ) -> None:
         """`addresses` join the engines to every API server (`transport_addresses`);
-        this one is client number `client_index`."""
+        this one is client number `client_index`. The tokenizer comes with
+        `use_tokenizer`, before the first request."""
         self.config = config
-        self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.tokenizer: Any = None
+        self.eos_token_id: int | None = None
         self.on_engine_dead = on_engine_dead
         self.client_index = client_index
         self._addresses = addresses
@@ -133,6 +132,11 @@ class AsyncEngineClient:
         self._shut_down = False
 
     # ------------------------------------------------------------------ life cycle
+
+    def use_tokenizer(self, tokenizer: Any, eos_token_id: int | None) -> None:
+        """The renderer's tokenizer, which detokenizes the outputs, and its EOS id."""
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
 
     async def start(self, timeout: float = 600.0) -> EngineReady:
         """Open the channel, have the engines started and wait for every handshake;
