@@ -12,7 +12,7 @@ import torch
 
 from plugserve.datatypes import NewRequestData
 from plugserve.sampling_params import SamplingParams
-from plugserve.worker.sampler import SamplingMetadata, make_padded_token_tensor
+from plugserve.worker.sampler import SamplingMetadata, TokenEdits, make_padded_token_tensor
 
 
 class InputBatch:
@@ -52,6 +52,11 @@ class InputBatch:
         # Seeded requests keep their generator across preemption, so a resumed request
         # draws the same noise it would have drawn without being preempted.
         self.generators: dict[str, torch.Generator] = {}
+        # The rare per-request options, by request id (so moving a row moves nothing):
+        # allowed_token_ids, bad words (token sequences) and logit_bias.
+        self.allowed_token_ids: dict[str, list[int]] = {}
+        self.bad_words: dict[str, list[list[int]]] = {}
+        self.logit_bias: dict[str, dict[int, float]] = {}
 
     @property
     def num_reqs(self) -> int:
@@ -86,6 +91,13 @@ class InputBatch:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        for store, value in (
+            (self.allowed_token_ids, params.allowed_token_ids),
+            (self.bad_words, params.bad_words_token_ids),
+            (self.logit_bias, params.logit_bias),
+        ):
+            if value:
+                store[req_id] = value  # type: ignore[index]
         if params.seed is not None and req_id not in self.generators:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
@@ -104,6 +116,10 @@ class InputBatch:
         self.version += 1
         for req_id in finished:
             self.generators.pop(req_id, None)
+        for store in (self.allowed_token_ids, self.bad_words, self.logit_bias):
+            if store:
+                for req_id in req_ids:
+                    store.pop(req_id, None)  # type: ignore[attr-defined]
         rows = sorted(
             (self.req_id_to_row.pop(r) for r in req_ids if r in self.req_id_to_row), reverse=True
         )
@@ -188,6 +204,9 @@ class InputBatch:
             i: self.generators[rid] for i, rid in enumerate(req_ids) if rid in self.generators
         }
         return SamplingMetadata(
+            disallowed=self._disallowed(req_ids, vocab_size),
+            bad_words=self._bad_word_bans(rows, req_ids),
+            logit_bias=self._logit_bias(req_ids, vocab_size),
             temperature=tensor(temperature),
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
@@ -201,4 +220,71 @@ class InputBatch:
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
             max_num_logprobs=int(num_logprobs.max()) if np.any(num_logprobs >= 0) else None,
+        )
+
+    def _disallowed(self, req_ids: list[str], vocab_size: int) -> torch.Tensor | None:
+        """allowed_token_ids as a [B, V] mask of what may not be sampled."""
+        if not self.allowed_token_ids:
+            return None
+        limited = [(i, self.allowed_token_ids.get(r)) for i, r in enumerate(req_ids)]
+        limited = [(i, ids) for i, ids in limited if ids]
+        if not limited:
+            return None
+        mask = np.zeros((len(req_ids), vocab_size), dtype=np.bool_)
+        rows = np.array([i for i, _ in limited], dtype=np.int64)
+        mask[rows] = True
+        row_of = np.repeat(rows, [len(ids) for _, ids in limited])
+        tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in limited])
+        keep = (tokens >= 0) & (tokens < vocab_size)
+        mask[row_of[keep], tokens[keep]] = False
+        return torch.from_numpy(mask).to(self.device)
+
+    def _bad_word_bans(self, rows: np.ndarray, req_ids: list[str]) -> TokenEdits | None:
+        """-inf for the last token of every bad word whose other tokens end the output
+        so far (a one-token bad word is always banned). Empty edits, not None, while
+        some row has bad words, so that the metadata is rebuilt at the next step."""
+        if not self.bad_words:
+            return None
+        ban_rows: list[int] = []
+        ban_tokens: list[int] = []
+        any_row = False
+        for i, req_id in enumerate(req_ids):
+            sequences = self.bad_words.get(req_id)
+            if not sequences:
+                continue
+            any_row = True
+            row = int(rows[i])
+            start, end = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+            for sequence in sequences:
+                prefix = len(sequence) - 1
+                if prefix == 0 or (
+                    prefix <= end - start
+                    and self.token_ids[row, end - prefix : end].tolist() == sequence[:-1]
+                ):
+                    ban_rows.append(i)
+                    ban_tokens.append(sequence[-1])
+        if not any_row:
+            return None
+        return TokenEdits(
+            rows=torch.tensor(ban_rows, dtype=torch.int64, device=self.device),
+            token_ids=torch.tensor(ban_tokens, dtype=torch.int64, device=self.device),
+            values=torch.full((len(ban_rows),), float("-inf"), device=self.device),
+        )
+
+    def _logit_bias(self, req_ids: list[str], vocab_size: int) -> TokenEdits | None:
+        if not self.logit_bias:
+            return None
+        entries = [
+            (i, token, bias)
+            for i, req_id in enumerate(req_ids)
+            for token, bias in self.logit_bias.get(req_id, {}).items()
+            if 0 <= token < vocab_size
+        ]
+        if not entries:
+            return None
+        rows_, tokens, values = zip(*entries, strict=True)
+        return TokenEdits(
+            rows=torch.tensor(rows_, dtype=torch.int64, device=self.device),
+            token_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
+            values=torch.tensor(values, dtype=torch.float32, device=self.device),
         )

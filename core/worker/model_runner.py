@@ -28,7 +28,7 @@ import torch
 
 from plugserve.capabilities import supports_weight_buffer
 from plugserve.config import StackConfig
-from plugserve.datatypes import Logprobs, ModelRunnerOutput, SchedulerOutput
+from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 
 # resolve_device and resolve_dtype moved to plugserve.device (the engine process asks
 # without importing the runner); still importable from here for one release.
@@ -46,6 +46,7 @@ from plugserve.worker.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
+    apply_grammar_bitmask,
 )
 from plugserve.worker.step_inputs import StepInputBuilder
 
@@ -269,12 +270,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ phase 8
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         parked, self._parked = self._parked, None
         if parked is None or not parked.req_ids:
             return ModelRunnerOutput(sampled_token_ids={})
         out = None
         if parked.logits is not None:  # the driver rank (or no tensor parallelism)
+            if grammar_output is not None and grammar_output.req_ids:
+                self._apply_grammar(parked, grammar_output)
             metadata = self._sampling_metadata(parked.rows)
             out = self.sampler(parked.logits, metadata)
             sampled_tensor = out.sampled_token_ids.to(torch.int64)
@@ -295,13 +298,29 @@ class ModelRunner:
             result.logprobs = self._logprobs_lists(parked, out.logprobs)
         return result
 
+    @staticmethod
+    def _apply_grammar(parked: _ParkedLogits, grammar_output: GrammarOutput) -> None:
+        """Mask the parked logits of the constrained rows (in place; the others untouched)."""
+        assert parked.logits is not None
+        position = {req_id: i for i, req_id in enumerate(parked.req_ids)}
+        bitmask = grammar_output.bitmask_array()
+        pairs = [
+            (position[req_id], i)
+            for i, req_id in enumerate(grammar_output.req_ids)
+            if req_id in position
+        ]
+        if pairs:
+            logits_rows, mask_rows = zip(*pairs, strict=True)
+            apply_grammar_bitmask(parked.logits, logits_rows, bitmask[list(mask_rows)])
+
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         key = (self.input_batch.version, rows.tobytes())
         if self._metadata is not None and self._metadata[0] == key:
             return self._metadata[1]
         metadata = self.input_batch.sampling_metadata(rows, self.vocab_size)
-        # Penalties read the tokens so far, which change every step: never reused.
-        self._metadata = None if metadata.uses_penalties else (key, metadata)
+        # Penalties and bad words read the tokens so far, which change every step: never
+        # reused.
+        self._metadata = None if metadata.reads_output else (key, metadata)
         return metadata
 
     def _logprobs_lists(

@@ -7,10 +7,13 @@ whatever else shares its batch.
 
 Order of operations (as in vLLM and the OpenAI API):
 
+0. (the model runner, before the sampler) the grammar bitmask of constrained rows:
+   `apply_grammar_bitmask`;
 1. logprobs of the raw logits (before penalties and temperature), when any row asked;
-2. repetition, frequency and presence penalties;
-3. greedy rows: argmax of the penalized logits;
-4. random rows: temperature, min_p, top_k, top_p, then an exponential race.
+2. allowed_token_ids, bad words, logit_bias;
+3. repetition, frequency and presence penalties;
+4. greedy rows: argmax of the penalized logits;
+5. random rows: temperature, min_p, top_k, top_p, then an exponential race.
 """
 
 from __future__ import annotations
@@ -30,11 +33,23 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
+    "TokenEdits",
+    "apply_grammar_bitmask",
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
     "make_padded_token_tensor",
 ]
+
+
+@dataclass
+class TokenEdits:
+    """Per-(row, token) edits of the logits: `values[i]` is added at
+    (`rows[i]`, `token_ids[i]`) (int64, int64, float32 [N] each); -inf bans the token."""
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclass
@@ -65,6 +80,14 @@ class SamplingMetadata:
     # None: no row asked for logprobs; else the largest top-N over rows (0: only the
     # sampled token's logprob).
     max_num_logprobs: int | None = None
+    # allowed_token_ids: True where a row may not sample the token; rows without the
+    # option are all False. bool [B, V].
+    disallowed: torch.Tensor | None = None
+    # Bad words: the tokens that would complete a banned sequence now (rows that have
+    # some), set to -inf. Depends on the output so far: rebuilt every step.
+    bad_words: TokenEdits | None = None
+    # logit_bias: OpenAI's token id -> bias, added.
+    logit_bias: TokenEdits | None = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -73,6 +96,18 @@ class SamplingMetadata:
             or self.frequency_penalties is not None
             or self.repetition_penalties is not None
         )
+
+    @property
+    def edits_logits(self) -> bool:
+        """allowed_token_ids, bad words or logit_bias change some row's logits."""
+        return (
+            self.disallowed is not None or self.bad_words is not None or self.logit_bias is not None
+        )
+
+    @property
+    def reads_output(self) -> bool:
+        """Built from the tokens so far (penalties, bad words): valid for one step only."""
+        return self.uses_penalties or self.bad_words is not None
 
 
 @dataclass
@@ -130,13 +165,14 @@ class Sampler:
         if num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
 
-        if metadata.all_greedy and not metadata.uses_penalties:
+        if metadata.all_greedy and not metadata.uses_penalties and not metadata.edits_logits:
             # Nothing edits the logits, so skip the working copy.
             sampled = cpu_ops.argmax(logits)
         else:
             # One float32 working copy: the caller's logits stay untouched and every
             # later stage may edit this one in place.
             work = logits.to(dtype=torch.float32, copy=True)
+            work = apply_token_edits(work, metadata)
             work = apply_penalties(work, metadata)
             sampled = _sample(work, metadata)
 
@@ -174,6 +210,34 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = logits.softmax(dim=-1)
     return _exponential_race(probs, metadata.generators)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: np.ndarray) -> None:
+    """In place: in logits row `rows[i]`, -inf for every token that row i of the int32
+    bitmask (bit j of word w = token 32 * w + j; datatypes.GrammarOutput) does not allow.
+    Other rows are not touched; tokens past the bitmask's width are never allowed."""
+    if not len(rows):
+        return
+    device = logits.device
+    words = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    vocab_size = logits.shape[-1]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    index = torch.as_tensor(list(rows), dtype=torch.int64, device=device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+
+
+def apply_token_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, then bad words, then logit_bias, on float32 `logits` in place;
+    rows without them keep their values exactly."""
+    if metadata.disallowed is not None:
+        logits.masked_fill_(metadata.disallowed, float("-inf"))
+    for edits in (metadata.bad_words, metadata.logit_bias):
+        if edits is not None:
+            logits.index_put_((edits.rows, edits.token_ids), edits.values, accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

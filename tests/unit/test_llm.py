@@ -252,11 +252,11 @@ def test_max_model_len_is_capped_at_what_the_kv_pool_holds():
 
 
 def test_sampling_metadata_is_rebuilt_only_when_the_batch_changes(llm, monkeypatch):
-    runner = llm.engine.executor.runner
+    batch = llm.engine.executor.runner.input_batch
     builds: list[int] = []
-    build = runner._build_sampling_metadata
+    build = batch.sampling_metadata
     monkeypatch.setattr(
-        runner, "_build_sampling_metadata", lambda *a: builds.append(len(a[0])) or build(*a)
+        batch, "sampling_metadata", lambda *a: builds.append(len(a[0])) or build(*a)
     )
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -268,6 +268,12 @@ def test_sampling_metadata_is_rebuilt_only_when_the_batch_changes(llm, monkeypat
     builds.clear()
     llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, presence_penalty=0.5, seed=1))
     assert builds == [1, 1, 1, 1]  # penalties read the tokens so far: every step
+    builds.clear()
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, bad_words_token_ids=[[5, 6]]))
+    assert builds == [1, 1, 1]  # so do bad words
+    builds.clear()
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, logit_bias={5: -1.0}))
+    assert builds == [1]  # a logit bias does not
 
 
 def test_a_request_taking_a_finished_ones_row_samples_with_its_own_parameters(llm):
@@ -281,3 +287,15 @@ def test_a_request_taking_a_finished_ones_row_samples_with_its_own_parameters(ll
     as_greedy = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))
     assert after == alone
     assert alone != as_greedy[0].outputs[0].token_ids
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(llm):
+    def first_token(**params) -> int:
+        params = SamplingParams(temperature=0, max_tokens=1, **params)
+        return llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids[0]
+
+    greedy = first_token()
+    assert first_token(logit_bias={greedy: -100.0}) != greedy
+    assert first_token(allowed_token_ids=[11, 12]) in (11, 12)
+    assert first_token(bad_words_token_ids=[[greedy]]) != greedy
+    assert first_token(logit_bias={greedy + 1: 1.0}) == greedy  # a small bias elsewhere leaves the pick

@@ -1,12 +1,15 @@
 """The `mp` executor: worker processes per tensor-parallel rank over gloo, on SmolLM2.
 
 Greedy tokens at TP=2 (uneven head shards: 6+3 query heads, 2+1 KV heads) and through
-one worker at TP=1 equal the in-process executor's; a worker that raises or is killed
+one worker at TP=1 equal the in-process executor's, and so does a structured-output
+request at TP=2 (its grammar bitmask sent to the workers with sample_tokens, applied on
+the driver rank); a worker that raises or is killed
 surfaces as a clear error naming it and how it ended; shutdown stops every worker.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,6 +26,7 @@ import pytest
 from plugserve import LLM, SamplingParams
 from plugserve.config import load_config
 from plugserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from plugserve.sampling_params import StructuredOutputsParams
 from plugserve_plugins.executors.mp import MultiprocExecutor
 
 MAX_TOKENS = 32
@@ -34,6 +38,22 @@ PROMPTS = [
     "Mount Everest is",
 ]
 ENGINE = dict(dtype="float32", kv_cache_memory="32MiB", max_num_seqs=8)
+# A structured-output request: its grammar bitmask travels to the workers with
+# sample_tokens and is applied on the driver rank, which alone holds the logits.
+CONSTRAINED = SamplingParams(
+    temperature=0.0,
+    max_tokens=24,
+    structured_outputs=StructuredOutputsParams(
+        json=json.dumps(
+            {
+                "type": "object",
+                "properties": {"height_m": {"type": "integer"}},
+                "required": ["height_m"],
+            }
+        )
+    ),
+)
+_UNI_CONSTRAINED: list[list[int]] = []
 
 
 def generate(llm: LLM, prompts: list[str] = PROMPTS) -> list[list[int]]:
@@ -55,6 +75,7 @@ def uni_tokens() -> list[list[int]]:
     llm = LLM(executor="uni", **ENGINE)
     try:
         tokens = generate(llm)
+        _UNI_CONSTRAINED.append(llm.generate(PROMPTS[2], CONSTRAINED)[0].outputs[0].token_ids)
     finally:
         llm.engine.shutdown()
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
@@ -78,6 +99,10 @@ def test_tp2_matches_uni_and_shuts_down(uni_tokens: list[list[int]]) -> None:
         started = time.perf_counter()
         assert generate(llm) == uni_tokens
         print(f"TP=2 generate: {time.perf_counter() - started:.1f} s")
+        [constrained] = llm.generate(PROMPTS[2], CONSTRAINED)
+        json.loads(constrained.outputs[0].text)
+        assert constrained.outputs[0].finish_reason == "stop"
+        assert [constrained.outputs[0].token_ids] == _UNI_CONSTRAINED
     finally:
         llm.engine.shutdown()
     assert [proc.exitcode for proc in procs] == [0, 0]

@@ -1,8 +1,9 @@
 """Specification of the sampler (phase 8): penalties, greedy, temperature, min_p, top_k,
 top_p, seeded sampling and logprobs.
 
-Sampling many times is done by repeating one row of logits across a large batch, which
-is a single vectorized call.
+Also the grammar bitmask the model runner applies before sampling, and the token edits
+(allowed_token_ids, bad words, logit_bias). Sampling many times is done by repeating one
+row of logits across a large batch, which is a single vectorized call.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from plugserve.worker.input_batch import InputBatch
 from plugserve.worker.sampler import (
     Sampler,
     SamplingMetadata,
+    apply_grammar_bitmask,
     apply_penalties,
     make_padded_token_tensor,
 )
@@ -530,3 +532,113 @@ def test_cuda_matches_cpu_semantics() -> None:
     assert out.sampled_token_ids.tolist() == [3, 1]
     assert out.logprobs is not None
     assert out.logprobs.top_token_ids.tolist() == [[1, 3], [1, 3]]
+
+
+# --- grammar bitmask -------------------------------------------------------------------
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"
+))]  # fmt: skip
+
+
+def bitmask(allowed: list[set[int]], vocab: int = VOCAB) -> np.ndarray:
+    """int32 [rows, ceil(vocab / 32)]: bit j of word w set = token 32 * w + j allowed."""
+    bools = np.zeros((len(allowed), -(-vocab // 32) * 32), dtype=np.bool_)
+    for row, tokens in enumerate(allowed):
+        bools[row, sorted(tokens)] = True
+    return np.packbits(bools, axis=1, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grammar_bitmask_masks_exactly_its_rows(device: str) -> None:
+    logits = random_logits(4).to(device)
+    before = logits.clone()
+    allowed = [{3, 31, 32, 999}, {0, 500}]
+    apply_grammar_bitmask(logits, [3, 1], bitmask(allowed))
+    # Rows without a grammar: untouched, bit for bit.
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    for row, tokens in zip([3, 1], allowed, strict=True):
+        kept = logits[row].isfinite().nonzero().flatten().tolist()
+        assert kept == sorted(tokens)
+        assert torch.equal(logits[row, kept], before[row, kept])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_and_sampled_rows_pick_only_allowed_tokens(device: str) -> None:
+    logits = torch.zeros(400, VOCAB, device=device)  # flat: every token equally likely
+    allowed = [{7, 8, 9}] * 400
+    apply_grammar_bitmask(logits, list(range(400)), bitmask(allowed))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 200
+    sampled = sample(logits, params, device=device).tolist()
+    assert set(sampled) == {7, 8, 9}
+
+
+def test_tokens_past_the_bitmask_width_are_never_allowed() -> None:
+    logits = random_logits(1, vocab=70)
+    allowed = bitmask([set(range(64))], vocab=64)  # two words for a 70-wide vocabulary
+    apply_grammar_bitmask(logits, [0], allowed)
+    assert logits[0, 64:].isneginf().all() and logits[0, :64].isfinite().all()
+
+
+# --- allowed_token_ids, bad words, logit_bias ------------------------------------------
+
+
+def test_metadata_builds_token_edits_only_for_rows_that_use_them() -> None:
+    md = metadata([SamplingParams(), SamplingParams(temperature=0.0)])
+    assert md.disallowed is None and md.bad_words is None and md.logit_bias is None
+    assert not md.edits_logits and not md.reads_output
+
+    md = metadata(
+        [SamplingParams(allowed_token_ids=[4, 5]), SamplingParams(logit_bias={9: 2.5})],
+    )
+    assert md.disallowed is not None and md.logit_bias is not None and md.bad_words is None
+    assert md.disallowed[0].logical_not().nonzero().flatten().tolist() == [4, 5]
+    assert not md.disallowed[1].any()
+    assert md.logit_bias.rows.tolist() == [1] and md.logit_bias.token_ids.tolist() == [9]
+    assert not md.reads_output  # reusable while the batch stays the same
+
+
+def test_logit_bias_of_minus_100_on_the_greedy_token_changes_it() -> None:
+    logits = random_logits(2)
+    top = int(logits[0].argmax())
+    runner_up = int(logits[0].topk(2).indices[1])
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={top: -100.0}),
+        SamplingParams(temperature=0.0),
+    ]
+    sampled = sample(logits, params).tolist()
+    assert sampled == [runner_up, int(logits[1].argmax())]
+    # A large positive bias makes a token the greedy pick.
+    boosted = sample(logits[:1], SamplingParams(temperature=0.0, logit_bias={17: 100.0}))
+    assert boosted.tolist() == [17]
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampled_rows() -> None:
+    logits = random_logits(1).repeat(300, 1)
+    allowed = [11, 222, 333]
+    best_allowed = max(allowed, key=lambda t: float(logits[0, t]))
+    params = (
+        [SamplingParams(temperature=0.0, allowed_token_ids=allowed)]
+        + [SamplingParams(temperature=5.0, allowed_token_ids=allowed)] * 298
+        + [SamplingParams(temperature=0.0)]
+    )
+    sampled = sample(logits, params).tolist()
+    assert sampled[0] == best_allowed
+    assert set(sampled[1:-1]) == set(allowed)
+    assert sampled[-1] == int(logits[0].argmax())  # the unrestricted row
+
+
+def test_bad_words_ban_the_token_that_would_complete_one() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 40] = 5.0  # the greedy pick, unless banned
+    logits[:, 41] = 4.0
+    bad = [[40]]  # one token: always banned
+    assert sample(
+        logits[:1], SamplingParams(temperature=0.0, bad_words_token_ids=bad)
+    ).tolist() == [41]
+    # [7, 40]: 40 is banned only right after a 7 in the output.
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[7, 40]])
+    sampled = sample(logits, [params] * 3, prompts=[[7], [1], [1]], outputs=[[], [7], [7, 8]])
+    assert sampled.tolist() == [40, 41, 40]
+    md = metadata([params], outputs=[[1]])
+    assert md.bad_words is not None and md.reads_output  # rebuilt every step
