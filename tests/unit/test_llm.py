@@ -298,4 +298,5 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(llm):
     assert first_token(logit_bias={greedy: -100.0}) != greedy
     assert first_token(allowed_token_ids=[11, 12]) in (11, 12)
     assert first_token(bad_words_token_ids=[[greedy]]) != greedy
-    assert first_token(logit_bias={greedy + 1: 1.0}) == greedy  # a small bias elsewhere leaves the pick
+    # A small bias on another token leaves the pick as it was.
+    assert first_token(logit_bias={greedy + 1: 1.0}) == greedy
