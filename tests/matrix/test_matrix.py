@@ -15,12 +15,18 @@ here. A component that cannot run on this machine says why through an optional
 skipped with that reason. An attention backend that computes only in some dtypes lists
 them in an optional `dtypes` class attribute (capabilities.HasDtypes, torch dtype names);
 the others get float32 and bfloat16 cells.
+
+Every structured-output backend (the `structured_output` slot) serves too, in one cell of
+the default stack in float32 rather than across the product: the grammar is applied in the
+model runner between the engine's two executor calls, a path no other slot changes. Its
+constrained completions are valid and its unconstrained one equals the reference.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -166,4 +172,57 @@ def test_cell_matches_hf(cell: Cell, request: pytest.FixtureRequest, tmp_path) -
         references = request.getfixturevalue("hf_bf16")
         for prompt, reference, c in zip(PROMPTS, references, completions, strict=True):
             assert_agrees(repr(prompt), reference, c.token_ids, c.logprobs)
+    assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
+
+
+def structured_output_cells() -> list:
+    impls = get_registry().implementations("structured_output")
+    params = []
+    for name in sorted(impls):
+        reason = _unavailable(impls[name].cls)
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        params.append(pytest.param(name, id=f"structured_output-{name}", marks=marks))
+    return params
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+}
+
+
+async def _structured_scenario(server) -> tuple[GreedyCompletion, str, str]:
+    """One unconstrained greedy completion alongside a JSON-schema and a choice one."""
+    async with server.async_openai_client() as client:
+
+        async def constrained(constraint: dict) -> str:
+            out = await client.completions.create(
+                model="smollm2-135m-instruct",
+                prompt=PROMPTS[0],
+                max_tokens=24,
+                temperature=0.0,
+                extra_body={"structured_outputs": constraint},
+            )
+            assert out.choices[0].finish_reason == "stop"
+            return out.choices[0].text
+
+        plain, as_json, choice = await asyncio.gather(
+            greedy_completion(client, PROMPTS[0], MAX_TOKENS, stream=False),
+            constrained({"json": CITY_SCHEMA}),
+            constrained({"choice": [" Paris", " Lyon"]}),
+        )
+        return plain, as_json, choice
+
+
+@pytest.mark.parametrize("backend", structured_output_cells())
+def test_structured_output_backend(backend: str, request: pytest.FixtureRequest, tmp_path) -> None:
+    cell = Cell("fcfs", "zmq", "uni", "torch", 1, "float32")
+    settings = [*cell.settings(), "--stack.structured_output", backend]
+    with running_server(cell.transport, tmp_path, settings=settings) as server:
+        plain, as_json, choice = asyncio.run(_structured_scenario(server))
+        idle = server.wait_idle()
+    assert plain.token_ids == request.getfixturevalue("hf_fp32")[0].token_ids
+    assert set(json.loads(as_json)) == {"city"}
+    assert choice in (" Paris", " Lyon")
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
