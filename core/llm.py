@@ -53,6 +53,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: per prompt token, token id -> Logprob (the
+    # prompt's token and the top-N); None for the first token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 PromptInput = str | dict[str, Any]
@@ -235,10 +238,29 @@ class LLM:
         output.text += delta.text
         if out.new_logprobs is not None:
             self._append_logprobs(output, out)
+        if out.prompt_logprobs is not None and seq.parent.prompt_logprobs is None:
+            seq.parent.prompt_logprobs = self._prompt_logprobs(seq.parent, out)
         if delta.finish_reason is not None:
             output.finish_reason, output.stop_reason = delta.finish_reason, delta.stop_reason
         stopped_by_string = delta.stopped_by_string
         return stopped_by_string
+
+    def _prompt_logprobs(
+        self, parent: RequestOutput, out: EngineCoreOutput
+    ) -> list[dict[int, Logprob] | None]:
+        decode = self.tokenizer.convert_ids_to_tokens
+        result: list[dict[int, Logprob] | None] = []
+        for token, lp in zip(parent.prompt_token_ids, out.prompt_logprobs or [], strict=False):
+            if lp is None:
+                result.append(None)
+                continue
+            entry = {token: Logprob(lp.sampled_logprob, lp.sampled_rank, decode(token))}
+            for rank, (tid, tlp) in enumerate(
+                zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1
+            ):
+                entry.setdefault(tid, Logprob(tlp, rank, decode(tid)))
+            result.append(entry)
+        return result
 
     def _append_logprobs(self, output: CompletionOutput, out: EngineCoreOutput) -> None:
         decode = self.tokenizer.convert_ids_to_tokens

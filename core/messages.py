@@ -35,6 +35,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
     new_logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # With the first generated token of a request that asked for prompt_logprobs: one
+    # entry per prompt token, None for the first (nothing comes before it).
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

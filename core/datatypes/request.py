@@ -7,6 +7,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from plugserve.datatypes.runner_output import Logprobs
 from plugserve.sampling_params import SamplingParams
 
 
@@ -75,6 +76,8 @@ class Request:
         # (interfaces.Grammar), advanced by every token it accepts.
         self.grammar_future: Future[Any] | None = None
         self.grammar: Any = None
+        # prompt_logprobs: what the prefill chunks computed so far (prompt tokens 2..N).
+        self.prompt_logprobs: list[Logprobs] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,10 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # samples nothing and is absent.
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Logprobs]] = msgspec.field(default_factory=dict)
+    # Requests that asked for prompt logprobs and computed prompt tokens this step: one
+    # entry per prompt token from the second on (the logprob of that token given those
+    # before it), in order; a chunked prefill's chunks add to it step by step.
+    prompt_logprobs: dict[str, list[Logprobs]] = msgspec.field(default_factory=dict)
     # Requests whose step failed alone (bad input reaching the worker, for example);
     # they finish with an error while the rest of the batch goes on.
     errors: dict[str, str] = msgspec.field(default_factory=dict)

@@ -210,7 +210,10 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.policy.peek()
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            else:  # every prompt token's logits are needed: no prefix-cache hit (as vLLM)
+                computed_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, num_hit)
             if new_blocks is None:
@@ -262,6 +265,8 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if not request.output_token_ids:
+            request.prompt_logprobs.clear()  # its prefill starts over
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_req_ids.add(request.request_id)
@@ -282,6 +287,8 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             request.num_computed_tokens += num_tokens
             new_token_ids: list[int] = []
+            if runner_output.prompt_logprobs:
+                request.prompt_logprobs.extend(runner_output.prompt_logprobs.get(req_id, ()))
             error = runner_output.errors.get(req_id)
             if error is not None:
                 request.status = RequestStatus.FINISHED_ERROR
@@ -335,6 +342,13 @@ class Scheduler:
         request: Request, new_token_ids: list[int], runner_output: ModelRunnerOutput
     ) -> EngineCoreOutput:
         logprobs = runner_output.logprobs.get(request.request_id)
+        prompt_logprobs = None
+        if (
+            request.sampling_params.prompt_logprobs is not None
+            and new_token_ids
+            and request.num_output_tokens == len(new_token_ids)  # the first output
+        ):
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -343,6 +357,7 @@ class Scheduler:
             new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _release(self, request: Request) -> None:

@@ -48,6 +48,9 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none asked
+        # prompt_logprobs' top-N for rows whose prefill computes them; -1: none (not asked,
+        # or a request resumed after preemption, whose prompt logprobs were already sent).
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
 
         # Seeded requests keep their generator across preemption, so a resumed request
         # draws the same noise it would have drawn without being preempted.
@@ -81,6 +84,10 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self._set_sampling_params(row, new.req_id, new.sampling_params)
+        wanted = new.sampling_params.prompt_logprobs
+        self.num_prompt_logprobs[row] = (
+            wanted if wanted is not None and not new.output_token_ids else -1
+        )
 
     def _set_sampling_params(self, row: int, req_id: str, params: SamplingParams) -> None:
         self.temperature[row] = 0.0 if params.greedy else params.temperature
@@ -150,6 +157,7 @@ class InputBatch:
             self.frequency_penalty,
             self.repetition_penalty,
             self.num_logprobs,
+            self.num_prompt_logprobs,
         ):
             array[dst] = array[src]
 

@@ -47,10 +47,15 @@ from plugserve.worker.sampler import (
     Sampler,
     SamplingMetadata,
     apply_grammar_bitmask,
+    token_logprobs,
 )
 from plugserve.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs are computed over at most this many tokens at once: a whole prefill's
+# fp32 logits (tokens × vocabulary) would be hundreds of MB.
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass
@@ -60,6 +65,8 @@ class _ParkedLogits:
     logits: torch.Tensor | None  # [num_sampling_rows, vocab]; None off the driver rank
     rows: np.ndarray  # persistent-batch rows, in logits order
     req_ids: list[str]
+    # prompt_logprobs computed by this step's prefill chunks (driver rank), by request
+    prompt_logprobs: dict[str, list[Logprobs]] | None = None
 
 
 class ModelRunner:
@@ -247,6 +254,11 @@ class ModelRunner:
         else:
             self.attention.prepare(attn_batch)
             hidden = self.model(ids_t, positions_t)
+        prompt_logprobs = (
+            self._prompt_logprobs(so, step.attention.query_start_loc, hidden)
+            if np.any(batch.num_prompt_logprobs[: batch.num_reqs] >= 0)
+            else None
+        )
         sample_rows = step.sample_rows
         # Skipped (on every rank alike) when no row samples: a collective over empty
         # tensors is pointless and not every backend accepts one.
@@ -255,9 +267,63 @@ class ModelRunner:
         # (Else every token is its row's last, in order: as at a decode step, all of them.)
         logits = self.model.compute_logits(hidden) if len(sample_rows) else None
         self._parked = _ParkedLogits(
-            logits=logits, rows=sample_rows, req_ids=[batch.req_ids[r] for r in sample_rows]
+            logits=logits,
+            rows=sample_rows,
+            req_ids=[batch.req_ids[r] for r in sample_rows],
+            prompt_logprobs=prompt_logprobs,
         )
         return None
+
+    def _prompt_logprobs(
+        self, so: SchedulerOutput, query_start: np.ndarray, hidden: torch.Tensor
+    ) -> dict[str, list[Logprobs]] | None:
+        """Logprobs of the prompt tokens this step's chunks predict, for the rows that
+        asked: the hidden state at position q gives prompt token q + 1's logprob. Every
+        rank computes the logits (a collective under tensor parallelism); the driver keeps
+        the result."""
+        batch = self.input_batch
+        # The step's rows in the order of its tokens (StepInputBuilder's order: by row).
+        rows = np.sort([batch.req_id_to_row[r] for r in so.num_scheduled_tokens])
+        indices, targets, owners = [], [], []
+        for k, row in enumerate(rows.tolist()):
+            if batch.num_prompt_logprobs[row] < 0:
+                continue
+            start = int(batch.num_computed_tokens[row])
+            end = min(start + so.num_scheduled_tokens[batch.req_ids[row]],
+                      int(batch.num_prompt_tokens[row]) - 1)  # fmt: skip
+            if end <= start:
+                continue
+            first = int(query_start[k])
+            indices.append(np.arange(first, first + end - start))
+            targets.append(batch.token_ids[row, start + 1 : end + 1])
+            owners.append((batch.req_ids[row], end - start, int(batch.num_prompt_logprobs[row])))
+        if not indices:
+            return None
+        index = torch.from_numpy(np.concatenate(indices)).to(hidden.device)
+        target = torch.from_numpy(np.concatenate(targets)).to(hidden.device)
+        top_n = max(n for _, _, n in owners)
+        found: list[Logprobs | None] = []
+        for lo in range(0, len(index), PROMPT_LOGPROBS_CHUNK):
+            part = slice(lo, lo + PROMPT_LOGPROBS_CHUNK)
+            logits = self.model.compute_logits(hidden[index[part]])
+            if logits is not None:
+                tensors = token_logprobs(logits, target[part], top_n)
+                found += tensors.to_logprobs([top_n] * len(target[part]))
+        if not found:  # not the driver rank
+            return None
+        result: dict[str, list[Logprobs]] = {}
+        offset = 0
+        for req_id, count, n in owners:
+            entries = found[offset : offset + count]
+            offset += count
+            result[req_id] = [
+                Logprobs(
+                    lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids[:n], lp.top_logprobs[:n]
+                )
+                for lp in entries
+                if lp is not None
+            ]
+        return result
 
     def _inputs_to_device(
         self, input_ids: np.ndarray, positions: np.ndarray, logits_indices: np.ndarray
@@ -273,7 +339,10 @@ class ModelRunner:
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         parked, self._parked = self._parked, None
         if parked is None or not parked.req_ids:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(
+                sampled_token_ids={},
+                prompt_logprobs=(parked.prompt_logprobs if parked is not None else None) or {},
+            )
         out = None
         if parked.logits is not None:  # the driver rank (or no tensor parallelism)
             if grammar_output is not None and grammar_output.req_ids:
@@ -296,6 +365,8 @@ class ModelRunner:
         )
         if out is not None and out.logprobs is not None:
             result.logprobs = self._logprobs_lists(parked, out.logprobs)
+        if parked.prompt_logprobs:
+            result.prompt_logprobs = parked.prompt_logprobs
         return result
 
     @staticmethod

@@ -39,6 +39,7 @@ __all__ = [
     "apply_penalties",
     "apply_top_k_top_p",
     "make_padded_token_tensor",
+    "token_logprobs",
 ]
 
 
@@ -355,6 +356,16 @@ def _exponential_race(
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     return probs.div_(q).argmax(dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Logprobs of given tokens (prompt logprobs: each prompt token given those before
+    it) from raw logits, with each row's rank and top-N, as for sampled tokens."""
+    return _gather_logprobs(
+        logits.log_softmax(dim=-1, dtype=torch.float32), token_ids, num_logprobs
+    )
 
 
 def _gather_logprobs(
