@@ -71,6 +71,9 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int  # so far, including this delta
     num_cached_tokens: int
+    # With the first delta of a request that asked for prompt_logprobs: one entry per
+    # prompt token, None for the first.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -454,6 +457,7 @@ class AsyncEngineClient:
                 num_prompt_tokens=state.num_prompt_tokens,
                 num_output_tokens=state.num_output_tokens,
                 num_cached_tokens=output.num_cached_tokens,
+                prompt_logprobs=output.prompt_logprobs,
             )
         )
         return delta.stopped_by_string

@@ -16,7 +16,7 @@ class LogprobsFormatter:
         self.tokenizer = tokenizer
         self._token_text: dict[int, str] = {}
 
-    def _text_of(self, token_id: int) -> str:
+    def text_of(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id])
@@ -26,7 +26,7 @@ class LogprobsFormatter:
     def format(
         self, entries: list[tuple[int, Logprobs]], chat: bool, tokens_as_ids: bool
     ) -> dict[str, Any]:
-        text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else self._text_of
+        text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else self.text_of
         if chat:
             content = []
             for token_id, lp in entries:
@@ -68,3 +68,31 @@ def _token_id_text(token_id: int) -> str:
 
 def _token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
+
+
+def prompt_logprobs_entries(
+    formatter: LogprobsFormatter,
+    prompt: list[int],
+    entries: list[Logprobs | None],
+    tokens_as_ids: bool,
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token, None for the
+    first, else {token id: {logprob, rank, decoded_token}} for the prompt's token and then
+    the top alternatives (ranked 1, 2, …)."""
+    text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else formatter.text_of
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, lp in zip(prompt, entries, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(token_id): {
+                "logprob": lp.sampled_logprob,
+                "rank": lp.sampled_rank,
+                "decoded_token": text_of(token_id),
+            }
+        }
+        for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": text_of(t)})
+        out.append(entry)
+    return out

@@ -20,7 +20,7 @@ from plugserve.datatypes import Logprobs
 from plugserve.frontend.constraints import check_tools, request_constraint
 from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
-from plugserve.frontend.logprobs import LogprobsFormatter
+from plugserve.frontend.logprobs import LogprobsFormatter, prompt_logprobs_entries
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
 from plugserve.interfaces import Renderer, StructuredOutputBackend, ToolParser
@@ -40,6 +40,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass
@@ -125,10 +126,6 @@ class OpenAIServing:
         for name in ("stop_token_ids", "allowed_token_ids"):
             if any(not 0 <= t < vocab for t in getattr(body, name) or []):
                 raise InvalidRequest(f"{name} must be in [0, {vocab})", name)
-        if getattr(body, "prompt_logprobs", None) is not None:
-            raise InvalidRequest(
-                "prompt_logprobs is not supported by this server's engine", "prompt_logprobs"
-            )
         try:
             return body.sampling_params(
                 max_tokens=max_tokens if max_tokens is not None else room,
@@ -136,6 +133,7 @@ class OpenAIServing:
                 logit_bias=self._logit_bias(body.logit_bias, vocab),
                 bad_words_token_ids=self._bad_words(body.bad_words or []),
                 structured_outputs=constraint,
+                prompt_logprobs=getattr(body, "prompt_logprobs", None),
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
@@ -304,6 +302,8 @@ class OpenAIServing:
                 choice.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=False))
             choice.num_output_tokens = delta.num_output_tokens
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             cached = max(cached, delta.num_cached_tokens)
         body = {
             "id": prep.request_id,
@@ -332,13 +332,24 @@ class OpenAIServing:
                 "finish_reason": _finish_reason(c.finish_reason, bool(tool_calls)),
                 "stop_reason": c.stop_reason,
             }
-        return {
+        body = {
             "index": c.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        if prep.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(prep, c.index, c.prompt_logprobs)
+        return body
+
+    def _prompt_logprobs(
+        self, prep: _Prepared, index: int, entries: list[Logprobs | None] | None
+    ) -> list[Any] | None:
+        if entries is None:  # the request ended before its first token
+            return None
+        prompt = prep.prompts[index // prep.params.n]
+        return prompt_logprobs_entries(self._logprobs, prompt, entries, prep.tokens_as_ids)
 
     def _usage(self, prep: _Prepared, completion_tokens: int, cached: int) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prep.prompts)
@@ -376,7 +387,7 @@ class OpenAIServing:
         async for index, delta in self._run(prep):
             num_output[index] = delta.num_output_tokens
             cached = max(cached, delta.num_cached_tokens)
-            if not delta.text and not delta.finished and not delta.logprobs:
+            if not (delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs):
                 continue  # nothing a client could show yet (held-back text)
             logprobs = None
             if prep.params.logprobs is not None and delta.logprobs:
@@ -387,6 +398,10 @@ class OpenAIServing:
                 )
             if not chat:
                 choices: list[dict[str, Any]] = [{"index": index, "text": delta.text}]
+                if delta.prompt_logprobs is not None:
+                    choices[0]["prompt_logprobs"] = self._prompt_logprobs(
+                        prep, index, delta.prompt_logprobs
+                    )
             else:
                 output = outputs[index]
                 deltas = output.feed(delta.text)

@@ -358,9 +358,35 @@ def test_a_request_chat_template_replaces_the_models(client):
     assert result.usage.prompt_tokens == plain.usage.prompt_tokens < own.usage.prompt_tokens
 
 
-def test_prompt_logprobs_is_refused_by_name(server):
-    response = post(
-        server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": 1}
-    )
-    error = assert_openai_error(response, 400)
-    assert error["param"] == "prompt_logprobs"
+def test_prompt_logprobs_give_each_prompt_tokens_logprob_as_vllm(client, tokenizer):
+    prompt = tokenizer.encode("The capital of France is")
+    first = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    [token] = first.choices[0].logprobs.tokens
+    greedy_id = int(token.removeprefix("token_id:"))
+    # The prompt followed by its greedy token: that token's prompt logprob is the one it
+    # was sampled with, at rank 1.
+    result = client.completions.create(
+        model=MODEL, prompt=(full := [*prompt, greedy_id]), max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": 2},
+    )  # fmt: skip
+    entries = result.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(full)
+    assert entries[0] is None  # nothing comes before the first token
+    for token_id, entry in zip(full[1:], entries[1:], strict=True):
+        assert str(token_id) in entry  # the prompt's own token, then the top 2
+        assert 2 <= len(entry) <= 3 and {1, 2} <= {v["rank"] for v in entry.values()}
+        assert all(
+            v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in entry.values()
+        )
+    last = entries[-1][str(greedy_id)]
+    sampled = first.choices[0].logprobs.token_logprobs[0]
+    assert last["rank"] == 1 and last["logprob"] == pytest.approx(sampled, abs=1e-3)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    with_prompt = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
+    assert len(with_prompt[0]) == len(prompt) and all(p is None for p in with_prompt[1:])
