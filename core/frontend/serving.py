@@ -126,12 +126,14 @@ class OpenAIServing:
         for name in ("stop_token_ids", "allowed_token_ids"):
             if any(not 0 <= t < vocab for t in getattr(body, name) or []):
                 raise InvalidRequest(f"{name} must be in [0, {vocab})", name)
+        logit_bias = self._logit_bias(body.logit_bias, vocab)
+        bad_words = self._bad_words(body.bad_words or [])
         try:
             return body.sampling_params(
                 max_tokens=max_tokens if max_tokens is not None else room,
                 num_logprobs=body.num_logprobs,
-                logit_bias=self._logit_bias(body.logit_bias, vocab),
-                bad_words_token_ids=self._bad_words(body.bad_words or []),
+                logit_bias=logit_bias,
+                bad_words_token_ids=bad_words,
                 structured_outputs=constraint,
                 prompt_logprobs=getattr(body, "prompt_logprobs", None),
             )

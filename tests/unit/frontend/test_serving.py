@@ -1,0 +1,105 @@
+"""How the serving layer turns a validated request into engine params, on the real
+SmolLM2 tokenizer and no engine: token-level fields (logit_bias, allowed_token_ids,
+bad_words), the n seeds, the ignored-field log, and which output shaping tool_choice
+picks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from plugserve.frontend.errors import InvalidRequest
+from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from plugserve.frontend.serving import OpenAIServing
+from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
+from plugserve.plugins import get_registry
+from plugserve_plugins.text.hf_renderer import HFRenderer
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def serving(smollm2_path: Path) -> OpenAIServing:
+    client: Any = SimpleNamespace(ready=SimpleNamespace(max_model_len=512))
+    return OpenAIServing(
+        client,
+        HFRenderer(model_path=str(smollm2_path)),
+        "m",
+        tool_parser=get_registry().get("tool_parser", "hermes"),
+    )
+
+
+def completion(serving: OpenAIServing, **fields: Any):
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "Hi", **fields})
+    return serving.prepare_completion(body)
+
+
+def chat(serving: OpenAIServing, **fields: Any):
+    messages = [{"role": "user", "content": "Hi"}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
+    return serving.prepare_chat(body)
+
+
+def test_bad_words_are_banned_as_written_and_after_a_space(serving):
+    encode = serving.renderer.encode
+    params = completion(serving, bad_words=["Paris", " Paris"]).params
+    assert params.bad_words_token_ids == [
+        encode("Paris", add_special_tokens=False),
+        encode(" Paris", add_special_tokens=False),
+    ]
+
+
+def test_logit_bias_keys_are_token_ids_in_the_vocabulary(serving):
+    assert completion(serving, logit_bias={"42": -100, "7": 5}).params.logit_bias == {
+        42: -100.0,
+        7: 5.0,
+    }
+    for bias, fragment in [({"Paris": 1}, "token ids"), ({"999999": 1}, "not in")]:
+        with pytest.raises(InvalidRequest, match=fragment) as exc:
+            completion(serving, logit_bias=bias)
+        assert exc.value.param == "logit_bias"
+    with pytest.raises(InvalidRequest, match=r"\[-100, 100\]"):
+        completion(serving, logit_bias={"1": 101})
+
+
+def test_allowed_token_ids_must_be_in_the_vocabulary(serving):
+    assert completion(serving, allowed_token_ids=[1, 2]).params.allowed_token_ids == [1, 2]
+    with pytest.raises(InvalidRequest) as exc:
+        completion(serving, allowed_token_ids=[10**6])
+    assert exc.value.param == "allowed_token_ids"
+
+
+def test_n_choices_with_a_seed_sample_with_seed_plus_their_index(serving):
+    prep = completion(serving, n=3, seed=7)
+    assert [prep.params_of(j).seed for j in range(3)] == [7, 8, 9]
+    unseeded = completion(serving, n=3)
+    assert [unseeded.params_of(j).seed for j in range(3)] == [None] * 3
+
+
+def test_ignored_fields_are_logged_by_name_at_debug_level(serving, caplog):
+    with caplog.at_level(logging.DEBUG, logger="plugserve.frontend.serving"):
+        completion(serving, user="u", metadata={"a": "b"})
+        chat(serving)
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert ignored == ["request fields accepted and ignored: user, metadata"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind"),
+    [
+        ({}, ChoiceOutput),
+        ({"tools": TOOLS, "tool_choice": "none"}, ChoiceOutput),
+        ({"tools": TOOLS}, AutoCalls),
+        ({"tools": TOOLS, "tool_choice": "required"}, RequiredCalls),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, NamedCall),
+    ],
+)  # fmt: skip
+def test_tool_choice_picks_how_a_choice_is_answered(serving, fields, kind):
+    prep = chat(serving, **fields)
+    assert type(prep.make_output()) is kind
+    forced = kind in (RequiredCalls, NamedCall)
+    assert (prep.params.structured_outputs is not None) == forced
