@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py
 	$(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/parallel.py
+	$(BIN)/python benchmarks/structured_output.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -234,6 +234,10 @@ class AsyncEngineClient:
             total.step_seconds += s.step_seconds
             total.forward_seconds += s.forward_seconds
             total.num_generated_tokens += s.num_generated_tokens
+            total.grammar_bitmask_steps += s.grammar_bitmask_steps
+            total.grammar_bitmask_seconds += s.grammar_bitmask_seconds
+            total.grammar_forward_wait_seconds += s.grammar_forward_wait_seconds
+            total.grammar_bitmask_hidden_steps += s.grammar_bitmask_hidden_steps
             for reason, n in s.num_finished.items():
                 total.num_finished[reason] = total.num_finished.get(reason, 0) + n
         if total.num_kv_blocks:

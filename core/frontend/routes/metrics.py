@@ -33,6 +33,18 @@ async def metrics(client: EngineClient) -> Response:
         ("plugserve_engine_step_seconds_total", "counter", s.step_seconds),
         ("plugserve_engine_forward_seconds_total", "counter", s.forward_seconds),
         ("plugserve_engine_generated_tokens_total", "counter", s.num_generated_tokens),
+        ("plugserve_grammar_bitmask_steps_total", "counter", s.grammar_bitmask_steps),
+        ("plugserve_grammar_bitmask_seconds_total", "counter", s.grammar_bitmask_seconds),
+        (
+            "plugserve_grammar_forward_wait_seconds_total",
+            "counter",
+            s.grammar_forward_wait_seconds,
+        ),
+        (
+            "plugserve_grammar_bitmask_hidden_steps_total",
+            "counter",
+            s.grammar_bitmask_hidden_steps,
+        ),
     ]
     text = "".join(f"# TYPE {name} {kind}\n{name} {value}\n" for name, kind, value in lines)
     text += _labelled_counter(

@@ -1,0 +1,132 @@
+"""Structured output's cost: serving throughput with every request under a JSON schema,
+against the same run without grammars, on one server in the same minutes.
+
+The workload is serving.py's (random 128-token prompts, up to 128 output tokens,
+temperature 0, streaming /v1/completions, every request at t=0 capped by the
+concurrency), at c=8 and c=32. The constrained runs add vLLM's `structured_outputs`
+extra with SCHEMA; a request ends with `stop` when its JSON is complete, so output
+lengths differ between the two runs and the figure compared is output tokens per second.
+EOS is ignored in the unconstrained runs only.
+
+From the engine's counters on /metrics (plugserve_grammar_*), each constrained run also
+reports the bitmask time per step that built one, and the share of those steps in which
+the forward pass was still running when the bitmask was done (it hid the bitmask).
+
+    .venv/bin/python benchmarks/structured_output.py [--concurrency "8 32"]
+        [--backend xgrammar] [--dtype bfloat16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+from serving import Server, bench_args
+
+from plugserve import bench
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "summary": {"type": "string"},
+    },
+    "required": ["title", "tags", "summary"],
+}
+GRAMMAR_COUNTERS = (
+    "plugserve_grammar_bitmask_steps_total",
+    "plugserve_grammar_bitmask_seconds_total",
+    "plugserve_grammar_bitmask_hidden_steps_total",
+    "plugserve_engine_steps_total",
+)
+
+
+def counters(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30.0).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in GRAMMAR_COUNTERS:
+            values[name] = float(value)
+    return values
+
+
+def run(server: Server, args: argparse.Namespace, conc: int, constrained: bool) -> dict[str, Any]:
+    argv = bench_args(args, server.url, args.transport, conc)
+    if constrained:
+        argv.remove("--ignore-eos")
+        argv += ["--extra-body", json.dumps({"structured_outputs": {"json": SCHEMA}})]
+    before = counters(server.url)
+    result = bench.run_benchmark(bench.parse_args(argv))
+    after = counters(server.url)
+    delta = {n: after.get(n, 0.0) - before.get(n, 0.0) for n in GRAMMAR_COUNTERS}
+    row = {
+        "concurrency": conc,
+        "constrained": constrained,
+        "output_throughput": result["output_throughput"],
+        "mean_output_tokens": result["total_output_tokens"] / max(result["completed"], 1),
+        "completed": result["completed"],
+    }
+    if constrained:
+        steps = delta["plugserve_grammar_bitmask_steps_total"]
+        row["bitmask_steps_share"] = steps / max(delta["plugserve_engine_steps_total"], 1)
+        row["bitmask_ms_per_step"] = (
+            1e3 * delta["plugserve_grammar_bitmask_seconds_total"] / steps if steps else 0.0
+        )
+        row["bitmask_hidden_share"] = (
+            delta["plugserve_grammar_bitmask_hidden_steps_total"] / steps if steps else 0.0
+        )
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="8 32")
+    parser.add_argument("--backend", default="xgrammar", help="stack.structured_output")
+    parser.add_argument("--transport", default="zmq")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--server-args", default="--enable-prefix-caching false")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split()]
+    args.server_args += f" --stack.structured_output {args.backend}"
+    args.server_args += f" --stack.transport {args.transport}"
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="plugserve-bench-so-") as log_dir:
+        server = Server(args.transport, args, Path(log_dir))
+        server.start(timeout_s=600)
+        try:
+            for conc in args.concurrency:
+                for constrained in (False, True):
+                    rows.append(run(server, args, conc, constrained))
+                    print(json.dumps(rows[-1]), flush=True)
+        finally:
+            server.stop()
+
+    print(f"\nstructured output ({args.backend}), {args.dtype}, output tok/s:")
+    print("| c | no grammar | JSON schema | ratio | bitmask ms/step | hidden by forward |")
+    print("|---|---|---|---|---|---|")
+    for conc in args.concurrency:
+        plain, json_row = (r for r in rows if r["concurrency"] == conc)
+        ratio = json_row["output_throughput"] / plain["output_throughput"]
+        print(
+            f"| {conc} | {plain['output_throughput']:.1f} | {json_row['output_throughput']:.1f} "
+            f"| {ratio:.2f} | {json_row['bitmask_ms_per_step']:.2f} "
+            f"| {100 * json_row['bitmask_hidden_share']:.0f} % |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
