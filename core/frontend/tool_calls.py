@@ -112,11 +112,16 @@ class RequiredCalls(ChoiceOutput):
 
 
 class AutoCalls(ChoiceOutput):
-    """tool_choice "auto": the model decides; the stack's tool parser finds its calls."""
+    """tool_choice "auto": the model decides; the stack's tool parser finds its calls.
+
+    Streamed, whitespace that ends the content so far is held back until more content
+    follows: the newlines a model writes around its calls are not content, as they are
+    not in the non-streamed message (whose content the parser strips)."""
 
     def __init__(self, parser: ToolParser) -> None:
         super().__init__()
         self.parser = parser
+        self._space = ""
 
     def final(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         extracted = self.parser.extract_tool_calls(text)
@@ -126,10 +131,16 @@ class AutoCalls(ChoiceOutput):
         return self._deltas(*self.parser.extract_tool_calls_streaming(text))
 
     def finish(self) -> list[Delta]:
-        return self._deltas(*self.parser.finish_streaming())
+        deltas = self._deltas(*self.parser.finish_streaming())
+        if self._space and self.num_calls == 0:  # plain text keeps its ending
+            deltas.append({"content": self._space})
+        return deltas
 
     def _deltas(self, content: str, calls: list[ToolCall]) -> list[Delta]:
-        deltas: list[Delta] = [{"content": content}] if content else []
+        text = self._space + content
+        shown = text.rstrip()
+        self._space = text[len(shown) :]
+        deltas: list[Delta] = [{"content": shown}] if shown else []
         for call in calls:
             deltas += self._call_deltas(call)
         return deltas

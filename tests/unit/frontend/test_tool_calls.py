@@ -94,3 +94,16 @@ def test_auto_uses_the_stacks_parser(piece):
     assert "".join(d.get("content", "") for d in deltas) == "Let me look."
     [streamed] = merged_calls(deltas)
     assert streamed["name"] == "get_weather" and output.num_calls == 1
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_auto_streams_no_whitespace_around_calls_as_content(piece):
+    parser = get_registry().get("tool_parser", "hermes")
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    text = f"Checking.\n{call}\n{call}\n"
+    deltas = stream(AutoCalls(parser(tokenizer=None, tools=[])), text, piece)
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    assert len(merged_calls(deltas)) == 2
+    plain = "Line one.\n\nLine two.\n"  # without calls, the text is kept exactly
+    deltas = stream(AutoCalls(parser(tokenizer=None, tools=[])), plain, piece)
+    assert "".join(d.get("content", "") for d in deltas) == plain
