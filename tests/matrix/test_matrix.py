@@ -16,10 +16,13 @@ skipped with that reason. An attention backend that computes only in some dtypes
 them in an optional `dtypes` class attribute (capabilities.HasDtypes, torch dtype names);
 the others get float32 and bfloat16 cells.
 
-Every structured-output backend (the `structured_output` slot) serves too, in one cell of
-the default stack in float32 rather than across the product: the grammar is applied in the
-model runner between the engine's two executor calls, a path no other slot changes. Its
-constrained completions are valid and its unconstrained one equals the reference.
+Every structured-output backend and every tool parser (the `structured_output` and
+`tool_parser` slots) serves too, over a covering set of default-stack float32 cells rather
+than across the product: the grammar is applied in the model runner between the engine's
+two executor calls and tool calls are parsed from the finished text, paths no other slot
+changes. A cell's constrained completions are valid, its unconstrained one equals the
+reference, and the call its model is made to write in the parser's family format comes
+back as `tool_calls`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import asyncio
 import itertools
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -175,13 +179,41 @@ def test_cell_matches_hf(cell: Cell, request: pytest.FixtureRequest, tmp_path) -
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
 
 
-def structured_output_cells() -> list:
-    impls = get_registry().implementations("structured_output")
+OUTPUT_SLOTS = ("structured_output", "tool_parser")
+# What a model of each bundled tool parser's family writes for get_weather(city="Paris").
+# A third-party parser's cells skip until its format is added here.
+TOOL_CALL_TEXT = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def output_slot_cells() -> list:
+    registry = get_registry()
+    impls = {slot: registry.implementations(slot) for slot in OUTPUT_SLOTS}
     params = []
-    for name in sorted(impls):
-        reason = _unavailable(impls[name].cls)
-        marks = [pytest.mark.skip(reason=reason)] if reason else []
-        params.append(pytest.param(name, id=f"structured_output-{name}", marks=marks))
+    for backend, parser in _covering({slot: sorted(impls[slot]) for slot in OUTPUT_SLOTS}):
+        reasons = [
+            reason
+            for slot, name in zip(OUTPUT_SLOTS, (backend, parser), strict=True)
+            if (reason := _unavailable(impls[slot][name].cls)) is not None
+        ]
+        if parser not in TOOL_CALL_TEXT:
+            reasons.append(f"no recorded call text for tool parser {parser!r}")
+        marks = [pytest.mark.skip(reason="; ".join(reasons))] if reasons else []
+        params.append(pytest.param((backend, parser), id=f"{backend}-{parser}", marks=marks))
     return params
 
 
@@ -192,8 +224,9 @@ CITY_SCHEMA = {
 }
 
 
-async def _structured_scenario(server) -> tuple[GreedyCompletion, str, str]:
-    """One unconstrained greedy completion alongside a JSON-schema and a choice one."""
+async def _output_scenario(server, tool_parser: str) -> list[Any]:
+    """One unconstrained greedy completion alongside a JSON-schema and a choice one, and a
+    chat answer that writes a tool call in the tool parser's format."""
     async with server.async_openai_client() as client:
 
         async def constrained(constraint: dict) -> str:
@@ -207,22 +240,45 @@ async def _structured_scenario(server) -> tuple[GreedyCompletion, str, str]:
             assert out.choices[0].finish_reason == "stop"
             return out.choices[0].text
 
-        plain, as_json, choice = await asyncio.gather(
+        async def tool_call(text: str) -> Any:
+            # The model is made to write exactly the family's call text; `auto` leaves it
+            # to the tool parser to find the call in it.
+            out = await client.chat.completions.create(
+                model="smollm2-135m-instruct",
+                messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                tools=[WEATHER_TOOL],
+                tool_choice="auto",
+                max_tokens=48,
+                temperature=0.0,
+                extra_body={"structured_outputs": {"choice": [text]}},
+            )
+            return out.choices[0]
+
+        return await asyncio.gather(
             greedy_completion(client, PROMPTS[0], MAX_TOKENS, stream=False),
             constrained({"json": CITY_SCHEMA}),
             constrained({"choice": [" Paris", " Lyon"]}),
+            tool_call(TOOL_CALL_TEXT[tool_parser]),
         )
-        return plain, as_json, choice
 
 
-@pytest.mark.parametrize("backend", structured_output_cells())
-def test_structured_output_backend(backend: str, request: pytest.FixtureRequest, tmp_path) -> None:
+@pytest.mark.parametrize("output_slots", output_slot_cells())
+def test_output_slots(
+    output_slots: tuple[str, str], request: pytest.FixtureRequest, tmp_path
+) -> None:
+    backend, parser = output_slots
     cell = Cell("fcfs", "zmq", "uni", "torch", 1, "float32")
-    settings = [*cell.settings(), "--stack.structured_output", backend]
+    settings = [
+        *cell.settings(), "--stack.structured_output", backend, "--stack.tool_parser", parser
+    ]  # fmt: skip
     with running_server(cell.transport, tmp_path, settings=settings) as server:
-        plain, as_json, choice = asyncio.run(_structured_scenario(server))
+        plain, as_json, choice, called = asyncio.run(_output_scenario(server, parser))
         idle = server.wait_idle()
     assert plain.token_ids == request.getfixturevalue("hf_fp32")[0].token_ids
     assert set(json.loads(as_json)) == {"city"}
     assert choice in (" Paris", " Lyon")
+    assert called.finish_reason == "tool_calls"
+    [call] = called.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
