@@ -10,12 +10,13 @@ request admitted as soon as one finishes) and reports:
 - with --torch-profile, a torch.profiler table of a window of steps, grouped by op.
 
     .venv/bin/python benchmarks/profile_engine.py [--concurrency 32] [--dtype bfloat16]
-        [--torch-profile] [--engine-args "max_num_batched_tokens=4096"]
+        [--torch-profile] [--engine-args "max_num_batched_tokens=4096"] [--json-schema]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections import defaultdict
@@ -23,6 +24,7 @@ from collections import defaultdict
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import msgspec
 import numpy as np
 import torch
 
@@ -31,7 +33,7 @@ from plugserve.config import load_config
 from plugserve.engine.core import EngineCore, StepStats
 from plugserve.messages import EngineCoreRequest
 from plugserve.model_files import resolve_model_path
-from plugserve.sampling_params import SamplingParams
+from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def parse_overrides(text: str) -> dict[str, object]:
@@ -53,6 +55,11 @@ def main() -> None:
     parser.add_argument("--torch-profile", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="every request under structured_output.py's JSON schema (grammar cost)",
+    )
     args = parser.parse_args()
 
     overrides = {
@@ -71,6 +78,12 @@ def main() -> None:
         for text, _ in sample_random_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    if args.json_schema:
+        from structured_output import SCHEMA
+
+        params = msgspec.structs.replace(
+            params, structured_outputs=StructuredOutputsParams(json=json.dumps(SCHEMA))
+        )
 
     pending = list(enumerate(prompts))
     live = 0

@@ -18,6 +18,7 @@ Order of operations (as in vLLM and the OpenAI API):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -219,15 +220,27 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: np
     Other rows are not touched; tokens past the bitmask's width are never allowed."""
     if not len(rows):
         return
-    device = logits.device
-    words = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
     vocab_size = logits.shape[-1]
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    index = torch.as_tensor(list(rows), dtype=torch.int64, device=device)
-    logits[index] = logits[index].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+    words = np.ascontiguousarray(bitmask, dtype=np.int32)
+    if logits.device.type == "cpu" and sys.byteorder == "little":
+        # A little-endian word's bytes, each unpacked low bit first, are its tokens in
+        # order: one pass, where shifting every word by 0..31 made 32 copies of the mask.
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+        disallowed = torch.from_numpy(bits[:, :vocab_size] == 0)
+    else:
+        device_words = torch.from_numpy(words).to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((device_words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+        disallowed = ~allowed[:, :vocab_size]
+    if disallowed.shape[1] < vocab_size:
+        disallowed = torch.nn.functional.pad(
+            disallowed, (0, vocab_size - disallowed.shape[1]), value=True
+        )
+    if list(rows) == list(range(logits.shape[0])):
+        logits.masked_fill_(disallowed, float("-inf"))
+        return
+    index = torch.as_tensor(list(rows), dtype=torch.int64, device=logits.device)
+    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
 
 
 def apply_token_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -573,6 +573,17 @@ def test_greedy_and_sampled_rows_pick_only_allowed_tokens(device: str) -> None:
     assert set(sampled) == {7, 8, 9}
 
 
+def test_grammar_bitmask_over_every_row_in_order() -> None:
+    logits = random_logits(2)
+    before = logits.clone()
+    allowed = [{1, 33, 998}, set(range(40, 80))]
+    apply_grammar_bitmask(logits, [0, 1], bitmask(allowed))
+    for row, tokens in enumerate(allowed):
+        kept = logits[row].isfinite().nonzero().flatten().tolist()
+        assert kept == sorted(tokens)
+        assert torch.equal(logits[row, kept], before[row, kept])
+
+
 def test_tokens_past_the_bitmask_width_are_never_allowed() -> None:
     logits = random_logits(1, vocab=70)
     allowed = bitmask([set(range(64))], vocab=64)  # two words for a 70-wide vocabulary
