@@ -27,6 +27,7 @@ from plugserve.messages import (
     EngineCoreRequest,
     OutputType,
     RequestType,
+    SchedulerStats,
     encoder,
     outputs_decoder,
     pong_decoder,
@@ -42,6 +43,7 @@ QUIET_S = 0.3  # how long a client listens to be sure nothing more comes
 def config():
     return load_config(
         overrides={
+            "dtype": "float32",
             "kv_cache_memory": "16MiB",
             "max_model_len": 256,
             "max_num_seqs": 8,
@@ -99,11 +101,24 @@ async def outputs_until_finished(client, request_id: str) -> list[EngineCoreOutp
             return received
 
 
+async def first_tokens(client, request_id: str) -> list[EngineCoreOutput]:
+    """The outputs this client receives until `request_id` has at least one token."""
+    received = []
+    while not any(o.request_id == request_id and o.new_token_ids for o in received):
+        kind, payload = await asyncio.wait_for(client.recv(), 30)
+        assert bytes(kind) == OutputType.OUTPUTS
+        received += outputs_decoder.decode(payload).outputs
+    return received
+
+
 async def nothing_more(client) -> bool:
-    """True if nothing arrives for QUIET_S; False after taking the message that did."""
+    """True if no output arrives for QUIET_S (the engine's figures may, alone: a stats
+    message with no outputs); False after taking the message that did."""
     with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(client.recv(), QUIET_S)
-        return False
+        while True:
+            kind, payload = await asyncio.wait_for(client.recv(), QUIET_S)
+            if bytes(kind) != OutputType.OUTPUTS or outputs_decoder.decode(payload).outputs:
+                return False
     return True
 
 
@@ -129,10 +144,14 @@ def test_a_request_id_in_use_is_refused_to_its_sender_and_the_first_goes_on(conf
     async def main():
         async with engine_with_two_clients(config, "zmq") as (first, second):
             await add(first, "same", max_tokens=24)
+            # The two clients' messages reach the engine on different sockets, in either
+            # order: the second is sent once the first has produced a token.
+            outputs = await first_tokens(first, "same")
             await add(second, "same", max_tokens=4)
             (refusal,) = await outputs_until_finished(second, "same")
             assert refusal.finish_reason == "error" and "already in use" in refusal.error
-            outputs = await outputs_until_finished(first, "same")
+            if not any(o.finished for o in outputs):
+                outputs += await outputs_until_finished(first, "same")
             assert all(o.error is None for o in outputs)
             assert sum(len(o.new_token_ids) for o in outputs) == 24
 
@@ -182,25 +201,110 @@ def test_a_cpu_engine_sends_from_its_busy_loop_and_counts_that_time_as_overhead(
     async def main():
         async with engine_with_two_clients(config, "zmq", wrap_channel=SlowSends) as clients:
             client = clients[0]
-            pong = await ping(client, 1)
+            await ping(client, 1)
             await add(client, "timed", max_tokens=6)
+            # The counters in a stats message count since the engine's previous one: the
+            # sum over every message after the first PONG is what the request cost.
+            stats: list[SchedulerStats] = []
             messages, finished = 0, False
             while not finished:
                 kind, payload = await asyncio.wait_for(client.recv(), 30)
                 assert bytes(kind) == OutputType.OUTPUTS
-                messages += 1
-                finished = any(o.finished for o in outputs_decoder.decode(payload).outputs)
-            after = await ping(client, 2)
-            step_s = after.stats.step_seconds - pong.stats.step_seconds
-            forward_s = after.stats.forward_seconds - pong.stats.forward_seconds
+                batch = outputs_decoder.decode(payload)
+                stats += [batch.scheduler_stats] if batch.scheduler_stats else []
+                messages += bool(batch.outputs)
+                finished = any(o.finished for o in batch.outputs)
+            after = await ping(client, 2, stats)
+            stats.append(after.stats)
+            step_s = sum(s.step_seconds for s in stats)
+            forward_s = sum(s.forward_seconds for s in stats)
             assert messages >= 2
             assert step_s - forward_s >= messages * SEND_S
 
     asyncio.run(main())
 
 
-async def ping(client, nonce: int):
+async def ping(client, nonce: int, stats: list[SchedulerStats] | None = None):
+    """The PONG; the stats of messages that came first (the engine's figures sent alone)
+    are added to `stats`."""
     await client.send([RequestType.PING, encoder.encode(nonce)])
-    kind, payload = await asyncio.wait_for(client.recv(), 10)
+    while True:
+        kind, payload = await asyncio.wait_for(client.recv(), 10)
+        if bytes(kind) != OutputType.OUTPUTS:
+            break
+        batch = outputs_decoder.decode(payload)
+        assert not batch.outputs
+        if stats is not None and batch.scheduler_stats is not None:
+            stats.append(batch.scheduler_stats)
     assert bytes(kind) == OutputType.PONG
     return pong_decoder.decode(payload)
+
+
+async def stats_until_quiet(client) -> list[SchedulerStats]:
+    """The stats of every message the client receives until QUIET_S pass without one."""
+    received = []
+    with contextlib.suppress(asyncio.TimeoutError):
+        while True:
+            kind, payload = await asyncio.wait_for(client.recv(), QUIET_S)
+            if bytes(kind) == OutputType.OUTPUTS:
+                stats = outputs_decoder.decode(payload).scheduler_stats
+            else:
+                stats = pong_decoder.decode(payload).stats
+            received += [stats] if stats is not None else []
+    return received
+
+
+def test_each_counter_increment_reaches_one_client_and_the_gauges_come_unasked(config):
+    """Summed over both clients, the counters of every stats message are the engine's
+    totals (nothing counted twice, nothing lost); and after the last request ends, its
+    figures arrive without anyone asking (no PING): running 0, the KV cache free."""
+
+    async def main():
+        async with engine_with_two_clients(config, "zmq") as clients:
+            for index, client in enumerate(clients):
+                await add(client, f"request-{index}", max_tokens=5 + index)
+            received = [await stats_until_quiet(client) for client in clients]
+            everything = [s for per_client in received for s in per_client]
+            assert sum(s.num_generated_tokens for s in everything) == 5 + 6
+            assert sum(s.num_prompt_tokens for s in everything) == 2 * len(PROMPT)
+            finished: dict[str, int] = {}
+            for s in everything:
+                for reason, n in s.num_finished.items():
+                    finished[reason] = finished.get(reason, 0) + n
+            assert finished == {"length": 2}
+            assert sum(s.num_pings for s in everything) == 0
+            # A long request aborted while nothing else runs: the figures of the idle
+            # engine come unasked (alone, to client 0, whose request it was).
+            await add(clients[0], "long", max_tokens=200)
+            await clients[0].recv()  # it is running
+            await clients[0].send([RequestType.ABORT, encoder.encode(["long"])])
+            after = await stats_until_quiet(clients[0])
+            assert sum(s.num_finished.get("abort", 0) for s in after) == 1
+            assert after[-1].num_running == 0 and after[-1].num_waiting == 0
+            assert after[-1].num_free_kv_blocks == after[-1].num_kv_blocks
+            assert await nothing_more(clients[1])
+
+    asyncio.run(main())
+
+
+def test_a_busy_engine_logs_its_throughput_every_interval(config, caplog):
+    """vLLM's periodic line, from the busy loop: every log_stats_interval seconds while
+    busy, and once more after the engine goes idle; none while it stays idle."""
+    config = config.model_copy(deep=True)
+    config.engine.log_stats_interval = 0.2
+
+    async def main():
+        async with engine_with_two_clients(config, "zmq") as clients:
+            await add(clients[0], "long", max_tokens=120)
+            await outputs_until_finished(clients[0], "long")
+            await asyncio.sleep(0.5)  # the line that ends the busy spell
+            lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
+            assert lines, "no periodic line"
+            assert "Avg generation throughput" in lines[0] and "Running:" in lines[0]
+            assert "Running: 0 reqs" in lines[-1]
+            count = len(lines)
+            await asyncio.sleep(0.5)  # idle: no more lines
+            assert len([r for r in caplog.records if "throughput" in r.getMessage()]) == count
+
+    with caplog.at_level("INFO", logger="plugserve.engine.engine_proc"):
+        asyncio.run(main())
