@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import time
+import types
 from collections import defaultdict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,11 +29,13 @@ import msgspec
 import numpy as np
 import torch
 
+from plugserve import hookimpl
 from plugserve.bench.dataset import sample_random_prompts
 from plugserve.config import load_config
 from plugserve.engine.core import EngineCore, StepStats
 from plugserve.messages import EngineCoreRequest
 from plugserve.model_files import resolve_model_path
+from plugserve.plugins import PluginRegistry, set_registry
 from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -69,6 +72,15 @@ def main() -> None:
         **parse_overrides(args.engine_args),
     }
     config = load_config(None, overrides)
+    steps: list[StepStats] = []
+    # Each step's StepStats, through the engine_step_finished hook as any observer plugin.
+    registry = PluginRegistry()
+    registry.register(
+        types.SimpleNamespace(engine_step_finished=hookimpl(lambda stats: steps.append(stats))),
+        name="profile_engine",
+        distribution="benchmarks",
+    )
+    set_registry(registry)
     engine = EngineCore(config)
     from transformers import AutoTokenizer
 
@@ -99,7 +111,6 @@ def main() -> None:
             )
             live += 1
 
-    steps: list[StepStats] = []
     profiler = None
     started = time.perf_counter()
     num_output = 0
@@ -109,8 +120,6 @@ def main() -> None:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
         outputs, _ = engine.step()
-        assert engine.last_step is not None
-        steps.append(engine.last_step)
         for out in outputs:
             num_output += len(out.new_token_ids)
             if out.finished:
