@@ -34,6 +34,19 @@ class ServerConfig(_Section):
     # --api-server-count). 1: the API server runs in the launching process; N > 1: the
     # launching process supervises ApiServer_0 … ApiServer_{N-1}.
     api_server_count: int = Field(1, ge=1)
+    # Browser origins allowed to call the API (CORS); empty: no CORS headers at all.
+    # "*" allows any origin.
+    allowed_origins: list[str] = Field(default_factory=list)
+    # Sampling defaults from the model's generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty) for requests that leave them out, as vLLM's
+    # --generation-config auto; "none": the OpenAI defaults (temperature 1, top_p 1).
+    generation_config: Literal["auto", "none"] = "auto"
+    # One info line per finished request: id, prompt and output tokens, TTFT, total time,
+    # finish reason.
+    log_requests: bool = False
+    # On SIGTERM (or SIGINT): requests in flight get this long to finish while new ones
+    # are answered 503; then every process stops.
+    shutdown_timeout: float = Field(30.0, ge=0)
 
 
 class StackSelection(_Section):
@@ -52,6 +65,9 @@ class StackSelection(_Section):
 
 class EngineConfig(_Section):
     max_num_seqs: int = Field(64, ge=1)
+    # Requests allowed to wait for a running slot, per engine; past it the API server
+    # answers 429 with Retry-After. None: no bound.
+    max_waiting_requests: int | None = Field(None, ge=0)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(2048, ge=2)  # None: the model's own limit
     block_size: int = Field(16, ge=1)

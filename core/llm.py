@@ -14,6 +14,7 @@ from typing import Any
 
 from plugserve.config import StackConfig, load_config
 from plugserve.engine.core import EngineCore
+from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces import Detokenizer, Renderer
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest
 from plugserve.model_files import resolve_model_path
@@ -109,6 +110,10 @@ class LLM:
             self.config.plugin_options(stack.renderer),
             model_path=model_path,
         )
+        # Every EOS id of the model's generation_config.json stops, as in the API server.
+        self._stops = GenerationDefaults.load(
+            model_path, self.renderer.eos_token_id, use_sampling=False
+        )
         self._detokenizer_cls = registry.get("detokenizer", stack.detokenizer)
         self._ids = itertools.count()
 
@@ -195,7 +200,7 @@ class LLM:
                         EngineCoreRequest(
                             request_id=request_id,
                             prompt_token_ids=ids,
-                            sampling_params=params,
+                            sampling_params=self._stops.with_eos(params),
                             eos_token_id=self.renderer.eos_token_id,
                             priority=priority[i] if priority is not None else 0,
                         )

@@ -1,6 +1,7 @@
-"""The FastAPI app of one API server: the routers (routes/: OpenAI, health, metrics,
-bench) assembled with OpenAI's error shape for every error, the API key check, and the
-lifespan that shuts the engine client down."""
+"""The FastAPI app of one API server: the routers (routes/: OpenAI, Responses, tokens,
+health, metrics, bench) assembled with OpenAI's error shape for every error, the gate
+every request passes (middleware.py: API key, request id, draining), CORS when origins
+are allowed, and the lifespan that shuts the engine client down."""
 
 from __future__ import annotations
 
@@ -8,16 +9,23 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plugserve import __version__
+from plugserve.frontend.admission import Admission
 from plugserve.frontend.engine_client import AsyncEngineClient
-from plugserve.frontend.routes import bench, health, metrics, openai
+from plugserve.frontend.middleware import (
+    API_SERVER_HEADER,
+    REQUEST_ID_HEADER,
+    ServerGate,
+    Traffic,
+)
+from plugserve.frontend.routes import bench, health, metrics, openai, responses, tokens
 
 # error_response and HEALTH_TIMEOUT_S moved to routes/shared.py; still importable from
 # here for one release.
@@ -25,8 +33,6 @@ from plugserve.frontend.routes.shared import HEALTH_TIMEOUT_S, error_response
 from plugserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
-
-API_SERVER_HEADER = "x-plugserve-api-server"
 
 __all__ = ["API_SERVER_HEADER", "HEALTH_TIMEOUT_S", "build_app", "error_response"]
 
@@ -38,14 +44,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         # Every unknown field at once, by its path: no field is silently ignored.
-        names = [".".join(str(p) for p in e["loc"] if p != "body") for e in unknown]
+        names = [".".join(str(p) for p in e["loc"] if _named(p)) for e in unknown]
         return (
             f"unsupported field{'s' if len(names) > 1 else ''}: {', '.join(names)} "
             "(not implemented by this server; see docs/api.md)",
             names[0],
         )
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # A field typed as a union (the Responses API's `input`) fails in every branch: the
+    # deepest failure is the one that says what is wrong.
+    field = errors[0].get("loc", ())[:2]
+    err = max(
+        (e for e in errors if e.get("loc", ())[:2] == field), key=lambda e: len(e.get("loc", ()))
+    )
+    loc = [str(p) for p in err.get("loc", ()) if _named(p)]
     if err.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(loc) or None
@@ -57,10 +68,15 @@ def build_app(
     serving: OpenAIServing,
     api_key: str | None,
     server_name: str = "ApiServer",
+    *,
+    allowed_origins: list[str] | None = None,
+    admission: Admission | None = None,
 ) -> FastAPI:
     """The app of one API server, `server_name` (its process name): every response says
     which API server process answered, in x-plugserve-api-server ("ApiServer_1 pid=42"),
-    since several may share the port."""
+    since several may share the port. `allowed_origins`: CORS (none: no CORS headers);
+    `admission`: the bound on queued requests (none: unbounded). `app.state.traffic`
+    counts the requests in flight and turns new ones away while shutdown drains them."""
     identity = f"{server_name} pid={os.getpid()}"
 
     @asynccontextmanager
@@ -72,10 +88,22 @@ def build_app(
     # What the routers take through their dependencies (routes/shared.py).
     app.state.engine_client = client
     app.state.openai_serving = serving
+    app.state.admission = admission or Admission(None, max_num_seqs=1)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(_AuthAndIdentify, api_key=api_key, identity=identity)
-    for router in (openai.router, health.router, bench.router, metrics.router):
+    app.state.traffic = Traffic()
+    app.add_middleware(ServerGate, api_key=api_key, identity=identity, traffic=app.state.traffic)
+    if allowed_origins:
+        # Outermost: a preflight is answered before the API key is asked for.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=[REQUEST_ID_HEADER, API_SERVER_HEADER],
+        )
+    routers = (openai.router, responses.router, tokens.router, health.router, bench.router)
+    for router in (*routers, metrics.router):
         app.include_router(router)
     return app
 
@@ -89,30 +117,7 @@ async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONRespons
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
 
-class _AuthAndIdentify:
-    """Checks the API key on /v1/ routes and names the answering API server in every
-    response. A plain ASGI middleware: starlette's BaseHTTPMiddleware would relay every
-    streamed chunk through an extra task and queue."""
-
-    def __init__(self, app: Any, *, api_key: str | None, identity: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.header = (API_SERVER_HEADER.encode(), identity.encode())
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_identified(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), self.header]
-            await send(message)
-
-        if self.expected is not None and scope["path"].startswith("/v1/"):
-            authorization = dict(scope["headers"]).get(b"authorization")
-            if authorization != self.expected:
-                response = error_response(401, "invalid or missing API key", "authentication_error")
-                await response(scope, receive, send_identified)
-                return
-        await self.app(scope, receive, send_identified)
+def _named(part: object) -> bool:
+    """A part of an error's path a client wrote: not the body itself, nor the label
+    pydantic gives a branch of a union ("list[tagged-union[…]]")."""
+    return part != "body" and "[" not in str(part)

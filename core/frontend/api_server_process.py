@@ -6,7 +6,9 @@ started (serve.py), and it spawns the engine cores itself; with more, each runs 
 child of the launcher (multi_api_server.py).
 
 If an engine dies, in-flight requests fail, the server stops and the process exits 1.
-SIGINT (Ctrl-C) or SIGTERM stops the server in order, engines included, and exits 0.
+SIGINT (Ctrl-C) or SIGTERM drains the server: requests in flight get
+`server.shutdown_timeout` seconds to finish while new ones are answered 503; then it stops
+in order, engines included, and exits 0.
 """
 
 from __future__ import annotations
@@ -14,23 +16,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
 
 from plugserve.config import StackConfig
+from plugserve.frontend.admission import Admission
 from plugserve.frontend.api_server import build_app
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from plugserve.frontend.engines import EngineSupervision
+from plugserve.frontend.middleware import Traffic
 from plugserve.frontend.serving import OpenAIServing
+from plugserve.generation_defaults import GenerationDefaults
 from plugserve.logging_utils import configure_process_logging
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
 
 logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "PLUGSERVE_API_KEY"  # server.api_key, when the config does not set it
+# After the drain (server.shutdown_timeout), what uvicorn waits for the connections left.
+CLOSE_TIMEOUT_S = 1
 
 
 def name_process(name: str) -> None:
@@ -65,12 +76,51 @@ class ApiServerSetup:
 class _Server(uvicorn.Server):
     """uvicorn re-raises a captured SIGINT or SIGTERM once it has shut down, which ends
     the process before the engines have been stopped (SIGTERM) or prints a
-    KeyboardInterrupt traceback (SIGINT, Ctrl-C). Here a stop signal asks the server to
-    stop: it shuts down in order and exits 0. A second SIGINT still forces the exit."""
+    KeyboardInterrupt traceback (SIGINT, Ctrl-C). Here a stop signal drains the server
+    first: the listening socket stays open and new requests are answered 503 while those
+    in flight finish, for at most `shutdown_timeout` seconds; then it shuts down in order
+    (what is still running is cancelled, which aborts it in the engine) and exits 0. A
+    second signal ends the drain at once; a second SIGINT during the shutdown forces it."""
 
-    def __init__(self, config: uvicorn.Config, setup: ApiServerSetup) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        setup: ApiServerSetup,
+        traffic: Traffic | None = None,
+        shutdown_timeout: float = 0.0,
+    ) -> None:
         super().__init__(config)
         self.setup = setup
+        self.traffic = traffic or Traffic()
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self._drain_deadline is None and not self.should_exit:
+            self._drain_deadline = time.monotonic() + self.shutdown_timeout
+            self.traffic.draining = True
+            logger.info(
+                "%s: finishing %d request(s) in flight (at most %.0f s); new ones get 503",
+                signal.Signals(sig).name,
+                self.traffic.in_flight,
+                self.shutdown_timeout,
+            )
+            return
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    async def on_tick(self, counter: int) -> bool:
+        deadline = self._drain_deadline
+        if deadline is not None and not self.should_exit:
+            if self.traffic.in_flight == 0:
+                logger.info("every request in flight has finished: stopping")
+                self.should_exit = True
+            elif time.monotonic() >= deadline:
+                logger.warning(
+                    "shutdown_timeout: stopping with %d request(s) still in flight",
+                    self.traffic.in_flight,
+                )
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -156,14 +206,39 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
             await asyncio.wait([renderer_built])
     client.use_tokenizer(renderer.tokenizer, renderer.eos_token_id)
     model_name = config.server.served_model_name or config.model
+    defaults = GenerationDefaults.load(
+        model_path,
+        renderer.eos_token_id,
+        use_sampling=config.server.generation_config == "auto",
+    )
+    logger.info(
+        "%s (server.generation_config: %s)", defaults.describe(), config.server.generation_config
+    )
     serving = OpenAIServing(
         client,
         renderer,
         model_name,
         structured_output_backend=registry.get("structured_output", stack.structured_output),
         tool_parser=registry.get("tool_parser", stack.tool_parser),
+        generation_defaults=defaults,
+        model_root=config.model,
+        log_requests=config.server.log_requests,
     )
-    app = build_app(client, serving, config.server.api_key, server_name=setup.name)
+    engine = config.engine
+    admission = Admission(
+        engine.max_waiting_requests,
+        max_num_seqs=engine.max_num_seqs,
+        num_engines=engine.data_parallel_size,
+        api_server_count=config.server.api_server_count,
+    )
+    app = build_app(
+        client,
+        serving,
+        config.server.api_key or os.environ.get(API_KEY_ENV) or None,
+        server_name=setup.name,
+        allowed_origins=config.server.allowed_origins,
+        admission=admission,
+    )
     server = _Server(
         uvicorn.Config(
             app,
@@ -171,9 +246,11 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
             port=config.server.port,
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
         ),
         setup,
+        app.state.traffic,
+        config.server.shutdown_timeout,
     )
     if setup.sockets is None:
         url = http_url(config.server.host, config.server.port)

@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 LAUNCHER_NAME = "Launcher"
 SERVING = "serving"  # control message, API server → launcher: (SERVING, None)
-# An asked API server has uvicorn's 5 s of graceful shutdown, then closes its client.
+# An asked API server drains for at most server.shutdown_timeout, then has uvicorn's
+# close and its client's shutdown: this long beyond the drain before it is killed.
 API_SERVER_STOP_TIMEOUT_S = 15.0
 LISTEN_BACKLOG = 2048  # uvicorn's default
 
@@ -261,11 +262,12 @@ class Launcher:
         themselves once their in-flight requests have failed."""
         if self._engine_failed:
             join_all(self.api_servers, API_SERVER_STOP_TIMEOUT_S)
-        for step in ("terminate", "kill"):
+        drain = self.config.server.shutdown_timeout
+        for step, timeout in (("terminate", drain + API_SERVER_STOP_TIMEOUT_S), ("kill", 5.0)):
             alive = [p for p in self.api_servers if p.is_alive()]
             for process in alive:
                 getattr(process, step)()
-            join_all(alive, API_SERVER_STOP_TIMEOUT_S)
+            join_all(alive, timeout)
         self.engines.stop(asked=False)
         for control in self.controls:
             control.close()

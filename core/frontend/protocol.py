@@ -229,21 +229,34 @@ class _SamplingRequest(_Strict):
         return names
 
     def sampling_params(
-        self, *, max_tokens: int | None, num_logprobs: int | None, **extra: Any
+        self,
+        *,
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        defaults: dict[str, float | int] | None = None,
+        **extra: Any,
     ) -> SamplingParams:
-        """`extra`: the fields the serving layer derives with the tokenizer and the
-        structured-output backend (logit_bias, bad_words_token_ids, structured_outputs…)."""
+        """`defaults`: the model's own values (generation_config.json) of the sampling
+        fields the request leaves out; OpenAI's defaults otherwise. `extra`: the fields the
+        serving layer derives with the tokenizer and the structured-output backend
+        (logit_bias, bad_words_token_ids, structured_outputs…)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        model = defaults or {}
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else model.get(name, fallback)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=stop,
@@ -337,3 +350,54 @@ class CompletionRequest(_SamplingRequest):
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ tokens (vLLM)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: true for a prompt, false for messages (the template writes its own).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None:
+            chat_only = {
+                "add_generation_prompt",
+                "continue_final_message",
+                "tools",
+                "chat_template",
+                "chat_template_kwargs",
+            } & self.model_fields_set
+            if chat_only:
+                raise ValueError(f"{', '.join(sorted(chat_only))}: only with messages")
+        elif self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false to continue the last message)"
+            )
+        return self
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True, exclude={"refusal"}) for m in self.messages or []]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -22,7 +22,9 @@ from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
 from plugserve.frontend.logprobs import LogprobsFormatter, prompt_logprobs_entries
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from plugserve.frontend.request_log import logged
 from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
+from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces import Renderer, StructuredOutputBackend, ToolParser
 from plugserve.sampling_params import SamplingParams
 
@@ -56,6 +58,10 @@ class _Prepared:
     # Chat: how each choice's text becomes content and tool calls (tool_choice).
     make_output: Callable[[], ChoiceOutput] = ChoiceOutput
 
+    @property
+    def num_engine_requests(self) -> int:
+        return len(self.prompts) * self.params.n
+
     def params_of(self, choice: int) -> SamplingParams:
         """Choice `choice` of a prompt: with a seed and n > 1, seed + choice (as vLLM),
         so the n samples differ and each is reproducible."""
@@ -74,14 +80,22 @@ class OpenAIServing:
         *,
         structured_output_backend: type[StructuredOutputBackend] | None = None,
         tool_parser: type[ToolParser] | None = None,
+        generation_defaults: GenerationDefaults | None = None,
+        model_root: str | None = None,
+        log_requests: bool = False,
     ) -> None:
         """`structured_output_backend`: the stack's backend class, whose `validate`
         checks constraints before they are queued (None: the engine reports them).
         `tool_parser`: the stack's parser class for `tool_choice: "auto"` (None: tool
-        calls are not parsed from free text)."""
+        calls are not parsed from free text). `generation_defaults`: the model's
+        sampling defaults and EOS ids (generation_config.json). `model_root`: the model
+        as configured (/v1/models' `root`). `log_requests`: a line per finished request."""
         self.client = client
         self.renderer = renderer
         self.model_name = model_name
+        self.model_root = model_root or model_name
+        self.defaults = generation_defaults or GenerationDefaults()
+        self.log_requests = log_requests
         self.tokenizer = renderer.tokenizer
         self.structured_output_backend = structured_output_backend
         self.tool_parser = tool_parser
@@ -129,9 +143,10 @@ class OpenAIServing:
         logit_bias = self._logit_bias(body.logit_bias, vocab)
         bad_words = self._bad_words(body.bad_words or [])
         try:
-            return body.sampling_params(
+            params = body.sampling_params(
                 max_tokens=max_tokens if max_tokens is not None else room,
                 num_logprobs=body.num_logprobs,
+                defaults=self.defaults.sampling,
                 logit_bias=logit_bias,
                 bad_words_token_ids=bad_words,
                 structured_outputs=constraint,
@@ -139,6 +154,7 @@ class OpenAIServing:
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
+        return self.defaults.with_eos(params)
 
     @staticmethod
     def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
@@ -175,7 +191,8 @@ class OpenAIServing:
         if logger.isEnabledFor(logging.DEBUG) and (ignored := body.ignored_fields()):
             logger.debug("request fields accepted and ignored: %s", ", ".join(ignored))
 
-    def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
+    def prepare_chat(self, body: ChatCompletionRequest, request_id: str | None = None) -> _Prepared:
+        """`request_id`: the response's id (default: chatcmpl-<random>)."""
         self._check_model(body.model)
         self._log_ignored(body)
         check_tools(body)
@@ -193,7 +210,7 @@ class OpenAIServing:
             raise InvalidRequest(str(exc), "messages") from exc
         params = self._params(body, len(prompt), constraint)
         return _Prepared(
-            f"chatcmpl-{uuid.uuid4().hex}",
+            request_id or f"chatcmpl-{uuid.uuid4().hex}",
             [prompt],
             params,
             body.priority,
@@ -213,7 +230,10 @@ class OpenAIServing:
             return lambda: AutoCalls(parser_cls(tokenizer=self.tokenizer, tools=tools))
         return ChoiceOutput
 
-    def prepare_completion(self, body: CompletionRequest) -> _Prepared:
+    def prepare_completion(
+        self, body: CompletionRequest, request_id: str | None = None
+    ) -> _Prepared:
+        """`request_id`: the response's id (default: cmpl-<random>)."""
         self._check_model(body.model)
         self._log_ignored(body)
         constraint = request_constraint(body, self.structured_output_backend)
@@ -235,7 +255,7 @@ class OpenAIServing:
         # object serves all prompts.
         chosen = min(params, key=lambda sp: sp.max_tokens or 0)
         return _Prepared(
-            f"cmpl-{uuid.uuid4().hex}",
+            request_id or f"cmpl-{uuid.uuid4().hex}",
             prompts,
             chosen,
             body.priority,
@@ -244,14 +264,24 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
 
-    async def _run(self, prep: _Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
-        """Every choice of every prompt, merged as their deltas come: (choice index, delta)."""
+    def run(self, prep: _Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Every choice of every prompt, merged as their deltas come: (choice index,
+        delta); logged when done with `log_requests`."""
+        if not self.log_requests:
+            return self._merged(prep)
+        num_prompt_tokens = sum(len(p) for p in prep.prompts)  # as usage counts them
+        return logged(prep.request_id, num_prompt_tokens, self._merged(prep))
+
+    async def _merged(self, prep: _Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
         n = prep.params.n
+        # The response id may be the client's (X-Request-Id), which need not be unique;
+        # the engines' ids must be.
+        prefix = f"{prep.request_id}-{uuid.uuid4().hex[:8]}"
         streams = [
             (
                 i * n + j,
                 self.client.generate(
-                    f"{prep.request_id}-{i * n + j}",
+                    f"{prefix}-{i * n + j}",
                     ids,
                     prep.params_of(j),
                     priority=prep.priority,
@@ -296,7 +326,7 @@ class OpenAIServing:
     async def complete(self, prep: _Prepared, chat: bool) -> dict[str, Any]:
         choices = [_Choice(i) for i in range(len(prep.prompts) * prep.params.n)]
         cached = 0
-        async for index, delta in self._run(prep):
+        async for index, delta in self.run(prep):
             choice = choices[index]
             choice.text.append(delta.text)
             choice.token_ids.extend(delta.token_ids)
@@ -386,7 +416,7 @@ class OpenAIServing:
                     "finish_reason": None,
                 }
                 yield sse_event({**head, "choices": [first]})
-        async for index, delta in self._run(prep):
+        async for index, delta in self.run(prep):
             num_output[index] = delta.num_output_tokens
             cached = max(cached, delta.num_cached_tokens)
             if not (delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs):

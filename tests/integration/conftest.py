@@ -40,6 +40,8 @@ SERVER_SETTINGS = (
     "--max-num-seqs", "32",
     "--max-model-len", str(MAX_MODEL_LEN),
     "--num-threads", str(NUM_THREADS),
+    # SIGTERM drains: a test that stops its server mid-request waits this long at most.
+    "--shutdown-timeout", "10",
 )  # fmt: skip
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0

@@ -1,4 +1,5 @@
-"""/health: a round trip to every engine's busy loop, not a static 200; /version."""
+"""/health (and /ping, vLLM's alias for SageMaker): a round trip to every engine's busy
+loop, not a static 200; /version."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
 async def health(client: EngineClient) -> Response:
     try:
         await client.check_health(HEALTH_TIMEOUT_S)

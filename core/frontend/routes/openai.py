@@ -1,18 +1,29 @@
-"""The OpenAI-compatible routes: chat completions, completions, the model list."""
+"""The OpenAI-compatible routes: chat completions, completions, the model list.
+
+A request's id is its X-Request-Id (the gate gives every request one); past
+`engine.max_waiting_requests` a request is answered 429 with Retry-After before it is
+queued (admission.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from plugserve.frontend.admission import Overloaded, Slot
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestError
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from plugserve.frontend.routes.shared import EngineClient, Serving, error_response
+from plugserve.frontend.routes.shared import (
+    EngineClient,
+    Serving,
+    error_response,
+    overloaded_response,
+)
 from plugserve.frontend.serving import (
     SSE_DONE,
     InvalidRequest,
@@ -41,15 +52,36 @@ async def completions(
 
 @router.get("/v1/models")
 async def models(serving: Serving) -> dict[str, Any]:
+    """vLLM's model card: `root` is the model as configured, `parent` null (no
+    adapters), `permission` the one entry vLLM sends."""
+    created = int(time.time())
     return {
         "object": "list",
         "data": [
             {
                 "id": serving.model_name,
                 "object": "model",
-                "created": int(time.time()),
+                "created": created,
                 "owned_by": "plugserve",
+                "root": serving.model_root,
+                "parent": None,
                 "max_model_len": serving.max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{uuid.uuid4().hex}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
             }
         ],
     }
@@ -62,31 +94,45 @@ async def _generate(
     serving: OpenAIServing,
     chat: bool,
 ) -> Response:
+    request_id = request.state.request_id
     try:
-        prep = serving.prepare_chat(body) if chat else serving.prepare_completion(body)
+        if chat:
+            prep = serving.prepare_chat(body, f"chatcmpl-{request_id}")
+        else:
+            prep = serving.prepare_completion(body, f"cmpl-{request_id}")
     except ModelNotFound as exc:
         return error_response(404, str(exc), "invalid_request_error", "model")
     except InvalidRequest as exc:
         return error_response(400, str(exc), "invalid_request_error", exc.param)
     if client.is_dead:
         return error_response(503, client.dead_reason or "engine is dead", "server_error")
-    if body.stream:
-        return StreamingResponse(
-            _guard_stream(serving.stream(prep, chat, body.include_usage)),
-            media_type="text/event-stream",
-        )
     try:
-        result = await _until_disconnected(request, serving.complete(prep, chat))
+        slot = request.app.state.admission.acquire(prep.num_engine_requests)
+    except Overloaded as exc:
+        return overloaded_response(exc)
+    if body.stream:
+        return streaming_response(serving.stream(prep, chat, body.include_usage), slot)
+    try:
+        result = await until_disconnected(request, serving.complete(prep, chat))
     except EngineDeadError as exc:
         return error_response(503, str(exc), "server_error")
     except RequestError as exc:
         return error_response(500, str(exc), "server_error")
+    finally:
+        slot.release()
     if result is None:  # the client left; its request was aborted
         return Response(status_code=499)
     return JSONResponse(result)
 
 
-async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+def streaming_response(events: AsyncIterator[bytes], slot: Slot) -> StreamingResponse:
+    """Server-sent `events`, holding the admission `slot` until they end."""
+    body = _guard_stream(events, slot)
+    slot.release_with(body)
+    return StreamingResponse(body, media_type="text/event-stream")
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work` unless the client disconnects first; then cancel it (which aborts its
     engine requests) and return None."""
     task = asyncio.ensure_future(work)
@@ -109,7 +155,7 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None
 
 
-async def _guard_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _guard_stream(events: AsyncIterator[bytes], slot: Slot) -> AsyncIterator[bytes]:
     """Errors after the response started can only travel as an SSE error event."""
     try:
         async for event in events:
@@ -122,3 +168,5 @@ async def _guard_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         }
         yield sse_event(payload)
         yield SSE_DONE
+    finally:
+        slot.release()

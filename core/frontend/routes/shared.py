@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
+from plugserve.frontend.admission import Overloaded
 from plugserve.frontend.engine_client import AsyncEngineClient
 from plugserve.frontend.serving import OpenAIServing
 
@@ -19,6 +20,13 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
         {"error": {"message": message, "type": kind, "param": param, "code": status}},
         status_code=status,
     )
+
+
+def overloaded_response(exc: Overloaded) -> JSONResponse:
+    """429 with Retry-After: the queue is full (engine.max_waiting_requests)."""
+    response = error_response(429, str(exc), "rate_limit_error")
+    response.headers["retry-after"] = str(exc.retry_after)
+    return response
 
 
 # Set on app.state by api_server.build_app. The getters are async so that FastAPI calls

@@ -1,0 +1,94 @@
+"""What every HTTP request of an API server passes first (one plain ASGI middleware:
+starlette's BaseHTTPMiddleware would relay every streamed chunk through an extra task
+and queue):
+
+- while the server drains for shutdown, a new request is answered 503 at once;
+- on /v1/ routes, the API key (`Authorization: Bearer <key>`), compared in constant time;
+- the request id: the client's `X-Request-Id` (vLLM's header) or a fresh one, given to the
+  routes (`request.state.request_id`) and echoed in the response's `X-Request-Id`;
+- every response names the API-server process that answered (x-plugserve-api-server).
+
+It also counts the requests in flight, which graceful shutdown waits for.
+"""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from plugserve.frontend.routes.shared import error_response
+
+API_SERVER_HEADER = "x-plugserve-api-server"
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_LENGTH = 256
+
+
+@dataclass
+class Traffic:
+    """What graceful shutdown reads and sets (app.state.traffic)."""
+
+    in_flight: int = 0  # HTTP requests being answered, streams until their last event
+    draining: bool = False  # set on shutdown: new requests are answered 503
+
+
+class ServerGate:
+    def __init__(self, app: Any, *, api_key: str | None, identity: str, traffic: Traffic) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.header = (API_SERVER_HEADER.encode(), identity.encode())
+        self.traffic = traffic
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        request_id = _request_id(headers.get(REQUEST_ID_HEADER.encode()))
+        echoed = [self.header]
+        if request_id is not None:
+            echoed.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+
+        async def send_identified(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *echoed]
+            await send(message)
+
+        if self.traffic.draining:
+            response = error_response(503, "the server is shutting down", "server_error")
+            response.headers["connection"] = "close"
+            await response(scope, receive, send_identified)
+            return
+        if request_id is None:
+            response = error_response(
+                400,
+                f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LENGTH} printable ASCII characters",
+                "invalid_request_error",
+                "X-Request-Id",
+            )
+            await response(scope, receive, send)
+            return
+        if self.expected is not None and scope["path"].startswith("/v1/"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key", "authentication_error")
+                await response(scope, receive, send_identified)
+                return
+        scope.setdefault("state", {})["request_id"] = request_id
+        self.traffic.in_flight += 1
+        try:
+            await self.app(scope, receive, send_identified)
+        finally:
+            self.traffic.in_flight -= 1
+
+
+def _request_id(given: bytes | None) -> str | None:
+    """The client's id if it is a usable one, a fresh one if none was given; None for
+    an unusable one (a 400)."""
+    if given is None:
+        return uuid.uuid4().hex
+    text = given.decode("latin-1")
+    if 0 < len(text) <= MAX_REQUEST_ID_LENGTH and text.isprintable() and text.isascii():
+        return text
+    return None
