@@ -108,7 +108,9 @@ def server(
 def plain_server(
     model_folder: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    settings = _settings(model_folder[0], "--generation-config", "none")
+    # A drain long enough for the request the SIGTERM test leaves in flight (and below
+    # ServerProcess.stop's patience).
+    settings = _settings(model_folder[0], "--generation-config", "none", "--shutdown-timeout", "25")
     with running_server("zmq", tmp_path_factory.mktemp("plain"), settings=settings) as server:
         yield server
 
@@ -422,7 +424,7 @@ def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_and_exits_0(
 ):
     """Runs last: it stops plain_server."""
     body = {
-        "model": MODEL, "prompt": STORY, "max_tokens": 32, "temperature": 0,
+        "model": MODEL, "prompt": STORY, "max_tokens": 64, "temperature": 0,
         "stream": True, "ignore_eos": True,
     }  # fmt: skip
     with (
@@ -435,7 +437,10 @@ def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_and_exits_0(
 
         def refused() -> httpx.Response | None:
             with httpx.Client(base_url=plain_server.base_url, timeout=10) as fresh:
-                answer = fresh.post("/v1/completions", json={**body, "stream": False})
+                # One token: taken before the signal was, it is over at once.
+                answer = fresh.post(
+                    "/v1/completions", json={**body, "stream": False, "max_tokens": 1}
+                )
             return answer if answer.status_code == 503 else None
 
         during = wait_until(refused, 10)
