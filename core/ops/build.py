@@ -84,7 +84,7 @@ def cache_key(source: Path, include: Path | None = None) -> str:
     parts += [
         torch.__version__.encode(),
         platform.machine().encode(),
-        cpu_flags().encode(),
+        _machine_cpu_flags().encode(),
         " ".join(_FLAGS).encode(),
     ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -153,10 +153,25 @@ def _compile_command(source: Path) -> list[str]:
     ]
 
 
+# Flags (comma- or space-separated) that cpu_flags() leaves out, so that every plugserve
+# process decides as on a CPU without them (engine.dtype auto, the bf16 kernels): a
+# test's way to be another CPU. Builds are still keyed by the real flags.
+HIDE_CPU_FLAGS_ENV = "PLUGSERVE_HIDE_CPU_FLAGS"
+
+
 @cache
 def cpu_flags() -> str:
     """The CPU's feature flags: /proc/cpuinfo's "flags" line, read once (the kernel
-    dispatch asks for every weight it packs)."""
+    dispatch asks for every weight it packs), less those PLUGSERVE_HIDE_CPU_FLAGS names."""
+    hidden = set(os.environ.get(HIDE_CPU_FLAGS_ENV, "").replace(",", " ").split())
+    flags = _machine_cpu_flags()
+    if not hidden:
+        return flags
+    return " ".join(flag for flag in flags.split() if flag not in hidden)
+
+
+@cache
+def _machine_cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -32,7 +32,12 @@ from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, Sche
 
 # resolve_device and resolve_dtype moved to plugserve.device (the engine process asks
 # without importing the runner); still importable from here for one release.
-from plugserve.device import resolve_device, resolve_dtype
+from plugserve.device import (  # noqa: F401 (resolve_dtype: the re-export)
+    choose_dtype,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
 from plugserve.interfaces import AttentionSpec, KVCacheInfo
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
@@ -75,7 +80,7 @@ class ModelRunner:
         self.parallel = parallel or NO_PARALLEL
         engine = config.engine
         self.device = resolve_device(engine.device)
-        self.dtype = resolve_dtype(engine.dtype, self.device)
+        self.dtype, self._dtype_reason = choose_dtype(engine.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(engine.num_threads or os.cpu_count() or 1)
         self.block_size = engine.block_size
@@ -133,9 +138,7 @@ class ModelRunner:
                 model_path, model_cls, self.attention, self.dtype, self.device, parallel
             )
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            coded = self.config.engine.cpu_coded_weights
-            logger.info("bf16 linears: %s", cpu_linear.describe_bf16_path(coded))
+        logger.info("%s", self._describe_kernels())
 
         # Ranks hold different numbers of KV heads (uneven shards), hence fit different
         # numbers of blocks; block ids are shared, so all use the smallest count.
@@ -175,6 +178,16 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
         )
+
+    def _describe_kernels(self) -> str:
+        """The start-up line: the dtype and why, and the kernels that follow from it."""
+        line = f"dtype {dtype_name(self.dtype)} ({self._dtype_reason})"
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            coded = self.config.engine.cpu_coded_weights
+            line += f"; bf16 linears: {cpu_linear.describe_bf16_path(coded)}"
+        elif self.device.type == "cpu":
+            line += "; linears: ATen (weights as loaded)"
+        return f"{line}; attention: {self.config.stack.attention}"
 
     def _num_kv_blocks(self) -> int:
         engine = self.config.engine

@@ -29,7 +29,8 @@ def test_selected_in_stack_yaml_it_orders_by_prompt_length_and_records_finishes(
     monkeypatch.setenv("PLUGSERVE_FINISHED_LOG", str(log))
     config = tmp_path / "stack.yaml"
     config.write_text(
-        "stack: {scheduler: shortest_first}\nengine: {max_num_seqs: 1, kv_cache_memory: 16MiB}\n"
+        "stack: {scheduler: shortest_first}\n"
+        "engine: {max_num_seqs: 1, kv_cache_memory: 16MiB, dtype: float32}\n"
     )
     llm = LLM(config=config)
     engine = llm.engine

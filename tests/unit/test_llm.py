@@ -16,7 +16,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM(model="smollm2-135m-instruct", kv_cache_memory="64MiB", max_num_seqs=16)
+    # fp32, pinned: engine.dtype auto would serve bf16 on a CPU with native bf16.
+    llm = LLM(
+        model="smollm2-135m-instruct", dtype="float32", kv_cache_memory="64MiB", max_num_seqs=16
+    )
     yield llm
     del llm
 
@@ -27,7 +30,7 @@ def assert_every_block_back_in_the_pool(llm: LLM) -> None:
     assert not llm.engine.scheduler.requests
 
 
-def test_auto_dtype_is_float32_on_cpu(llm):
+def test_the_engine_computes_in_the_dtype_asked_for(llm):
     assert llm.engine.kv_cache_info.dtype == "float32"
 
 
@@ -230,7 +233,7 @@ def test_observer_hooks_see_steps_and_finished_requests():
     registry.register(observer, name="observer", distribution="acme-observer")
     previous = set_registry(registry)
     try:
-        llm = LLM(kv_cache_memory="16MiB", max_num_seqs=4)
+        llm = LLM(dtype="float32", kv_cache_memory="16MiB", max_num_seqs=4)
         llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     finally:
         set_registry(previous)
@@ -242,7 +245,7 @@ def test_observer_hooks_see_steps_and_finished_requests():
 
 def test_max_model_len_is_capped_at_what_the_kv_pool_holds():
     # 4 blocks of 16 tokens: a longer request could never be scheduled.
-    llm = LLM(num_kv_blocks=4, max_num_seqs=2, max_num_batched_tokens=64)
+    llm = LLM(dtype="float32", num_kv_blocks=4, max_num_seqs=2, max_num_batched_tokens=64)
     assert llm.engine.max_model_len == 64
     with pytest.raises(ValueError, match="max_model_len is 64"):
         llm.generate({"prompt_token_ids": [100] * 70}, SamplingParams(max_tokens=4))
@@ -282,7 +285,9 @@ def test_a_request_taking_a_finished_ones_row_samples_with_its_own_parameters(ll
     seeded = SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     alone = llm.generate(PROMPTS[1], seeded)[0].outputs[0].token_ids
-    one_row = LLM(model="smollm2-135m-instruct", kv_cache_memory="16MiB", max_num_seqs=1)
+    one_row = LLM(
+        model="smollm2-135m-instruct", dtype="float32", kv_cache_memory="16MiB", max_num_seqs=1
+    )
     after = one_row.generate([PROMPTS[0], PROMPTS[1]], [greedy, seeded])[1].outputs[0].token_ids
     as_greedy = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))
     assert after == alone

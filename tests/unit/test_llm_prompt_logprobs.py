@@ -23,6 +23,7 @@ TOP_N = 3
 def llm():
     llm = LLM(
         model="smollm2-135m-instruct",
+        dtype="float32",
         kv_cache_memory="32MiB",
         max_num_seqs=4,
         max_num_batched_tokens=8,
