@@ -88,6 +88,10 @@ class EngineConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    # Every this many seconds while busy, the engine logs its prompt and generation
+    # throughput, running and waiting requests, KV cache usage and prefix-cache hit rate
+    # (as vLLM); 0: never.
+    log_stats_interval: float = Field(10.0, ge=0)
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads; None: all cores
     # bf16 on an AVX512-BF16 CPU: keep a lossless exponent-coded copy of every weight
     # beside the packed one, which batch-1 steps read (12 bits a weight instead of 16;

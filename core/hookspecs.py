@@ -46,6 +46,21 @@ def register_tool_parsers(register: Register) -> None:
     by `stack.tool_parser`."""
 
 
+@hookspec
+def register_metrics(registry: Any, model_name: str) -> None:
+    """Add metrics to /metrics. Called once in every API-server process, after its
+    engines have started, with the `prometheus_client.CollectorRegistry` that process's
+    /metrics serves and the served model's name.
+
+    Register a custom collector (`registry.register(collector)`: its `collect()` runs
+    at each scrape, in whichever API server answers it), or create prometheus-client
+    metrics on it (`Counter(..., registry=registry)`); with several API servers
+    (`server.api_server_count` > 1) the values of such metrics are summed over the
+    processes through prometheus-client's multiprocess mode, and a Gauge needs a
+    `multiprocess_mode` saying how to combine them.
+    """
+
+
 # --------------------------------------------------------------- between the processes
 
 

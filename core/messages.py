@@ -9,6 +9,7 @@ import time
 
 import msgspec
 import msgspec.msgpack
+import msgspec.structs
 
 from plugserve.datatypes import Logprobs
 from plugserve.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
     # With the first generated token of a request that asked for prompt_logprobs: one
     # entry per prompt token, None for the first (nothing comes before it).
     prompt_logprobs: list[Logprobs | None] | None = None
+    # With a request's first output: the seconds it waited in the engine between being
+    # queued and first scheduled (vllm:request_queue_time_seconds).
+    queue_seconds: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -45,6 +49,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """An engine's figures. The engine keeps them since its start (EngineCore.stats());
+    on the wire (with outputs, PONG, or alone) the counters are what changed since that
+    engine's previous stats message to any API server (`stats_since`), so that each
+    increment reaches exactly one API server and the sum over API servers is the
+    engine's total; the gauges (GAUGE_FIELDS) are the engine's state when it sent them."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -70,6 +80,42 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     grammar_bitmask_seconds: float = 0.0
     grammar_forward_wait_seconds: float = 0.0
     grammar_bitmask_hidden_steps: int = 0
+    # Prompt tokens computed (prefix-cache hits are not), and PINGs answered.
+    num_prompt_tokens: int = 0
+    num_pings: int = 0
+
+
+# The fields of SchedulerStats that describe the engine's state now; every other field
+# counts since the engine started (and, on the wire, since its previous stats message).
+GAUGE_FIELDS = ("num_running", "num_waiting", "kv_usage", "num_kv_blocks", "num_free_kv_blocks")
+COUNTER_FIELDS = tuple(
+    name
+    for name in SchedulerStats.__struct_fields__
+    if name not in GAUGE_FIELDS and name != "num_finished"
+)
+
+
+def stats_since(now: SchedulerStats, before: SchedulerStats) -> SchedulerStats:
+    """`now`'s gauges, and its counters minus `before`'s."""
+    delta = msgspec.structs.replace(now)
+    for name in COUNTER_FIELDS:
+        setattr(delta, name, getattr(now, name) - getattr(before, name))
+    delta.num_finished = {
+        reason: n - before.num_finished.get(reason, 0)
+        for reason, n in now.num_finished.items()
+        if n != before.num_finished.get(reason, 0)
+    }
+    return delta
+
+
+def add_stats(total: SchedulerStats, delta: SchedulerStats) -> None:
+    """Fold a stats message into `total` (in place): its gauges replace, its counters add."""
+    for name in GAUGE_FIELDS:
+        setattr(total, name, getattr(delta, name))
+    for name in COUNTER_FIELDS:
+        setattr(total, name, getattr(total, name) + getattr(delta, name))
+    for reason, n in delta.num_finished.items():
+        total.num_finished[reason] = total.num_finished.get(reason, 0) + n
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

@@ -231,6 +231,11 @@ class PluginRegistry:
         self.load()
         return self._pm.hook
 
+    def register_metrics(self, registry: Any, model_name: str) -> None:
+        """Let every plugin add its metrics to an API server's /metrics (hookspecs)."""
+        self.load()
+        self._pm.hook.register_metrics(registry=registry, model_name=model_name)
+
     def has_observers(self, hook_name: str) -> bool:
         self.load()
         return bool(getattr(self._pm.hook, hook_name).get_hookimpls())

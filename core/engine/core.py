@@ -93,6 +93,10 @@ class EngineCore:
         self.grammar_bitmask_seconds = 0.0
         self.grammar_forward_wait_seconds = 0.0
         self.grammar_bitmask_hidden_steps = 0
+        # When each request was queued, until first scheduled; then the seconds it waited,
+        # until its first output carries them (EngineCoreOutput.queue_seconds).
+        self._queued_at: dict[str, float] = {}
+        self._queue_seconds: dict[str, float] = {}
         logger.info(
             "engine ready: %d KV blocks of %d tokens, dtype %s, max_model_len %d",
             info.num_blocks,
@@ -127,9 +131,13 @@ class EngineCore:
                 priority=req.priority,
             )
         )
+        self._queued_at[req.request_id] = time.monotonic()
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._queued_at.pop(request_id, None)
+            self._queue_seconds.pop(request_id, None)
         return [
             EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort")
             for r in aborted
@@ -160,6 +168,12 @@ class EngineCore:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         forward_started = time.perf_counter()
+        if self._queued_at:
+            now = time.monotonic()
+            for new_request in scheduler_output.scheduled_new_reqs:
+                queued_at = self._queued_at.pop(new_request.req_id, None)
+                if queued_at is not None:  # not a preempted request coming back
+                    self._queue_seconds[new_request.req_id] = now - queued_at
         future = self.executor.execute_model(scheduler_output, non_block=True)
         # The grammar bitmask of the constrained requests that sample this step, built on
         # the CPU while the forward pass runs (where the executor runs it elsewhere).
@@ -182,6 +196,8 @@ class EngineCore:
             model_output = self.executor.sample_tokens(grammar_output)
         forward_time = time.perf_counter() - forward_started
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self._queue_seconds or self._queued_at:
+            self._attach_queue_times(outputs)
         if not scheduler_output.total_num_scheduled_tokens and not outputs:
             # Nothing could run: the requests left wait for their grammars. Wait for one
             # to compile rather than spin (new input is looked at again within 10 ms).
@@ -203,6 +219,14 @@ class EngineCore:
                 )
             )
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _attach_queue_times(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            queue_seconds = self._queue_seconds.pop(output.request_id, None)
+            if queue_seconds is not None:
+                output.queue_seconds = queue_seconds
+            elif output.finished:  # it never ran (a grammar that failed to compile)
+                self._queued_at.pop(output.request_id, None)
 
     def count_output_time(self, seconds: float) -> None:
         """Time the caller spent handing a step's outputs on after step() returned (the

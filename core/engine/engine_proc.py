@@ -16,6 +16,14 @@ runs, lower in 19; docs/benchmarks.md).
 Several API servers (clients) may share the engine. The channel says which client each
 message came from; the busy loop remembers which client sent each request and answers
 every output, PONG and refusal to that client only. The handshake and DEAD go to all.
+
+Statistics travel with what the engine sends anyway (outputs, PONG): the scheduler's
+gauges as they are, its counters as what changed since the previous stats message to any
+client, so that each increment reaches one API server and their sum is the engine's
+total (messages.stats_since). When figures changed but no message carried them (an abort,
+a prefill chunk, going idle), the busy loop sends them alone: nothing has to ask. Every
+`engine.log_stats_interval` seconds while busy it logs a line of throughput and state,
+as vLLM does.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from plugserve import __version__
@@ -59,6 +68,7 @@ from plugserve.messages import (
     int_decoder,
     read_weights_decoder,
     request_decoder,
+    stats_since,
 )
 from plugserve.plugins import get_registry
 
@@ -66,6 +76,9 @@ logger = logging.getLogger(__name__)
 
 _STOP = object()
 _BROADCAST = -1  # an output item for every client (DEAD)
+# While busy, changed figures that no output carried (prefill chunks, steps waiting for a
+# grammar) are sent alone at most this often; going idle, at once.
+STATS_ONLY_INTERVAL_S = 0.1
 
 # (message type, decoded payload, the client it came from)
 _Input = tuple[bytes, Any, int]
@@ -186,6 +199,13 @@ class EngineCoreProc:
         # there. Only the busy loop touches it.
         self._client_of: dict[str, int] = {}
         self._running = True
+        # The engine's figures as of the last stats message sent (to any client), and
+        # whether one went out in this turn of the busy loop.
+        self._reported = SchedulerStats()
+        self._stats_sent = False
+        self._stats_sent_at = 0.0
+        self._num_pings = 0
+        self._stats_log = _StatsLog(engine_index, engine.config.engine.log_stats_interval)
 
     def run(self) -> None:
         threading.Thread(target=self._input_thread, name="EngineInput", daemon=True).start()
@@ -218,17 +238,51 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ busy loop
 
     def _busy_loop(self) -> None:
+        stats_log = self._stats_log
         while self._running:
-            self._drain_inputs(block=not self.engine.has_requests())
+            idle = not self.engine.has_requests()
+            # Idle, wake up once more for the log line that ends a busy spell.
+            self._drain_inputs(block=idle, timeout=stats_log.wait(idle))
             if not self._running:
                 break
-            outputs, _ = self.engine.step()
+            self._stats_sent = False
+            outputs, computed = self.engine.step()
             if outputs:
                 self._emit(outputs)
+            if not self._stats_sent:
+                self._send_changed_stats()
+            stats_log.after_turn(computed, self.engine.stats)
 
-    def _drain_inputs(self, block: bool) -> None:
+    def _send_changed_stats(self) -> None:
+        """Figures that changed without an output to carry them (an abort, a prefill
+        chunk, the step that goes idle) go alone, to any client: at once when the engine
+        goes idle, at most every STATS_ONLY_INTERVAL_S while it is busy."""
+        now = time.monotonic()
+        busy = self.engine.has_requests()
+        if busy and now - self._stats_sent_at < STATS_ONLY_INTERVAL_S:
+            return
+        if self._current_stats() != self._reported:
+            self._send_outputs(0, [], self._stats_message())
+            if self.send_from_busy_loop:
+                self.engine.count_output_time(time.monotonic() - now)
+
+    def _current_stats(self) -> SchedulerStats:
+        stats = self.engine.stats()
+        stats.num_pings = self._num_pings
+        return stats
+
+    def _stats_message(self) -> SchedulerStats:
+        """What a message carries: the gauges, and the counters since the last one."""
+        now = self._current_stats()
+        delta = stats_since(now, self._reported)
+        self._reported = now
+        self._stats_sent = True
+        self._stats_sent_at = time.monotonic()
+        return delta
+
+    def _drain_inputs(self, block: bool, timeout: float | None = None) -> None:
         try:
-            item = self.input_queue.get(block=block)
+            item = self.input_queue.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return
         while True:
@@ -251,7 +305,8 @@ class EngineCoreProc:
         elif kind == RequestType.PING:
             # A worker that died while the engine was idle fails the ping, not a request.
             self.engine.executor.check_health()
-            pong = Pong(payload, self.engine_index, self.engine.stats())
+            self._num_pings += 1
+            pong = Pong(payload, self.engine_index, self._stats_message())
             self._output(OutputType.PONG, pong, client)
         elif kind == RequestType.READ_WEIGHTS:
             self._output(OutputType.WEIGHT_READ, self._read_weights(payload), client)
@@ -296,7 +351,7 @@ class EngineCoreProc:
         refusal = EngineCoreOutput(
             request_id=request_id, new_token_ids=[], finish_reason="error", error=error
         )
-        self._send_outputs(client, [refusal], self.engine.stats())
+        self._send_outputs(client, [refusal], self._stats_message())
 
     def _emit(self, outputs: list[EngineCoreOutput]) -> None:
         """Send one step's outputs, one message per client that has some."""
@@ -311,15 +366,19 @@ class EngineCoreProc:
                 logger.warning("output for request %s, which no client sent", request_id)
                 continue
             by_client.setdefault(client, []).append(output)
+        if not by_client:
+            return
         started = time.perf_counter()
-        stats = self.engine.stats()
+        # The counters go with the first message only: each increment to one client.
+        stats: SchedulerStats | None = self._stats_message()
         for client, client_outputs in by_client.items():
             self._send_outputs(client, client_outputs, stats)
+            stats = None
         if self.send_from_busy_loop:
             self.engine.count_output_time(time.perf_counter() - started)
 
     def _send_outputs(
-        self, client: int, outputs: list[EngineCoreOutput], stats: SchedulerStats
+        self, client: int, outputs: list[EngineCoreOutput], stats: SchedulerStats | None
     ) -> None:
         batch = EngineCoreOutputs(
             outputs=outputs, scheduler_stats=stats, engine_index=self.engine_index
@@ -375,3 +434,54 @@ class EngineCoreProc:
                 logger.exception("engine output could not be sent")
                 self.input_queue.put((b"__error__", exc, 0))
                 return
+
+
+class _StatsLog:
+    """vLLM's periodic engine line: every `interval` seconds while the engine is busy (and
+    once more when a busy spell ends), its prompt and generation throughput over the
+    interval, running and waiting requests, KV cache usage and prefix-cache hit rate.
+    `interval` 0: never."""
+
+    def __init__(self, engine_index: int, interval: float) -> None:
+        self.engine_index = engine_index
+        self.interval = interval
+        self._last = SchedulerStats()  # the figures at the last line
+        self._last_at = time.monotonic()
+        self._unlogged = False  # tokens were computed since the last line
+
+    def wait(self, idle: bool) -> float | None:
+        """How long an idle busy loop may block: until the line that ends a busy spell."""
+        if not idle or not self.interval or not self._unlogged:
+            return None
+        return max(0.0, self._last_at + self.interval - time.monotonic())
+
+    def after_turn(self, computed: bool, stats: Callable[[], SchedulerStats]) -> None:
+        """After a turn of the busy loop (`computed`: its step computed tokens)."""
+        if not self.interval:
+            return
+        now = time.monotonic()
+        if computed and not self._unlogged:  # a busy spell begins: so does the interval
+            self._unlogged = True
+            self._last_at = now
+        if not self._unlogged or now - self._last_at < self.interval:
+            return
+        current = stats()
+        elapsed = now - self._last_at
+        last = self._last
+        queries = current.prefix_cache_queries - last.prefix_cache_queries
+        hits = current.prefix_cache_hits - last.prefix_cache_hits
+        logger.info(
+            "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
+            "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%",
+            self.engine_index,
+            (current.num_prompt_tokens - last.num_prompt_tokens) / elapsed,
+            (current.num_generated_tokens - last.num_generated_tokens) / elapsed,
+            current.num_running,
+            current.num_waiting,
+            current.kv_usage * 100,
+            100 * hits / queries if queries else 0.0,
+        )
+        self._last = current
+        self._last_at = now
+        self._unlogged = current.num_running + current.num_waiting > 0

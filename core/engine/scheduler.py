@@ -61,6 +61,7 @@ class Scheduler:
         self._preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0  # prompt tokens computed (prefix-cache hits are not)
         self.num_finished: dict[str, int] = {}
         self.structured_output = structured_output
         # Constrained requests whose grammar is being compiled, in arrival order.
@@ -285,6 +286,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prompt_tokens += min(
+                    num_tokens, request.num_prompt_tokens - request.num_computed_tokens
+                )
             request.num_computed_tokens += num_tokens
             new_token_ids: list[int] = []
             if runner_output.prompt_logprobs:
@@ -388,4 +393,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             num_finished=dict(self.num_finished),
+            num_prompt_tokens=self.num_prompt_tokens,
         )

@@ -206,6 +206,8 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
             await asyncio.wait([renderer_built])
     client.use_tokenizer(renderer.tokenizer, renderer.eos_token_id)
     model_name = config.server.served_model_name or config.model
+    assert client.metrics is not None  # made once the engines are ready
+    registry.register_metrics(client.metrics.plugin_registry, model_name)
     defaults = GenerationDefaults.load(
         model_path,
         renderer.eos_token_id,

@@ -23,8 +23,10 @@ from typing import Any
 from plugserve.config import StackConfig
 from plugserve.datatypes import Logprobs
 from plugserve.frontend.engines import EngineSupervision
+from plugserve.frontend.metrics import FrontendMetrics
 from plugserve.interfaces import ClientChannel, Detokenizer
 from plugserve.messages import (
+    COUNTER_FIELDS,
     EngineCoreOutput,
     EngineCoreRequest,
     EngineReady,
@@ -33,6 +35,7 @@ from plugserve.messages import (
     RequestType,
     SchedulerStats,
     WeightRead,
+    add_stats,
     dead_decoder,
     encoder,
     outputs_decoder,
@@ -130,7 +133,11 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._engines_gone: asyncio.Future[str] | None = None
         self.readies: list[EngineReady] = []
+        # Each engine's figures: the stats messages it sent this API server, folded.
         self._stats = [SchedulerStats() for _ in range(self.num_engines)]
+        # This API server's Prometheus metrics, made once the engines have said their
+        # max_model_len (the token histograms' buckets go up to it).
+        self.metrics: FrontendMetrics | None = None
         self.dead_reason: str | None = None
         self._shut_down = False
 
@@ -156,6 +163,12 @@ class AsyncEngineClient:
             await self._engines.stop(asked=False)
             raise
         self.readies.sort(key=lambda r: r.engine_index)
+        self.metrics = FrontendMetrics(
+            self.config.server.served_model_name or self.config.model,
+            num_engines=self.num_engines,
+            max_model_len=self.readies[0].max_model_len,
+            num_kv_blocks=[ready.num_kv_blocks for ready in self.readies],
+        )
         self._tasks.append(asyncio.create_task(self._output_handler(), name="output-handler"))
         for ready in self.readies:
             logger.info(
@@ -220,24 +233,15 @@ class AsyncEngineClient:
 
     @property
     def stats(self) -> SchedulerStats:
-        """Scheduler figures summed over the engines, as of their latest report."""
+        """Scheduler figures summed over the engines, as of their latest message to this
+        API server; its counters count what the engines reported to this API server
+        only (with several, /metrics sums them over every API server)."""
         total = SchedulerStats()
         for s in self._stats:
-            total.num_running += s.num_running
-            total.num_waiting += s.num_waiting
-            total.num_kv_blocks += s.num_kv_blocks
-            total.num_free_kv_blocks += s.num_free_kv_blocks
-            total.prefix_cache_queries += s.prefix_cache_queries
-            total.prefix_cache_hits += s.prefix_cache_hits
-            total.num_preemptions += s.num_preemptions
-            total.num_steps += s.num_steps
-            total.step_seconds += s.step_seconds
-            total.forward_seconds += s.forward_seconds
-            total.num_generated_tokens += s.num_generated_tokens
-            total.grammar_bitmask_steps += s.grammar_bitmask_steps
-            total.grammar_bitmask_seconds += s.grammar_bitmask_seconds
-            total.grammar_forward_wait_seconds += s.grammar_forward_wait_seconds
-            total.grammar_bitmask_hidden_steps += s.grammar_bitmask_hidden_steps
+            for name in ("num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks"):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+            for name in COUNTER_FIELDS:
+                setattr(total, name, getattr(total, name) + getattr(s, name))
             for reason, n in s.num_finished.items():
                 total.num_finished[reason] = total.num_finished.get(reason, 0) + n
         if total.num_kv_blocks:
@@ -274,6 +278,8 @@ class AsyncEngineClient:
         error = EngineDeadError(reason)
         for state in self._states.values():
             state.queue.put_nowait(error)
+            if self.metrics is not None:
+                self.metrics.request_finished(state.request_id, "error")
         self._states.clear()
         for future in [*self._pongs.values(), *self._weight_reads.values()]:
             if not future.done():
@@ -299,6 +305,7 @@ class AsyncEngineClient:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine = min(range(self.num_engines), key=self._load.__getitem__)
+        arrival_time = arrival_time or time.time()
         state = RequestState(
             request_id=request_id,
             num_prompt_tokens=len(prompt_token_ids),
@@ -308,13 +315,13 @@ class AsyncEngineClient:
             ),
             engine=engine,
         )
-        self._register(state)  # before sending: outputs may come back at once
+        self._register(state, arrival_time)  # before sending: outputs may come back at once
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
-            arrival_time=arrival_time or time.time(),
+            arrival_time=arrival_time,
             priority=priority,
         )
         try:
@@ -330,24 +337,33 @@ class AsyncEngineClient:
             if not state.finished and self._refusal is None:
                 await self.abort([request_id])
 
-    def _register(self, state: RequestState) -> None:
+    def _register(self, state: RequestState, arrival_time: float) -> None:
         self._states[state.request_id] = state
         self._load[state.engine] += 1
         self.requests_per_engine[state.engine] += 1
+        if self.metrics is not None:
+            self.metrics.request_started(
+                state.request_id, state.engine, state.num_prompt_tokens, arrival_time
+            )
 
-    def _forget(self, state: RequestState) -> None:
-        """The request is over on this side (finished, failed or aborted)."""
+    def _forget(self, state: RequestState, reason: str) -> None:
+        """The request is over on this side (finished, failed or aborted), for `reason`
+        (one of FINISH_REASONS)."""
         if not state.finished:
             state.finished = True
             del self._states[state.request_id]
             self._load[state.engine] -= 1
+            if self.metrics is not None:
+                self.metrics.request_finished(state.request_id, reason)
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Abort requests in flight; `reason` for the metrics: "abort" (the client went
+        away), or "stop" (a stop string ended it here)."""
         by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
             state = self._states.get(request_id)
             if state is not None:
-                self._forget(state)
+                self._forget(state, reason)
                 by_engine.setdefault(state.engine, []).append(request_id)
         for engine, ids in by_engine.items():
             await self._send([RequestType.ABORT, encoder.encode(ids)], engine)
@@ -404,11 +420,11 @@ class AsyncEngineClient:
                 if kind == OutputType.OUTPUTS:
                     batch = outputs_decoder.decode(payload)
                     if batch.scheduler_stats is not None:
-                        self._stats[batch.engine_index] = batch.scheduler_stats
+                        self._record_stats(batch.engine_index, batch.scheduler_stats)
                     await self._process_outputs(batch.outputs)
                 elif kind == OutputType.PONG:
                     pong = pong_decoder.decode(payload)
-                    self._stats[pong.engine_index] = pong.stats
+                    self._record_stats(pong.engine_index, pong.stats)
                     future = self._pongs.get(pong.nonce)
                     if future is not None and not future.done():
                         future.set_result(None)
@@ -426,6 +442,11 @@ class AsyncEngineClient:
             logger.exception("output handler failed")
             self._mark_dead(f"lost the engine's outputs: {exc}")
 
+    def _record_stats(self, engine: int, stats: SchedulerStats) -> None:
+        add_stats(self._stats[engine], stats)
+        if self.metrics is not None:
+            self.metrics.record_scheduler_stats(engine, stats)
+
     async def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
             to_abort: list[str] = []
@@ -437,20 +458,22 @@ class AsyncEngineClient:
                     to_abort.append(output.request_id)
             if to_abort:
                 # Stop strings end requests here; the engine must free them too.
-                await self.abort(to_abort)
+                await self.abort(to_abort, reason="stop")
             if start + OUTPUT_CHUNK_SIZE < len(outputs):
                 await asyncio.sleep(0)
 
     def _apply(self, state: RequestState, output: EngineCoreOutput) -> bool:
         """Detokenize one output into a delta; True if a stop string ended the request."""
         if output.error is not None:
-            self._forget(state)
+            self._forget(state, "error")
             state.queue.put_nowait(RequestError(output.error))
             return False
         state.num_output_tokens += len(output.new_token_ids)
+        if self.metrics is not None:
+            self.metrics.request_output(state.request_id, output)
         delta = detokenize_output(state.detokenizer, state.params, output)
         if delta.finish_reason is not None and not delta.stopped_by_string:
-            self._forget(state)
+            self._forget(state, delta.finish_reason)
         state.queue.put_nowait(
             RequestDelta(
                 text=delta.text,

@@ -51,6 +51,7 @@ from plugserve.frontend.engines import (
     join_all,
     transport_addresses,
 )
+from plugserve.frontend.metrics import multiprocess_directory
 from plugserve.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,10 @@ def serve_with_api_servers(config: StackConfig) -> int:
         return 1
     config = config.model_copy(deep=True)
     config.server.port = sockets[0][0].getsockname()[1]  # port 0 picks one: the same for all
-    return Launcher(config, sockets).run()
+    # /metrics sums every API server's figures through prometheus-client's multiprocess
+    # mode (frontend/metrics.py): their directory, made before they are spawned.
+    with multiprocess_directory():
+        return Launcher(config, sockets).run()
 
 
 def listening_sockets(host: str, port: int, count: int) -> list[list[socket.socket]]:

@@ -295,16 +295,20 @@ class ServerProcess:
         return values
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
-        """Poll /metrics until no request runs or waits and the KV cache is empty;
-        returns the last metrics either way."""
+        """Poll /metrics until no request runs or waits, the KV cache is empty and the
+        engine's step counter stood still since the previous poll (the engine's figures
+        come with its outputs, and the step that drops a last finished request from the
+        runner is reported after it); returns the last metrics either way."""
         last: dict[str, float] = {}
 
         def idle() -> bool:
+            steps = last.get("engine_steps_total")
             last.update(self.metrics())
             return (
                 last["num_requests_running"] == 0
                 and last["num_requests_waiting"] == 0
                 and last["kv_cache_usage"] == 0
+                and last["engine_steps_total"] == steps
             )
 
         wait_until(idle, timeout, interval=0.2)
