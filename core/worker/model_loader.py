@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,46 @@ from plugserve.model_files import (  # noqa: F401
     write_sharded_safetensors,
 )
 from plugserve.user_cache import cache_root  # noqa: F401
+
+# A progress bar while weights load: where stderr is a terminal (for any but a tiny
+# checkpoint), and in a log file only for a checkpoint this large (then at most one update
+# every LOG_PROGRESS_INTERVAL_S), so that test and service logs stay clean.
+LARGE_CHECKPOINT_BYTES = 4 << 30
+TTY_PROGRESS_MIN_BYTES = 64 << 20
+LOG_PROGRESS_INTERVAL_S = 10.0
+
+
+def checkpoint_bytes(model_path: str | os.PathLike[str]) -> int:
+    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+
+
+def shows_progress(num_bytes: int, tty: bool | None = None) -> bool:
+    """Whether loading a checkpoint of `num_bytes` shows a progress bar on stderr."""
+    if tty is None:
+        tty = sys.stderr.isatty()
+    return num_bytes >= (TTY_PROGRESS_MIN_BYTES if tty else LARGE_CHECKPOINT_BYTES)
+
+
+def with_progress(
+    weights: Iterator[tuple[str, torch.Tensor]], num_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, with a tqdm bar of the bytes read so far on stderr."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    with tqdm(
+        total=num_bytes,
+        desc="Loading weights",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        mininterval=0.1 if tty else LOG_PROGRESS_INTERVAL_S,
+        dynamic_ncols=tty,
+    ) as bar:
+        for name, tensor in weights:
+            yield name, tensor
+            bar.update(tensor.numel() * tensor.element_size())
 
 
 def iter_weights(model_path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -102,7 +143,11 @@ def load_model(
         )
     with _no_param_init(dtype, torch.device(device)):
         model = model_cls(hf_config=hf_config, attention=attention, **extra)
-    model.load_weights(iter_weights(model_path))  # type: ignore[operator]
+    weights = iter_weights(model_path)
+    num_bytes = checkpoint_bytes(model_path)
+    if (parallel is None or parallel.rank == 0) and shows_progress(num_bytes):
+        weights = with_progress(weights, num_bytes)  # one bar, rank 0's
+    model.load_weights(weights)  # type: ignore[operator]
     # A model may re-lay out its weights for the kernels it will run (packing, fusing).
     if supports_weight_post_processing(model):
         model.process_weights_after_loading()
