@@ -295,7 +295,7 @@ def test_a_busy_engine_logs_its_throughput_every_interval(config, caplog):
 
     async def main():
         async with engine_with_two_clients(config, "zmq") as clients:
-            await add(clients[0], "long", max_tokens=120)
+            await add(clients[0], "long", max_tokens=48)
             await outputs_until_finished(clients[0], "long")
             await asyncio.sleep(0.5)  # the line that ends the busy spell
             lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
