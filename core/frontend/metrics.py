@@ -30,6 +30,7 @@ called once per API-server process with the registry that process serves.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -144,6 +145,15 @@ def multiprocess_directory() -> Iterator[str]:
             os.environ.pop(MULTIPROC_DIR_ENV, None)
         else:
             os.environ[MULTIPROC_DIR_ENV] = previous
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_orphaned_multiprocess_directory() -> None:
+    """For an API server of a launcher, on its way out: a launcher removes the metrics
+    directory when it stops, but a killed one cannot; then its API servers do."""
+    path = os.environ.get(MULTIPROC_DIR_ENV)
+    launcher = multiprocessing.parent_process()
+    if path and launcher is not None and not launcher.is_alive():
         shutil.rmtree(path, ignore_errors=True)
 
 

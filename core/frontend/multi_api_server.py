@@ -51,7 +51,10 @@ from plugserve.frontend.engines import (
     join_all,
     transport_addresses,
 )
-from plugserve.frontend.metrics import multiprocess_directory
+from plugserve.frontend.metrics import (
+    multiprocess_directory,
+    remove_orphaned_multiprocess_directory,
+)
 from plugserve.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -82,7 +85,8 @@ def serve_with_api_servers(config: StackConfig) -> int:
     config.server.port = sockets[0][0].getsockname()[1]  # port 0 picks one: the same for all
     # /metrics sums every API server's figures through prometheus-client's multiprocess
     # mode (frontend/metrics.py): their directory, made before they are spawned.
-    with multiprocess_directory():
+    with multiprocess_directory() as metrics_dir:
+        logger.info("the API servers' metrics are summed through %s", metrics_dir)
         return Launcher(config, sockets).run()
 
 
@@ -143,7 +147,9 @@ def run_api_server_process(
         stop_signals=(signal.SIGTERM,),
         on_serving=lambda: control.send((SERVING, None)),
     )
-    sys.exit(run_api_server_loop(config, setup))
+    exit_code = run_api_server_loop(config, setup)
+    remove_orphaned_multiprocess_directory()
+    sys.exit(exit_code)
 
 
 class Launcher:

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -259,8 +260,14 @@ def test_a_killed_launcher_takes_its_children_along(tmp_path):
     """Orphans would hold the port and the engine's memory with nobody to stop them."""
     with running_server("shm", tmp_path, check_exit=False, settings=TWO_API_SERVERS) as server:
         children = [*server.api_server_pids(), server.engine_pid()]
+        said = re.search(r"metrics are summed through (\S+)", server.log_text())
+        assert said, server.log_tail()
+        metrics_dir = Path(said.group(1))
+        assert metrics_dir.is_dir()
         server.popen.kill()
         server.popen.wait(10)
         assert wait_until(
             lambda: not any(is_api_server_child(pid) or is_engine(pid) for pid in children), 10
         ), server.log_tail()
+    # The launcher could not remove the API servers' metrics directory; they did.
+    assert not metrics_dir.exists()
