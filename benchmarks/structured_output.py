@@ -13,7 +13,7 @@ reports the bitmask time per step that built one, and the share of those steps i
 the forward pass was still running when the bitmask was done (it hid the bitmask).
 
     .venv/bin/python benchmarks/structured_output.py [--concurrency "8 32"]
-        [--backend xgrammar] [--dtype bfloat16] [--json out.json]
+        [--backend xgrammar] [--dtype bfloat16] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -81,6 +81,12 @@ def run(server: Server, args: argparse.Namespace, conc: int, constrained: bool) 
     return row
 
 
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output throughput."""
+    ordered = sorted(runs, key=lambda r: r["output_throughput"])
+    return ordered[len(ordered) // 2]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="8 32")
@@ -92,6 +98,12 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--server-args", default="--enable-prefix-caching false")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="alternating runs of each kind per concurrency; medians are compared",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split()]
@@ -104,20 +116,28 @@ def main() -> int:
         server.start(timeout_s=600)
         try:
             for conc in args.concurrency:
-                for constrained in (False, True):
-                    rows.append(run(server, args, conc, constrained))
-                    print(json.dumps(rows[-1]), flush=True)
+                # Alternating, so drift of this VM's speed between minutes hits both kinds.
+                for _ in range(args.repeats):
+                    for constrained in (False, True):
+                        rows.append(run(server, args, conc, constrained))
+                        print(json.dumps(rows[-1]), flush=True)
         finally:
             server.stop()
 
-    print(f"\nstructured output ({args.backend}), {args.dtype}, output tok/s:")
+    print(
+        f"\nstructured output ({args.backend}), {args.dtype}, output tok/s "
+        f"(median of {args.repeats} alternating runs):"
+    )
     print(
         "| c | no grammar | JSON schema | ratio | mean output tokens | bitmask ms/step "
         "| hidden by forward |"
     )
     print("|---|---|---|---|---|---|---|")
     for conc in args.concurrency:
-        plain, json_row = (r for r in rows if r["concurrency"] == conc)
+        plain, json_row = (
+            median_row([r for r in rows if r["concurrency"] == conc and r["constrained"] == kind])
+            for kind in (False, True)
+        )
         ratio = json_row["output_throughput"] / plain["output_throughput"]
         print(
             f"| {conc} | {plain['output_throughput']:.1f} | {json_row['output_throughput']:.1f} "
