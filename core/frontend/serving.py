@@ -21,7 +21,12 @@ from plugserve.frontend.constraints import check_tools, request_constraint
 from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
 from plugserve.frontend.logprobs import LogprobsFormatter, prompt_logprobs_entries
-from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from plugserve.frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+)
 from plugserve.frontend.request_log import logged
 from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
 from plugserve.generation_defaults import GenerationDefaults
@@ -69,6 +74,24 @@ class _Prepared:
         if params.seed is None or params.n == 1 or choice == 0:
             return params
         return msgspec.structs.replace(params, seed=params.seed + choice)
+
+
+def render_chat_request(
+    renderer: Renderer, body: ChatCompletionRequest | TokenizeRequest
+) -> list[int]:
+    """A chat request's prompt ids (its messages, tools and template options), as the
+    engine is sent them; a conversation the template refuses is a 400 on `messages`."""
+    try:
+        return renderer.render_chat(
+            body.conversation(),
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tool_dicts(),
+            chat_template=body.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "messages") from exc
 
 
 class OpenAIServing:
@@ -197,17 +220,7 @@ class OpenAIServing:
         self._log_ignored(body)
         check_tools(body)
         constraint = request_constraint(body, self.structured_output_backend)
-        try:
-            prompt = self.renderer.render_chat(
-                body.conversation(),
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                tools=body.tool_dicts(),
-                chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), "messages") from exc
+        prompt = render_chat_request(self.renderer, body)
         params = self._params(body, len(prompt), constraint)
         return _Prepared(
             request_id or f"chatcmpl-{uuid.uuid4().hex}",

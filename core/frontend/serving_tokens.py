@@ -8,6 +8,7 @@ from typing import Any
 
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
 from plugserve.frontend.protocol import DetokenizeRequest, TokenizeRequest
+from plugserve.frontend.serving import render_chat_request
 from plugserve.interfaces import Renderer
 
 
@@ -30,17 +31,7 @@ class TokenServing:
             add_special = body.add_special_tokens is not False
             tokens = self.renderer.encode(body.prompt, add_special_tokens=add_special)
         else:
-            try:
-                tokens = self.renderer.render_chat(
-                    body.conversation(),
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                    tools=body.tool_dicts(),
-                    chat_template=body.chat_template,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                )
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), "messages") from exc
+            tokens = render_chat_request(self.renderer, body)
             if body.add_special_tokens:
                 tokens = self._with_special_tokens(tokens)
         token_strs = (

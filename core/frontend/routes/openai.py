@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -34,6 +34,7 @@ from plugserve.frontend.serving import (
 
 router = APIRouter()
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 @router.post("/v1/chat/completions")
@@ -95,11 +96,37 @@ async def _generate(
     chat: bool,
 ) -> Response:
     request_id = request.state.request_id
-    try:
+
+    def prepare() -> Any:
         if chat:
-            prep = serving.prepare_chat(body, f"chatcmpl-{request_id}")
-        else:
-            prep = serving.prepare_completion(body, f"cmpl-{request_id}")
+            return serving.prepare_chat(body, f"chatcmpl-{request_id}")
+        return serving.prepare_completion(body, f"cmpl-{request_id}")
+
+    return await answer(
+        request,
+        client,
+        prepare,
+        stream=body.stream,
+        events=lambda prep: serving.stream(prep, chat, body.include_usage),
+        complete=lambda prep: serving.complete(prep, chat),
+    )
+
+
+async def answer(
+    request: Request,
+    client: AsyncEngineClient,
+    prepare: Callable[[], P],
+    *,
+    stream: bool,
+    events: Callable[[P], AsyncIterator[bytes]],
+    complete: Callable[[P], Awaitable[dict[str, Any]]],
+) -> Response:
+    """What every generating endpoint does with a request once its body is valid: prepare
+    it (404 for another model, 400 for a bad request), refuse it while the engine is dead
+    (503) or the queue is full (429), then stream its events or answer once, holding an
+    admission slot until the last byte; a client that leaves gets its request aborted."""
+    try:
+        prep = prepare()
     except ModelNotFound as exc:
         return error_response(404, str(exc), "invalid_request_error", "model")
     except InvalidRequest as exc:
@@ -110,10 +137,10 @@ async def _generate(
         slot = request.app.state.admission.acquire(prep.num_engine_requests)
     except Overloaded as exc:
         return overloaded_response(exc)
-    if body.stream:
-        return streaming_response(serving.stream(prep, chat, body.include_usage), slot)
+    if stream:
+        return streaming_response(events(prep), slot)
     try:
-        result = await until_disconnected(request, serving.complete(prep, chat))
+        result = await until_disconnected(request, complete(prep))
     except EngineDeadError as exc:
         return error_response(503, str(exc), "server_error")
     except RequestError as exc:
