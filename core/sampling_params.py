@@ -7,9 +7,22 @@ it into a 400.
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 
 _GREEDY_EPS = 1e-5
+# A subnormal value of these is zero: an engine process that loaded a library built with
+# -ffast-math (GCC's crtfastmath sets FTZ/DAZ) compares it as zero, so every process must
+# judge it so, or the API server accepts what the engine then refuses.
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
@@ -82,6 +95,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value != 0.0 and abs(value) < sys.float_info.min:
+                setattr(self, name, 0.0)
         if self.top_k == -1:
             self.top_k = 0
         checks = [

@@ -29,7 +29,7 @@ from plugserve.frontend.routes import bench, health, metrics, openai, responses,
 
 # error_response and HEALTH_TIMEOUT_S moved to routes/shared.py; still importable from
 # here for one release.
-from plugserve.frontend.routes.shared import HEALTH_TIMEOUT_S, error_response
+from plugserve.frontend.routes.shared import ERROR_RESPONSES, HEALTH_TIMEOUT_S, error_response
 from plugserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,9 @@ def build_app(
         yield
         await app.state.engine_client.shutdown()
 
-    app = FastAPI(title="plugserve", version=__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="plugserve", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES
+    )
     # What the routers take through their dependencies (routes/shared.py).
     app.state.engine_client = client
     app.state.openai_serving = serving

@@ -29,6 +29,11 @@ IGNORED_FIELDS = (
 )
 
 
+# What an integer the engine takes may be (msgspec carries up to 2**64 - 1, numpy's and
+# torch's int64 hold less): vLLM's bounds on a seed.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -175,19 +180,20 @@ class _SamplingRequest(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    # With n > 1, choice i samples with seed + i (at most 127 more, still in a uint64).
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     # vLLM's: logprobs name tokens "token_id:<id>" instead of their text, so a client
     # sees exactly which token was chosen (a text can stand for several token ids).
     return_tokens_as_token_ids: bool = False

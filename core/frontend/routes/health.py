@@ -13,9 +13,10 @@ from plugserve.frontend.routes.shared import HEALTH_TIMEOUT_S, EngineClient, err
 router = APIRouter()
 
 
-@router.get("/health")
-@router.get("/ping")
-@router.post("/ping")
+# A 200 with an empty body (response_class: no media type in the schema).
+@router.get("/health", response_class=Response)
+@router.get("/ping", response_class=Response)
+@router.post("/ping", response_class=Response)
 async def health(client: EngineClient) -> Response:
     try:
         await client.check_health(HEALTH_TIMEOUT_S)

@@ -13,7 +13,10 @@ from plugserve.frontend.routes.shared import EngineClient, error_response
 router = APIRouter()
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
 async def metrics(client: EngineClient) -> Response:
     if client.metrics is None:  # not started: nothing served yet
         return error_response(503, "the engines have not started", "server_error")

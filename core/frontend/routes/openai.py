@@ -19,6 +19,7 @@ from plugserve.frontend.admission import Overloaded, Slot
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestError
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from plugserve.frontend.routes.shared import (
+    STREAMED_RESPONSES,
     EngineClient,
     Serving,
     error_response,
@@ -37,14 +38,14 @@ T = TypeVar("T")
 P = TypeVar("P")
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=STREAMED_RESPONSES)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, client: EngineClient, serving: Serving
 ) -> Response:
     return await _generate(request, body, client, serving, chat=True)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=STREAMED_RESPONSES)
 async def completions(
     body: CompletionRequest, request: Request, client: EngineClient, serving: Serving
 ) -> Response:

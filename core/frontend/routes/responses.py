@@ -7,13 +7,13 @@ from fastapi.responses import Response
 
 from plugserve.frontend.protocol_responses import ResponsesRequest
 from plugserve.frontend.routes.openai import answer
-from plugserve.frontend.routes.shared import EngineClient, Serving
+from plugserve.frontend.routes.shared import STREAMED_RESPONSES, EngineClient, Serving
 from plugserve.frontend.serving_responses import ResponsesServing
 
 router = APIRouter()
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", responses=STREAMED_RESPONSES)
 async def create_response(
     body: ResponsesRequest, request: Request, client: EngineClient, serving: Serving
 ) -> Response:

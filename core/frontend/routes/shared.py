@@ -3,16 +3,44 @@ dependencies, OpenAI's error shape, and how long an answer from the engine may t
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from plugserve.frontend.admission import Overloaded
 from plugserve.frontend.engine_client import AsyncEngineClient
 from plugserve.frontend.serving import OpenAIServing
 
 HEALTH_TIMEOUT_S = 5.0  # for the engine's answer to a ping (health, metrics) or a probe
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: the body of every answer but a success."""
+
+    error: ErrorDetail
+
+
+# What the OpenAPI schema says of every route's errors (all answered by error_response:
+# a request body that fails validation is a 400, not FastAPI's 422).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "default": {"model": ErrorResponse, "description": "An error, in OpenAI's shape"}
+}
+# A route that streams when the body asks (`stream: true`): server-sent events.
+STREAMED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The answer; with `stream: true`, server-sent events",
+        "content": {"text/event-stream": {}},
+    }
+}
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
