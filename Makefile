@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench soak clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/structured_output.py
+
+# Thousands of requests of every kind through each transport, a quarter of the clients
+# leaving part-way; then every KV block free, nothing running, memory flat, every answer
+# complete and equal to the same request served alone (tests/soak/soak.py). ARGS: its options.
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak.soak $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
