@@ -42,6 +42,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
     # With a request's first output: the seconds it waited in the engine between being
     # queued and first scheduled (vllm:request_queue_time_seconds).
     queue_seconds: float | None = None
+    # The error lies in the request itself (a constraint this model's tokenizer cannot
+    # compile or continue): the API answers 400, not 500.
+    error_in_request: bool = False
 
     @property
     def finished(self) -> bool:

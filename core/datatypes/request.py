@@ -72,6 +72,9 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_in_request = False  # see EngineCoreOutput.error_in_request
+        # Set when the request's last bitmask row allowed no token at all.
+        self.grammar_dead_end = False
         # Structured output: the compilation under way, then the request's own grammar
         # (interfaces.Grammar), advanced by every token it accepts.
         self.grammar_future: Future[Any] | None = None

@@ -151,6 +151,7 @@ class Scheduler:
                 request.grammar = None
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = f"structured output: {exc}"
+                request.error_in_request = True
                 self._release(request)
                 self._pending_outputs.append(
                     EngineCoreOutput(
@@ -158,6 +159,7 @@ class Scheduler:
                         new_token_ids=[],
                         finish_reason=request.status.finish_reason,
                         error=request.error,
+                        error_in_request=True,
                     )
                 )
         self._waiting_for_grammar = still
@@ -321,9 +323,16 @@ class Scheduler:
             if grammar is not None:
                 if not grammar.accept_token(token):
                     request.status = RequestStatus.FINISHED_ERROR
-                    request.error = (
-                        f"structured output: the grammar does not allow sampled token {token}"
-                    )
+                    if request.grammar_dead_end:  # the request asked for the impossible
+                        request.error = (
+                            "structured output: no token of the model's vocabulary can "
+                            f"continue the constraint after {num_output - 1} output tokens"
+                        )
+                        request.error_in_request = True
+                    else:
+                        request.error = (
+                            f"structured output: the grammar does not allow sampled token {token}"
+                        )
                     return token_ids[: i + 1]
                 if grammar.is_terminated():
                     request.status = RequestStatus.FINISHED_STOPPED
@@ -363,6 +372,7 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=request.error,
             prompt_logprobs=prompt_logprobs,
+            error_in_request=request.error_in_request,
         )
 
     def _release(self, request: Request) -> None:

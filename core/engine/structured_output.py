@@ -101,6 +101,10 @@ class StructuredOutputManager:
         bitmask = self._bitmask
         for row, request in enumerate(requests):
             request.grammar.fill_bitmask(bitmask, row)
+        # A row that allows nothing: no token of this vocabulary continues the
+        # constraint, whatever is sampled (the scheduler then fails it as a bad request).
+        for row in torch.nonzero(~bitmask[:num_rows].any(dim=1)).flatten().tolist():
+            requests[row].grammar_dead_end = True
         return GrammarOutput(
             req_ids=[r.request_id for r in requests],
             bitmask=bitmask[:num_rows].numpy().tobytes(),

@@ -59,7 +59,13 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestError(RuntimeError):
-    """The engine finished this request with an error; others are unaffected."""
+    """The engine finished this request with an error; others are unaffected. `status`:
+    400 when the error lies in the request (EngineCoreOutput.error_in_request), else 500."""
+
+    def __init__(self, message: str, *, in_request: bool = False) -> None:
+        super().__init__(message)
+        self.status = 400 if in_request else 500
+        self.error_type = "invalid_request_error" if in_request else "server_error"
 
 
 @dataclass
@@ -466,7 +472,7 @@ class AsyncEngineClient:
         """Detokenize one output into a delta; True if a stop string ended the request."""
         if output.error is not None:
             self._forget(state, "error")
-            state.queue.put_nowait(RequestError(output.error))
+            state.queue.put_nowait(RequestError(output.error, in_request=output.error_in_request))
             return False
         state.num_output_tokens += len(output.new_token_ids)
         if self.metrics is not None:

@@ -145,7 +145,7 @@ async def answer(
     except EngineDeadError as exc:
         return error_response(503, str(exc), "server_error")
     except RequestError as exc:
-        return error_response(500, str(exc), "server_error")
+        return error_response(exc.status, str(exc), exc.error_type)
     finally:
         slot.release()
     if result is None:  # the client left; its request was aborted
@@ -189,11 +189,12 @@ async def _guard_stream(events: AsyncIterator[bytes], slot: Slot) -> AsyncIterat
         async for event in events:
             yield event
     except (EngineDeadError, RequestError) as exc:
-        # The same code a non-streamed request would have got: 503 for a dead engine.
-        code = 503 if isinstance(exc, EngineDeadError) else 500
-        payload = {
-            "error": {"message": str(exc), "type": "server_error", "param": None, "code": code}
-        }
+        # The same code and type a non-streamed request would have got.
+        if isinstance(exc, EngineDeadError):
+            code, error_type = 503, "server_error"
+        else:
+            code, error_type = exc.status, exc.error_type
+        payload = {"error": {"message": str(exc), "type": error_type, "param": None, "code": code}}
         yield sse_event(payload)
         yield SSE_DONE
     finally:

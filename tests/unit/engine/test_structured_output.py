@@ -185,6 +185,22 @@ def test_a_token_the_grammar_does_not_allow_fails_the_request(xgrammar_manager, 
     _, outputs = run_step(scheduler, only_token(tokenizer, "maybe"))
     assert outputs["c"].finish_reason == "error"
     assert "does not allow" in outputs["c"].error
+    assert not outputs["c"].error_in_request  # the mask would have kept it out: our error
+
+
+def test_a_constraint_no_token_can_continue_fails_as_a_bad_request(xgrammar_manager, tokenizer):
+    # xgrammar allows no token of SmolLM2's vocabulary for a character from U+40000 on.
+    spec = StructuredOutputsParams(choice=["\U000a1234"])
+    scheduler = make_scheduler(xgrammar_manager)
+    scheduler.add_request(request("c", tokenizer, structured_outputs=spec))
+    admit(scheduler)
+    out = scheduler.schedule()
+    grammar_output = xgrammar_manager.grammar_output(scheduler.constrained_sampling(out))
+    assert not grammar_output.bitmask_array().any()
+    sampled = ModelRunnerOutput(sampled_token_ids={"c": [7]})  # what an all -inf row yields
+    [output] = scheduler.update_from_output(out, sampled)
+    assert output.finish_reason == "error" and output.error_in_request
+    assert "no token of the model's vocabulary can continue" in output.error
 
 
 def test_only_constrained_requests_that_sample_get_a_bitmask_row(xgrammar_manager, tokenizer):
