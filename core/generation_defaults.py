@@ -2,10 +2,11 @@
 `--generation-config auto`): sampling settings a request that leaves them out gets, and
 every end-of-sequence id, each of which stops generation.
 
-Read once per API server at start (and by the offline LLM, for the EOS ids). The engine stops on the request's `eos_token_id`
-(the tokenizer's) and on `SamplingParams.stop_token_ids`; the model's other EOS ids
-(a chat model's end of turn, Llama 3's <|eom_id|>…) join the request's stop_token_ids
-unless it sets `ignore_eos`, exactly as vLLM's `update_from_generation_config` does, so
+Read once per API server at start, and for the EOS ids by the offline LLM and by the
+engine's structured-output backend (they end a grammar too). The engine stops on the
+request's `eos_token_id` (the tokenizer's) and on `SamplingParams.stop_token_ids`; the
+model's other EOS ids (a chat model's end of turn, Llama 3's <|eom_id|>…) join the
+request's stop_token_ids unless it sets `ignore_eos`, exactly as vLLM's `update_from_generation_config` does, so
 the engine needs nothing new and a request ended by one reports it as its stop_reason.
 """
 

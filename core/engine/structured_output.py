@@ -15,18 +15,17 @@ by its grammar (layout: datatypes.GrammarOutput).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, Request
+from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces import Grammar, StructuredOutputBackend
 from plugserve.model_files import load_tokenizer, resolve_model_path
 from plugserve.plugins import PluginRegistry, get_registry
@@ -71,7 +70,11 @@ class StructuredOutputManager:
         model_path = resolve_model_path(self._config.model)
         tokenizer = load_tokenizer(model_path)
         vocab_size = max(_model_vocab_size(model_path), len(tokenizer))
-        stop_ids = model_stop_token_ids(model_path, tokenizer)
+        # The tokens that end the model's output: the tokenizer's EOS and every EOS id of
+        # generation_config.json (a chat model's end of turn among them).
+        eos = tokenizer.eos_token_id
+        extra = GenerationDefaults.load(model_path, eos, use_sampling=False).extra_eos_token_ids
+        stop_ids = [*([int(eos)] if eos is not None else []), *extra]
         name = self._config.stack.structured_output
         backend = self._registry.build(
             "structured_output",
@@ -118,18 +121,3 @@ def _model_vocab_size(model_path: Path) -> int:
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(model_path).vocab_size)
-
-
-def model_stop_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
-    """The tokens that end the model's output: the tokenizer's EOS and every
-    generation_config.json `eos_token_id` (a chat model's end of turn among them)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    path = Path(model_path) / "generation_config.json"
-    if path.is_file():
-        value = json.loads(path.read_text()).get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and int(token) not in ids:
-                ids.append(int(token))
-    return ids
