@@ -9,12 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from plugserve.frontend.protocol import (
-    IGNORED_FIELDS,
-    JsonSchemaFormat,
-    StreamOptions,
-    _Strict,
-)
+from plugserve.frontend.protocol import IGNORED_FIELDS, JsonSchemaFormat, _Strict
 
 # ------------------------------------------------------------------ input items
 
@@ -104,6 +99,14 @@ class TextConfig(_Strict):
 # ------------------------------------------------------------------ the request
 
 
+class ResponsesStreamOptions(_Strict):
+    """The Responses API's stream options: only obfuscation (usage is always in the last
+    event), so chat's include_usage is rejected here by name."""
+
+    # OpenAI pads streamed events against side channels; plugserve sends no padding.
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(_Strict):
     model: str
     input: str | list[InputItem]
@@ -112,7 +115,7 @@ class ResponsesRequest(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True

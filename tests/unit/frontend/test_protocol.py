@@ -127,3 +127,14 @@ def test_response_format_json_schema_needs_its_schema_block():
         chat(response_format={"type": "json_schema"})
     body = chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {}}})
     assert body.response_format.json_schema.schema_ == {}
+
+
+def test_responses_stream_options_take_only_what_the_responses_api_has():
+    from plugserve.frontend.protocol_responses import ResponsesRequest
+
+    body = {"model": "m", "input": "hi", "stream": True}
+    ResponsesRequest.model_validate({**body, "stream_options": {"include_obfuscation": False}})
+    # Usage is always in the last event: chat's include_usage would be accepted and dropped.
+    with pytest.raises(ValidationError) as exc:
+        ResponsesRequest.model_validate({**body, "stream_options": {"include_usage": True}})
+    assert exc.value.errors()[0]["loc"] == ("stream_options", "include_usage")
