@@ -240,7 +240,10 @@ class OpenAIServing:
             return RequiredCalls
         if choice == "auto" and body.tools and self.tool_parser is not None:
             parser_cls, tools = self.tool_parser, body.tool_dicts() or []
-            return lambda: AutoCalls(parser_cls(tokenizer=self.tokenizer, tools=tools))
+            parallel = body.parallel_tool_calls
+            return lambda: AutoCalls(
+                parser_cls(tokenizer=self.tokenizer, tools=tools), parallel=parallel
+            )
         return ChoiceOutput
 
     def prepare_completion(

@@ -118,14 +118,18 @@ class AutoCalls(ChoiceOutput):
     follows: the newlines a model writes around its calls are not content, as they are
     not in the non-streamed message (whose content the parser strips)."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, *, parallel: bool = True) -> None:
+        """Without `parallel` (parallel_tool_calls false) a model that writes several
+        calls gets the first only, as the request allows one."""
         super().__init__()
         self.parser = parser
+        self.max_calls = None if parallel else 1
         self._space = ""
 
     def final(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         extracted = self.parser.extract_tool_calls(text)
-        return extracted.content, [message_tool_call(c) for c in extracted.tool_calls]
+        calls = extracted.tool_calls[: self.max_calls]
+        return extracted.content, [message_tool_call(c) for c in calls]
 
     def feed(self, text: str) -> list[Delta]:
         return self._deltas(*self.parser.extract_tool_calls_streaming(text))
@@ -142,7 +146,8 @@ class AutoCalls(ChoiceOutput):
         self._space = text[len(shown) :]
         deltas: list[Delta] = [{"content": shown}] if shown else []
         for call in calls:
-            deltas += self._call_deltas(call)
+            if self.max_calls is None or self.num_calls < self.max_calls:
+                deltas += self._call_deltas(call)
         return deltas
 
 

@@ -107,3 +107,16 @@ def test_auto_streams_no_whitespace_around_calls_as_content(piece):
     plain = "Line one.\n\nLine two.\n"  # without calls, the text is kept exactly
     deltas = stream(AutoCalls(parser(tokenizer=None, tools=[])), plain, piece)
     assert "".join(d.get("content", "") for d in deltas) == plain
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_auto_without_parallel_calls_answers_the_first_call_only(piece):
+    parser = get_registry().get("tool_parser", "hermes")
+    first = f'<tool_call>{{"name": "get_weather", "arguments": {ARGS}}}</tool_call>'
+    text = f'{first}\n<tool_call>{{"name": "now", "arguments": {{}}}}</tool_call>'
+    _, calls = AutoCalls(parser(tokenizer=None, tools=[]), parallel=False).final(text)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    output = AutoCalls(parser(tokenizer=None, tools=[]), parallel=False)
+    assert [c["name"] for c in merged_calls(stream(output, text, piece))] == ["get_weather"]
+    _, both = AutoCalls(parser(tokenizer=None, tools=[])).final(text)
+    assert len(both) == 2
