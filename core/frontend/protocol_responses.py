@@ -9,7 +9,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from plugserve.frontend.protocol import IGNORED_FIELDS, JsonSchemaFormat, _Strict
+from plugserve.frontend.protocol import (
+    IGNORED_FIELDS,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    _Strict,
+)
 
 # ------------------------------------------------------------------ input items
 
@@ -66,14 +71,10 @@ InputItem = Annotated[
 # ------------------------------------------------------------------ tools, text
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDefinition):
     """A Responses function tool: the chat tool's `function`, flattened."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(_Strict):
