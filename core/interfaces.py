@@ -372,7 +372,8 @@ class Grammar(Protocol):
 @runtime_checkable
 class StructuredOutputBackend(Protocol):
     """Compiles structured-output constraints into Grammars for one tokenizer. Built once
-    per engine process; `compile` runs on a worker thread, off the engine's loop."""
+    per engine process; `compile` runs on a worker thread, off the engine's loop, and the
+    engine keeps what it returns (one cache for every backend)."""
 
     def __init__(self, *, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         """`vocab_size` is the model's logits width (it may exceed the tokenizer's)."""
@@ -384,8 +385,14 @@ class StructuredOutputBackend(Protocol):
         tokenizer: the API server calls it so a bad request gets a 400 before it queues."""
         ...
 
-    def compile(self, spec: StructuredOutputsParams) -> Grammar:
-        """A fresh Grammar for one request (the backend may cache compiled forms)."""
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The constraint compiled for this tokenizer: immutable, shared by every request
+        with the same constraint (the engine caches it by `spec.key`); ValueError for a
+        constraint this tokenizer cannot compile."""
+        ...
+
+    def grammar(self, compiled: Any) -> Grammar:
+        """A fresh Grammar over a compiled constraint, for one request."""
         ...
 
 

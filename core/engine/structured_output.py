@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +34,9 @@ from plugserve.plugins import PluginRegistry, get_registry
 from plugserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+# Compiled constraints kept; the least recently used is dropped past this.
+GRAMMAR_CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
@@ -50,6 +55,10 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self.vocab_size = 0  # the model's logits width, known once the backend is built
         self._bitmask: torch.Tensor | None = None  # reused: [rows, ceil(vocab / 32)] int32
+        # Compiled constraints by StructuredOutputsParams.key, least recently used first.
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.num_compiled = 0  # compilations actually run (cache misses)
 
     # ------------------------------------------------------------------ compilation
 
@@ -58,7 +67,22 @@ class StructuredOutputManager:
         return self._pool.submit(self._compile, spec)
 
     def _compile(self, spec: StructuredOutputsParams) -> Grammar:
-        return self.backend().compile(spec)
+        """A request's Grammar: over the cached compiled constraint, or a fresh
+        compilation (two requests racing on one constraint may both compile it)."""
+        backend = self.backend()
+        key = spec.key
+        with self._cache_lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+        if compiled is None:
+            compiled = backend.compile(spec)
+            with self._cache_lock:
+                self._compiled[key] = compiled
+                self.num_compiled += 1
+                while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        return backend.grammar(compiled)
 
     def backend(self) -> StructuredOutputBackend:
         with self._backend_lock:

@@ -18,11 +18,9 @@ one is accepted: a constrained request ends with its stop token, as an unconstra
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from plugserve import hookimpl
 
@@ -39,7 +37,6 @@ class LLGuidanceOptions(BaseModel):
 
     any_whitespace: bool = False  # JSON: allow any whitespace between tokens
     strict: bool = True  # JSON: objects allow no keys but their properties unless said
-    cache_size: int = Field(256, ge=1)  # compiled grammars kept, least recently used dropped
 
 
 class LLGuidanceGrammar:
@@ -85,9 +82,6 @@ class LLGuidanceBackend:
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
         )
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.num_compiled = 0  # compilations actually run (cache misses)
         # The first mask over a tokenizer builds llguidance's token trie (~2 s for a 49k
         # vocabulary): pay it here, on the engine's compile thread, not in a step.
         import torch
@@ -106,22 +100,11 @@ class LLGuidanceBackend:
             kind, _ = spec.key
             raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(messages[0])}")
 
-    def compile(self, spec: StructuredOutputsParams) -> LLGuidanceGrammar:
-        key = spec.key
-        with self._lock:
-            pristine = self._cache.get(key)
-            if pristine is not None:
-                self._cache.move_to_end(key)
-        if pristine is None:
-            pristine = self._compile(spec)
-            with self._lock:
-                self._cache[key] = pristine
-                self.num_compiled += 1
-                while len(self._cache) > self.options.cache_size:
-                    self._cache.popitem(last=False)
-        return LLGuidanceGrammar(pristine.deep_copy(), self._stop_token_ids)
+    def grammar(self, compiled: Any) -> LLGuidanceGrammar:
+        # The cached matcher stays pristine: each request advances a copy.
+        return LLGuidanceGrammar(compiled.deep_copy(), self._stop_token_ids)
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
+    def compile(self, spec: StructuredOutputsParams) -> Any:
         import llguidance
 
         grammar = _grammar(

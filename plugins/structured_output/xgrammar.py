@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
@@ -42,7 +40,6 @@ class XgrammarOptions(BaseModel):
 
     any_whitespace: bool = False  # JSON: allow any whitespace between tokens
     max_threads: int = Field(2, ge=1)  # xgrammar's own threads per compilation
-    cache_size: int = Field(256, ge=1)  # compiled grammars kept, least recently used dropped
 
 
 class XgrammarGrammar:
@@ -81,13 +78,10 @@ class XgrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        # Our own cache (keyed by the constraint) replaces xgrammar's.
+        # The engine caches compiled constraints (by the constraint), not xgrammar.
         self._compiler = xgr.GrammarCompiler(
             info, max_threads=self.options.max_threads, cache_enabled=False
         )
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.num_compiled = 0  # compilations actually run (cache misses)
 
     @classmethod
     def validate(cls, spec: StructuredOutputsParams) -> None:
@@ -108,22 +102,10 @@ class XgrammarBackend:
         except Exception as exc:  # xgrammar raises RuntimeError and its own types
             raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(exc)}") from exc
 
-    def compile(self, spec: StructuredOutputsParams) -> XgrammarGrammar:
-        key = spec.key
-        with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                self._cache.move_to_end(key)
-        if compiled is None:
-            compiled = self._compile(spec)
-            with self._lock:
-                self._cache[key] = compiled
-                self.num_compiled += 1
-                while len(self._cache) > self.options.cache_size:
-                    self._cache.popitem(last=False)
+    def grammar(self, compiled: Any) -> XgrammarGrammar:
         return XgrammarGrammar(compiled)
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
+    def compile(self, spec: StructuredOutputsParams) -> Any:
         kind, _ = spec.key
         try:
             if spec.json is not None or spec.json_object:

@@ -241,3 +241,15 @@ def test_the_backend_is_built_on_the_first_constrained_request_only(registry):
         assert manager.vocab_size >= 49152
     finally:
         manager.shutdown()
+
+
+def test_compiled_constraints_are_cached_by_the_constraint(xgrammar_manager, tokenizer):
+    spec = StructuredOutputsParams(regex=r"cached-[0-9]+")
+    before = xgrammar_manager.num_compiled
+    first = xgrammar_manager.submit(spec).result(timeout=30)
+    second = xgrammar_manager.submit(StructuredOutputsParams(regex=spec.regex)).result(timeout=30)
+    assert xgrammar_manager.num_compiled == before + 1
+    # Each request still gets its own grammar: advancing one leaves the other at the start.
+    for token in tokenizer.encode("cached-", add_special_tokens=False):
+        assert first.accept_token(token)
+    assert not second.accept_token(tokenizer.encode("1", add_special_tokens=False)[0])
