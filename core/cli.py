@@ -1,4 +1,4 @@
-"""`plugserve` command line: plugins | config | serve | bench serve.
+"""`plugserve` command line: plugins | models | config | serve | bench serve.
 
 Any setting can be overridden after the subcommand as `--dotted.path value` or, when
 unambiguous, `--leaf-name value` (`--stack.scheduler priority`, `--max-num-seqs 8`).
@@ -56,6 +56,18 @@ def cmd_plugins(_args: argparse.Namespace, _overrides: dict[str, Any]) -> int:
     return 0
 
 
+def cmd_models(_args: argparse.Namespace, _overrides: dict[str, Any]) -> int:
+    """The registered model architectures (config.json `architectures` names), the
+    distribution registering each and where its class lives, imported by none."""
+    impls = sorted(get_registry().implementations("model").values(), key=lambda i: i.name)
+    name_width = max([len("architecture"), *(len(i.name) for i in impls)])
+    dist_width = max([len("distribution"), *(len(i.distribution) for i in impls)])
+    print(f"{'architecture':<{name_width}}  {'distribution':<{dist_width}}  class")
+    for impl in impls:
+        print(f"{impl.name:<{name_width}}  {impl.distribution:<{dist_width}}  {impl.reference}")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     config = load_config(args.config, overrides)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -80,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         "plugins", help="list every slot, its implementations and their distribution"
     )
     p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser(
+        "models", help="list the registered model architectures and their distribution"
+    )
+    p.set_defaults(func=cmd_models)
     for name, func, text in (
         ("config", cmd_config, "print the resolved configuration"),
         ("serve", cmd_serve, "serve the OpenAI-compatible API (settings as --name value)"),
@@ -103,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # not settings but unknown flags: argparse's error, exit 2
     try:
         overrides = parse_overrides(rest)
-        if overrides and args.command == "plugins":
-            raise ValueError("plugserve plugins takes no settings")
+        if overrides and args.command in ("plugins", "models"):
+            raise ValueError(f"plugserve {args.command} takes no settings")
         return args.func(args, overrides)
     except (ValueError, PluginError) as exc:
         print(f"plugserve: error: {exc}", file=sys.stderr)

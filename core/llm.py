@@ -17,7 +17,7 @@ from plugserve.engine.core import EngineCore
 from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces import Detokenizer, Renderer
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest
-from plugserve.model_files import resolve_model_path
+from plugserve.model_files import resolve_supported_model
 from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
 from plugserve.sampling_params import SamplingParams
@@ -101,8 +101,11 @@ class LLM:
         self.config = load_config(config, overrides, check_plugins=False)
         self.config.check_plugins(OFFLINE_SLOTS)
         registry = get_registry(self.config.disabled_plugins)
+        # Before the engine: a checkpoint no plugin can run fails here, in one line.
+        model_path = str(
+            resolve_supported_model(self.config.model, registry.implementations("model"))
+        )
         self.engine = EngineCore(self.config)
-        model_path = str(resolve_model_path(self.config.model))
         stack = self.config.stack
         self.renderer: Renderer = registry.build(
             "renderer",

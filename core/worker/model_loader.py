@@ -13,7 +13,6 @@ import inspect
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from plugserve.model_files import (  # noqa: F401
     hf_tensor_name,
     load_tokenizer,
     resolve_model_path,
+    safetensors_files,
     unpermute_rotary,
     write_sharded_safetensors,
 )
@@ -43,7 +43,7 @@ LOG_PROGRESS_INTERVAL_S = 10.0
 
 
 def checkpoint_bytes(model_path: str | os.PathLike[str]) -> int:
-    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in safetensors_files(model_path))
 
 
 def shows_progress(num_bytes: int, tty: bool | None = None) -> bool:
@@ -76,13 +76,11 @@ def with_progress(
 
 
 def iter_weights(model_path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor in the folder's *.safetensors files."""
+    """(HF name, CPU tensor) for every tensor in the folder's weight files (those its
+    safetensors index names, when it has one: model_files.safetensors_files)."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
-    for file in files:
+    for file in safetensors_files(model_path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)

@@ -39,7 +39,7 @@ from plugserve.device import (  # noqa: F401 (resolve_dtype: the re-export)
     resolve_dtype,
 )
 from plugserve.interfaces import AttentionSpec, KVCacheInfo
-from plugserve.model_files import resolve_model_path
+from plugserve.model_files import check_architecture, resolve_model_path
 from plugserve.plugins import get_registry
 from plugserve.worker import cpu_linear
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
@@ -107,8 +107,9 @@ class ModelRunner:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_path)
-        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        model_cls = registry.get("model", arch)
+        model_cls = registry.get(
+            "model", check_architecture(model_path, registry.implementations("model"))
+        )
 
         model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self.config.engine.max_model_len or model_max, model_max)
@@ -182,9 +183,11 @@ class ModelRunner:
     def _describe_kernels(self) -> str:
         """The start-up line: the dtype and why, and the kernels that follow from it."""
         line = f"dtype {dtype_name(self.dtype)} ({self._dtype_reason})"
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            coded = self.config.engine.cpu_coded_weights
-            line += f"; bf16 linears: {cpu_linear.describe_bf16_path(coded)}"
+        plan = getattr(self.model, "kernel_plan", None)
+        if self.device.type == "cpu" and plan is not None:
+            line += f"; bf16 linears: {cpu_linear.describe_bf16_path(plan)}"
+        elif self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            line += "; bf16 linears: as the model runs them (no kernel plan)"
         elif self.device.type == "cpu":
             line += "; linears: ATen (weights as loaded)"
         return f"{line}; attention: {self.config.stack.attention}"

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plugserve.model_files import CheckpointError
 from plugserve.worker.layers.linear import Linear
 from plugserve.worker.layers.weight_loader import (
     WeightShapeError,
@@ -42,11 +43,13 @@ def load_checkpoint(
         target, shard_id = _fused_target(name, packed_modules_mapping)
         param = params.get(target)
         if param is None or shard_id not in (shard_ids_of(param) or (None,)):
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+            raise CheckpointError(
+                f"checkpoint tensor {name!r} has no place in {type(model).__name__}"
+            )
         try:
             weight_loader_of(param)(param, tensor, shard_id)
         except WeightShapeError as error:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint tensor {name!r} has shape {error.got}, expected {error.expected}"
             ) from None
         loaded.add((target, shard_id))
@@ -59,7 +62,7 @@ def load_checkpoint(
         name if shard_id is None else f"{name}[{shard_id}]" for name, shard_id in expected - loaded
     )
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
 
 def _fused_target(name: str, packed_modules_mapping: PackedModulesMapping) -> tuple[str, Any]:
