@@ -1,0 +1,221 @@
+"""The harness that proves an architecture against Hugging Face transformers on a tiny
+checkpoint, with nothing downloaded.
+
+A case is a transformers config of the family's own class (its structural options
+switched on: biases, tied or untied head, scaled RoPE, q/k norm, ...) at a tiny size.
+`write_tiny_checkpoint` builds the family's transformers model from it, draws every
+parameter at random (biases and norm weights too, so a bias or norm loaded wrongly
+shows; transformers would leave them 0 and 1) and saves it with `save_pretrained` in
+small shards with their index, beside the embedded model's tokenizer files. The
+reference is transformers loading that folder itself, never plugserve's loading.
+
+`TinyRun.check` then holds plugserve's greedy continuation, served through `LLM` in fp32
+with prefix caching and chunked prefill on, to the reference: the tokens equal, and the
+logprob of every token within FP32_LOGPROB_TOLERANCE of transformers'. Weights are drawn
+with WEIGHT_STD so that logits spread (std ~0.8 at hidden size 64): the two best tokens
+of a step are typically ~0.2 apart, four orders of magnitude above fp32 summation-order
+noise, so equal tokens are the expected outcome and a mismatch reports transformers'
+own margin at that step.
+
+A new architecture's test needs only its config: `TinyCase("qwen3", Qwen3Config(**tiny()))`.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from correctness.agreement import Reference
+from plugserve import LLM, SamplingParams
+from plugserve.worker.random_model import TOKENIZER_FILES
+
+WEIGHT_STD = 0.1
+NEW_TOKENS = 24
+# fp32 end to end; what differs is summation order (fused q/k/v and gate/up matmuls,
+# paged attention over chunks). Measured over the Llama and Qwen2 cases of
+# test_architectures_match_hf.py, batched and alone: largest difference 7.4e-5 nats
+# (transformers' smallest margin between its two best tokens there: 5.4e-4).
+FP32_LOGPROB_TOLERANCE = 1e-3
+# Small enough that prompts of more than this many tokens are prefilled in chunks, and
+# a mixed batch shares each step between decodes and a chunk.
+CHUNK_TOKENS = 32
+BLOCK_SIZE = 16
+
+
+def tiny(**overrides: Any) -> dict[str, Any]:
+    """The sizes every tiny case shares (2 layers, hidden 64, GQA 4:2, head_dim 16), with
+    the embedded tokenizer's vocabulary and special ids; `overrides` replace any."""
+    sizes: dict[str, Any] = {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
+    return {**sizes, **overrides}
+
+
+@dataclass(frozen=True)
+class TinyCase:
+    """One architecture with one set of structural options."""
+
+    id: str
+    config: Any  # a transformers PretrainedConfig of the family's own class
+
+
+def write_tiny_checkpoint(
+    config: Any, folder: Path, tokenizer_folder: Path, *, seed: int = 0
+) -> Path:
+    """Save a random-weights model of `config` into `folder` as sharded safetensors with
+    their index (as large checkpoints are published), plus the tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # around 1, as trained norms are, but not exactly 1
+                param.normal_(1.0, WEIGHT_STD)
+            else:
+                param.normal_(0.0, WEIGHT_STD)
+    # 4 MB shards: the 12.6 MB embedding alone, the rest a shard or two.
+    model.save_pretrained(str(folder), max_shard_size="4MB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    for name in TOKENIZER_FILES:
+        if name != "generation_config.json" and (tokenizer_folder / name).is_file():
+            shutil.copyfile(tokenizer_folder / name, folder / name)
+    return folder
+
+
+def hf_references(
+    folder: Path, prompts: Sequence[Sequence[int]], new_tokens: int = NEW_TOKENS
+) -> list[Reference]:
+    """transformers' greedy continuation of each prompt (one at a time, exactly
+    `new_tokens` tokens) and the log-softmax of every step's logits, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    references = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            input_ids = torch.tensor([list(prompt)])
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
+            references.append(Reference(tokens, logprobs))
+    del model
+    gc.collect()
+    return references
+
+
+def assert_matches(
+    label: str, reference: Reference, token_ids: Sequence[int], logprobs: Sequence[float]
+) -> None:
+    """Tokens equal to transformers', each token's logprob within the fp32 tolerance."""
+    for step, (theirs, mine) in enumerate(zip(reference.token_ids, token_ids, strict=True)):
+        assert mine == theirs, (
+            f"{label}, step {step}: token {mine}, transformers {theirs} "
+            f"(its margin over the runner-up there: {reference.margin(step):.2e})"
+        )
+        expected = reference.logprobs[step, mine].item()
+        assert abs(logprobs[step] - expected) <= FP32_LOGPROB_TOLERANCE, (
+            f"{label}, step {step}: logprob {logprobs[step]:.6f}, transformers {expected:.6f}"
+        )
+
+
+@dataclass
+class TinyRun:
+    """A tiny checkpoint on disk, its prompts and transformers' references for them."""
+
+    model: str  # what LLM(model=...) is given: the folder, a Hub id, a GGUF path
+    prompts: list[list[int]]
+    references: list[Reference]
+
+    @contextmanager
+    def llm(self, **overrides: Any) -> Iterator[LLM]:
+        """plugserve on this checkpoint in fp32, prefix caching on, prefill chunked at
+        CHUNK_TOKENS; freed on exit, so each test holds one engine at a time."""
+        settings: dict[str, Any] = {
+            "dtype": "float32",
+            "enable_prefix_caching": True,
+            "max_num_batched_tokens": CHUNK_TOKENS,
+            "block_size": BLOCK_SIZE,
+            "max_num_seqs": 8,
+            "max_model_len": 512,
+            "kv_cache_memory": "16MiB",
+            **overrides,
+        }
+        llm = LLM(model=self.model, **settings)
+        try:
+            yield llm
+        finally:
+            del llm
+            gc.collect()
+
+    def check(self, llm: LLM, *, batched: bool) -> None:
+        """Generate every prompt (in one call, or one call per prompt) and hold each
+        continuation to its reference."""
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+        requests = [{"prompt_token_ids": p} for p in self.prompts]
+        if batched:
+            outputs = llm.generate(requests, params)
+        else:
+            outputs = [llm.generate([r], params)[0] for r in requests]
+        for prompt, reference, result in zip(self.prompts, self.references, outputs, strict=True):
+            ours = result.outputs[0]
+            assert ours.logprobs is not None
+            chosen = [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs, strict=True)]
+            label = f"{'batched' if batched else 'alone'}, {len(prompt)}-token prompt"
+            assert_matches(label, reference, ours.token_ids, chosen)
+
+
+def put_in_hub_cache(folder: Path, cache_dir: Path, repo_id: str) -> Path:
+    """Lay `folder`'s files out in a Hugging Face cache as `hf download repo_id` would:
+    content-addressed blobs, a snapshot of symlinks to them under a commit hash, and
+    refs/main naming that commit. Returns the snapshot folder."""
+    repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def tokenizer_folder(smollm2_path: Path, dest: Path) -> Path:
+    """The embedded model's tokenizer files (what every tiny checkpoint is paired with)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_path / name).is_file():
+            shutil.copyfile(smollm2_path / name, dest / name)
+    meta = json.loads((smollm2_path / "config.json").read_text())
+    assert meta["vocab_size"] == tiny()["vocab_size"]
+    return dest
