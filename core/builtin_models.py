@@ -14,3 +14,4 @@ from plugserve import hookimpl
 def register_models(register):
     register("LlamaForCausalLM", "plugserve.worker.models.llama:LlamaForCausalLM")
     register("Qwen2ForCausalLM", "plugserve.worker.models.llama:Qwen2ForCausalLM")
+    register("Qwen3ForCausalLM", "plugserve.worker.models.qwen3:Qwen3ForCausalLM")

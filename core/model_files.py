@@ -273,7 +273,20 @@ def _convert_with_transformers(gguf_path: Path, arch: str, out_dir: Path) -> Non
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
-    model.save_pretrained(str(out_dir), max_shard_size=_SHARD_BYTES)
+    # save_pretrained refuses a model loaded from GGUF; its config and dequantized
+    # tensors are all a folder needs. A tied head is the embedding, stored once.
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):  # the folder holds fp32 tensors, not GGUF
+        del config.quantization_config
+    if hasattr(config, "rms_norm_eps"):  # GGUF's float32, back to the value it was
+        config.rms_norm_eps = _f32(config.rms_norm_eps)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    config.save_pretrained(str(out_dir))
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()}
+    write_sharded_safetensors(out_dir, sizes, lambda name: state[name].contiguous())
 
 
 class _GgufMetadata:

@@ -3,7 +3,11 @@ reference continuations, computed once per session."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+from correctness.tiny_checkpoints import CHUNK_TOKENS, tokenizer_folder
 
 # Varied natural text, so that greedy continuations are not degenerate repetitions.
 CORPUS = """\
@@ -68,3 +72,25 @@ def mixed_prompts(tokenizer) -> list[list[int]]:
 def hf_greedy(hf_greedy_generate, mixed_prompts) -> list[list[int]]:
     """Hugging Face `generate`, greedy, fp32, one prompt at a time, exactly 64 new tokens."""
     return hf_greedy_generate(mixed_prompts, MAX_NEW_TOKENS)
+
+
+# For tiny checkpoints (tiny_checkpoints.py): lengths on both sides of CHUNK_TOKENS and
+# of the 16-token block; the last prompt repeats the first 40 tokens of the longest, so
+# its first two blocks are found in the prefix cache when it runs after it.
+TINY_PROMPT_LENGTHS = (3, 17, 33, 50, 71, 100)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded model's tokenizer files, which every tiny checkpoint is paired with."""
+    return tokenizer_folder(smollm2_path, tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tokenizer) -> list[list[int]]:
+    """Seven prompts of 3-100 tokens for tiny checkpoints, one sharing another's prefix."""
+    ids = tokenizer.encode(CORPUS)
+    prompts = [ids[i * 41 : i * 41 + n] for i, n in enumerate(TINY_PROMPT_LENGTHS)]
+    prompts.append(prompts[-1][:40] + ids[600:611])
+    assert max(map(len, prompts)) > 2 * CHUNK_TOKENS
+    return prompts

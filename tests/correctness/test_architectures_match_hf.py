@@ -6,19 +6,14 @@ and one request at a time (tests/correctness/tiny_checkpoints.py).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from correctness.conftest import CORPUS
 from correctness.tiny_checkpoints import (
-    CHUNK_TOKENS,
     TinyCase,
     TinyRun,
     hf_references,
     tiny,
-    tokenizer_folder,
     write_tiny_checkpoint,
 )
 
@@ -44,26 +39,11 @@ CASES = [
     ),
     TinyCase("qwen2-qkv-bias-untied", Qwen2Config(**tiny(tie_word_embeddings=False))),
     TinyCase("qwen2-qkv-bias-tied", Qwen2Config(**tiny(tie_word_embeddings=True))),
+    # q/k norm; head_dim 32 from the config, not hidden_size / num_heads (16), as
+    # Qwen3's 128 is not; tied as the small Qwen3s, untied as the large ones.
+    TinyCase("qwen3-qk-norm-tied", Qwen3Config(**tiny(head_dim=32, tie_word_embeddings=True))),
+    TinyCase("qwen3-qk-norm-untied", Qwen3Config(**tiny(head_dim=32, tie_word_embeddings=False))),
 ]
-
-# Lengths on both sides of CHUNK_TOKENS and of the 16-token block; the last prompt
-# repeats the first 40 tokens of the longest, so its first two blocks are found in the
-# prefix cache when it runs after it.
-PROMPT_LENGTHS = (3, 17, 33, 50, 71, 100)
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tokenizer_folder(smollm2_path, tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def tiny_prompts(tokenizer) -> list[list[int]]:
-    ids = tokenizer.encode(CORPUS)
-    prompts = [ids[i * 41 : i * 41 + n] for i, n in enumerate(PROMPT_LENGTHS)]
-    prompts.append(prompts[-1][:40] + ids[600:611])
-    assert max(map(len, prompts)) > 2 * CHUNK_TOKENS
-    return prompts
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: case.id)

@@ -210,6 +210,74 @@ def put_in_hub_cache(folder: Path, cache_dir: Path, repo_id: str) -> Path:
     return snapshot
 
 
+# Hugging Face module names → llama.cpp's, for the Llama-family layouts (Qwen2/3 included).
+_GGUF_LAYER_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_TENSORS = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def write_gguf(folder: Path, gguf_path: Path, arch: str, tokenizer_gguf: Path) -> Path:
+    """`folder`'s checkpoint as an fp32 GGUF of llama.cpp architecture `arch` (one whose
+    q/k rows llama.cpp keeps in Hugging Face's order, as for qwen2 and qwen3), with the
+    tokenizer metadata of `tokenizer_gguf` (the embedded model's), as llama.cpp's
+    convert_hf_to_gguf.py would write it."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(gguf_path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    source = gguf.GGUFReader(str(tokenizer_gguf))
+    for key, field in source.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    for name, tensor in weights.items():
+        stem, _, suffix = name.rpartition(".")
+        if stem in _GGUF_GLOBAL_TENSORS:
+            gguf_name = f"{_GGUF_GLOBAL_TENSORS[stem]}.{suffix}"
+        else:
+            _, _, index, module = stem.split(".", 3)  # model.layers.N.<module>
+            gguf_name = f"blk.{index}.{_GGUF_LAYER_TENSORS[module]}.{suffix}"
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_path
+
+
 def tokenizer_folder(smollm2_path: Path, dest: Path) -> Path:
     """The embedded model's tokenizer files (what every tiny checkpoint is paired with)."""
     dest.mkdir(parents=True, exist_ok=True)
