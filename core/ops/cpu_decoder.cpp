@@ -61,11 +61,16 @@ struct LayerStack : torch::CustomClassHolder {
     c10::optional<at::Tensor> o_coded, gate_up_coded, down_coded, next_qkv_coded;
   };
 
-  LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+  LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+             int64_t one_row_mode)
       : cos_sin(std::move(cos_sin)),
         num_heads(num_heads),
         num_kv_heads(num_kv_heads),
-        head_dim(head_dim) {}
+        head_dim(head_dim),
+        one_row_mode(one_row_mode) {
+    TORCH_CHECK(one_row_mode >= plugserve::kStreamNonTemporal && one_row_mode <= plugserve::kTiled,
+                "one_row_mode must be a plugserve::OneRowMode");
+  }
 
   void add_layer(int64_t attention_layer, at::Tensor o_proj, c10::optional<at::Tensor> o_bias,
                  at::Tensor post_attention_norm, at::Tensor gate_up_proj,
@@ -90,6 +95,7 @@ struct LayerStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
   at::Tensor cos_sin;
   int64_t num_heads, num_kv_heads, head_dim;
+  int64_t one_row_mode;  // how its one-row matmuls run (cpu_gemm.h's OneRowMode)
 };
 
 // Layer `layer`'s stretch: its attention output [T, q heads * D] → the next layer's rotated
@@ -108,21 +114,21 @@ at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
   plugserve::check_norm_weight(layer.next_norm, residual);
 
   at::Tensor h = plugserve::linear_bf16(attention_out, layer.o_proj, hidden, layer.o_bias,
-                                        c10::nullopt, layer.o_coded);
+                                        c10::nullopt, layer.o_coded, stack.one_row_mode);
   plugserve::fused_add_rms_norm_impl<BF16>(h, residual, layer.post_attention_norm, eps);
   at::Tensor gate_up = plugserve::linear_bf16(h, layer.gate_up_proj, 2 * intermediate,
                                               layer.gate_up_bias, c10::nullopt,
-                                              layer.gate_up_coded);
+                                              layer.gate_up_coded, stack.one_row_mode);
   at::Tensor activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
   plugserve::silu_and_mul_impl<BF16>(activated, gate_up);
   at::Tensor m = plugserve::linear_bf16(activated, layer.down_proj, hidden, layer.down_bias,
-                                        c10::nullopt, layer.down_coded);
+                                        c10::nullopt, layer.down_coded, stack.one_row_mode);
   plugserve::fused_add_rms_norm_impl<BF16>(m, residual, layer.next_norm, eps);
   if (!layer.next_qkv_proj.has_value()) return m;  // the last layer: m is the model's output
 
   at::Tensor qkv = plugserve::linear_bf16(m, *layer.next_qkv_proj, layer.qkv_features,
                                           layer.next_qkv_bias, c10::nullopt,
-                                          layer.next_qkv_coded);
+                                          layer.next_qkv_coded, stack.one_row_mode);
   const int64_t num_qk_heads = stack.num_heads + stack.num_kv_heads;
   plugserve::check_rotary(qkv, positions, stack.cos_sin, num_qk_heads, stack.head_dim);
   plugserve::rotary_embedding_impl<BF16>(qkv, positions, stack.cos_sin, num_qk_heads,
@@ -166,7 +172,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor
 
 TORCH_LIBRARY(plugserve_decoder, m) {
   m.class_<LayerStack>("LayerStack")
-      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
+      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &LayerStack::add_layer);
   m.def(
       "decode_stretch(__torch__.torch.classes.plugserve_decoder.LayerStack stack, int index, "

@@ -89,7 +89,7 @@ void code_exponents(const at::Tensor& packed, at::Tensor out) {
 TORCH_LIBRARY(plugserve_gemm, m) {
   m.def(
       "linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias, "
-      "ScalarType? out_dtype=None, Tensor? coded=None) -> Tensor");
+      "ScalarType? out_dtype=None, Tensor? coded=None, int one_row_mode=0) -> Tensor");
   m.def("code_exponents(Tensor packed, Tensor(a!) out) -> ()");
   m.def("row_pool_address() -> int", &row_pool_address);
   m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);

@@ -18,6 +18,12 @@
 // With the weights on huge pages (cpu_linear.WeightArena), SmolLM2's 269 MB per step
 // read in 3.8 ms instead of 4.8 at a 75 GB/s phase of this VM, 5.2 instead of 6.0 at 49.
 //
+// Which one-row loop is fastest depends on the CPU, so the caller picks it (OneRowMode,
+// chosen by measurement in kernel_choice.py): the stream's prefetches non-temporal (NTA:
+// on a 2-core Zen 5 a step 0.16-0.30 ms faster, the caches kept for the step's Python) or
+// into all levels (T0: on a 2-core Xeon with AMX and a 480 MB L3, SmolLM2's matmuls at one
+// row in 11.4 ms instead of 18); or no stream at all, one row through the tile kernel.
+//
 // One row can also read a lossless exponent-coded copy of the weight (row_block_coded), 12
 // bits a weight instead of 16: a trained model's bf16 weights use few exponents, and one
 // block's 16 columns rarely more than 16 of them. Decoded in registers to the same bf16
@@ -110,7 +116,20 @@ __attribute__((noinline)) void finish_row(const __m512 (&acc)[4], const float* b
 
 // One row against one 16-column block: out[col:col+16] = x . W_block (+ bias); `out` is
 // Out (uint16_t: bf16, or float) behind the pool's untyped pointer.
-template <typename Out>
+// How a one-row matmul runs (see the top of this file).
+enum OneRowMode : int64_t { kStreamNonTemporal = 0, kStreamCached = 1, kTiled = 2 };
+
+// A one-row stream's prefetch: into every cache level, or non-temporal.
+template <bool Cached>
+inline void stream_prefetch(const char* p) {
+  if constexpr (Cached) {
+    _mm_prefetch(p, _MM_HINT_T0);
+  } else {
+    _mm_prefetch(p, _MM_HINT_NTA);
+  }
+}
+
+template <typename Out, bool Cached>
 void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* bias,
                void* out, int64_t col, int64_t n) {
   constexpr int kChains = 4;
@@ -126,8 +145,7 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
       // numpy and small ops touch between matmuls (a numpy call cold cost 5-18 us against
       // ~1 hot); with NTA a step is 0.16-0.30 ms faster (paired, in the engine). The
       // batched tiles keep T0: each reads its weight tile once per 8 rows.
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchPairs * kPairBytes,
-                   _MM_HINT_NTA);
+      stream_prefetch<Cached>(reinterpret_cast<const char*>(p) + kPrefetchPairs * kPairBytes);
       int32_t pair;
       std::memcpy(&pair, x + 2 * (kp + c), sizeof(pair));
       acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_set1_epi32(pair),
@@ -171,7 +189,7 @@ inline __m512i decode_lanes(const uint8_t* sign_mantissa, __m512i exponent) {
 }
 
 // row_block over a coded block (pairs even), the same k-pairs to the same chains.
-template <typename Out>
+template <typename Out, bool Cached>
 void row_block_coded(const uint16_t* x, const uint8_t* block, int64_t pairs, const float* bias,
                      void* out, int64_t col, int64_t n) {
   // Further ahead than row_block's 2 KB: on this VM 3-8 KB read the chain of SmolLM2's
@@ -189,8 +207,8 @@ void row_block_coded(const uint16_t* x, const uint8_t* block, int64_t pairs, con
   // Two k-pairs a group, to chains (c, c + 1); row_block's tail (pairs % 4) goes to chain 0.
   const auto group = [&](int64_t kp, int c0, int c1) {
     const uint8_t* g = groups + kp / 2 * kCodedGroupBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(g) + kPrefetchBytes, _MM_HINT_NTA);
-    _mm_prefetch(reinterpret_cast<const char*>(g) + kPrefetchBytes + 64, _MM_HINT_NTA);
+    stream_prefetch<Cached>(reinterpret_cast<const char*>(g) + kPrefetchBytes);
+    stream_prefetch<Cached>(reinterpret_cast<const char*>(g) + kPrefetchBytes + 64);
     const __m512i codes =
         _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
     const __m512i first = _mm512_permutexvar_epi16(codes, table);
@@ -217,7 +235,7 @@ struct RowArgs {
   const uint8_t* coded;  // the weight's exponent-coded copy, or nullptr
 };
 
-template <typename Out>
+template <typename Out, bool Cached>
 void row_item(const void* args, int64_t b, void* out) {
   const auto& a = *static_cast<const RowArgs*>(args);
   const float* bias = a.bias ? a.bias + b * 16 : nullptr;
@@ -227,11 +245,11 @@ void row_item(const void* args, int64_t b, void* out) {
     uint16_t first_entry;
     std::memcpy(&first_entry, block, sizeof(first_entry));
     if (first_entry != kUncodedBlock) {
-      row_block_coded<Out>(a.x, block, a.pairs, bias, out, 0, n);
+      row_block_coded<Out, Cached>(a.x, block, a.pairs, bias, out, 0, n);
       return;
     }
   }
-  row_block<Out>(a.x, a.w + b * a.block_stride, a.pairs, bias, out, 0, n);
+  row_block<Out, Cached>(a.x, a.w + b * a.block_stride, a.pairs, bias, out, 0, n);
 }
 
 template <typename Out>
@@ -323,25 +341,27 @@ void for_each_item(int64_t items, const Work& work) {
 template <typename Out>
 void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& coded,
-                 at::Tensor& out) {
+                 int64_t one_row_mode, at::Tensor& out) {
   const int64_t rows = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* op = reinterpret_cast<Out*>(out.data_ptr());
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t block_stride = pairs * 32, x_stride = x.stride(0);
-  if (rows == 1) {
+  if (rows == 1 && one_row_mode != kTiled) {
     const RowArgs args{xp, wp, block_stride, pairs, bp, out_features,
                        coded.has_value() ? coded->data_ptr<uint8_t>() : nullptr};
+    const auto item =
+        one_row_mode == kStreamCached ? &row_item<Out, true> : &row_item<Out, false>;
     RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
     if (pool != nullptr && pool->enabled()) {
       const int64_t last = out_features - (blocks - 1) * 16;
-      pool->run(RowPool::make_job(&row_item<Out>, args, blocks, op, 16 * sizeof(Out),
+      pool->run(RowPool::make_job(item, args, blocks, op, 16 * sizeof(Out),
                                   last * sizeof(Out),
                                   {x, packed, bias.has_value() ? *bias : at::Tensor(),
                                    coded.has_value() ? *coded : at::Tensor()}));
     } else {
-      for_each_item(blocks, [&](int64_t b) { row_item<Out>(&args, b, op + b * 16); });
+      for_each_item(blocks, [&](int64_t b) { item(&args, b, op + b * 16); });
     }
     return;
   }
@@ -370,11 +390,13 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
 
 // x [rows, K] bf16 @ the packed weight (+ bias) → [rows, out_features], in bf16 or, with
 // out_dtype float32, the fp32 sums unrounded. `coded`, the weight's exponent-coded copy
-// where it has one, is what a single row reads instead.
+// where it has one, is what a single row reads instead, unless one_row_mode (OneRowMode)
+// runs that row through the tile kernel.
 inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                               const c10::optional<at::Tensor>& bias,
                               c10::optional<at::ScalarType> out_dtype = c10::nullopt,
-                              const c10::optional<at::Tensor>& coded = c10::nullopt) {
+                              const c10::optional<at::Tensor>& coded = c10::nullopt,
+                              int64_t one_row_mode = kStreamNonTemporal) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be bfloat16 [rows, in_features] with a dense last dim");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == 16 &&
@@ -393,14 +415,16 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
     TORCH_CHECK(pairs % 2 == 0 && coded->scalar_type() == at::kByte && coded->is_contiguous() &&
                     coded->numel() == blocks * coded_block_bytes(pairs),
                 "coded must be uint8 [N/16, coded_block_bytes] from cpu_linear.code_exponents");
+  TORCH_CHECK(one_row_mode >= kStreamNonTemporal && one_row_mode <= kTiled,
+              "one_row_mode must be 0 (stream, non-temporal), 1 (stream, cached) or 2 (tiled)");
   const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "out_dtype must be bfloat16 or float32");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(dtype));
   if (dtype == at::kFloat) {
-    linear_rows<float>(x, packed, out_features, bias, coded, out);
+    linear_rows<float>(x, packed, out_features, bias, coded, one_row_mode, out);
   } else {
-    linear_rows<uint16_t>(x, packed, out_features, bias, coded, out);
+    linear_rows<uint16_t>(x, packed, out_features, bias, coded, one_row_mode, out);
   }
   return out;
 }

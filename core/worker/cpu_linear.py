@@ -1,19 +1,19 @@
-"""Linear layers for bfloat16 on CPU, with weights packed once at load.
+"""Linear layers for bfloat16 on CPU, with weights laid out once at load for their kernels.
 
-Two kernels, picked once per machine (uses_own_kernel; PLUGSERVE_CPU_BF16_KERNEL=own or
-onednn overrides the choice):
+Three kernel libraries, each call picked by its row count (kernel_plan.py: the buckets
+and the plan; kernel_choice.py: the plan measured per machine):
 
-- cpu_gemm.cpp, on CPUs with AVX512_BF16 and no AMX: VDPBF16PS over a k-pair-interleaved
-  copy of the weight (`pack_k_pairs`). It streams the weights at the memory bandwidth at
-  decode sizes, where oneDNN does not (SmolLM2's matmuls on a 2-core Zen 5: 24 % faster
-  at 1 row, 16 % at 32, equal at 512 to 2048 rows). Sums run in another order than
-  `F.linear`'s, so results differ from it by fp32 rounding before the bf16 store.
-- oneDNN elsewhere (and on AMX CPUs, whose tile kernels this one was never measured
-  against): the weight is reordered once into oneDNN's blocked layout, since `F.linear`
-  re-lays out a bf16 weight on every call; bit-identical to `F.linear`. For
-  prefill-sized inputs the MLP then runs as oneDNN post-ops (FusedMLP): SiLU and
-  gate * up applied to the fp32 accumulators inside the matmuls instead of separate bf16
-  passes over [tokens, intermediate] tensors, a third of a 2048-token prefill's MLP.
+- cpu_gemm.cpp, on CPUs with AVX512_BF16: VDPBF16PS over a k-pair-interleaved copy of the
+  weight (`pack_k_pairs`). It streams the weights at the memory bandwidth at decode sizes,
+  where oneDNN does not (SmolLM2's matmuls on a 2-core Zen 5: 24 % faster at 1 row, 16 % at
+  32). Sums run in another order than `F.linear`'s, so results differ from it by fp32
+  rounding before the bf16 store. One row can read a lossless exponent-coded copy.
+- oneDNN: the weight is reordered once into oneDNN's blocked layout, since `F.linear`
+  re-lays out a bf16 weight on every call; bit-identical to `F.linear`. On AMX CPUs its
+  tile kernels win batches and prefill (SmolLM2 at 32 rows on a 2-core Xeon: 17.6 ms
+  against cpu_gemm's 36). For prefill chunks the MLP may run as oneDNN post-ops
+  (FusedMLP).
+- ATen's `F.linear` over the weight as loaded.
 
 float32 is never packed: the fp32 path keeps `F.linear`, bit for bit with Hugging Face.
 """
@@ -22,25 +22,35 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from plugserve import ops
 
 # Moved to plugserve.ops; re-exported here for one release, for plugins that took them
 # from this module.
 from plugserve.ops import HUGE_PAGE_BYTES, huge_page_buffer  # noqa: F401
+from plugserve.worker.kernel_plan import (
+    KERNELS_BY_NAME,
+    ROW_BUCKETS,
+    TILED,
+    Kernel,
+    KernelPlan,
+    Library,
+    bucket_index,
+)
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
-        and (uses_own_kernel() or _onednn_bf16_supported())
+        and (own_kernel_unavailable_reason() is None or _onednn_bf16_supported())
     )
 
 
@@ -48,35 +58,83 @@ def _onednn_bf16_supported() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# Overrides the choice of kernel for bf16 linears: "own" (cpu_gemm.cpp; an error where it
-# cannot run), "onednn", or "auto" (the default: uses_own_kernel's choice for this CPU).
+# Restricts the kernels bf16 linears may run: "own" (cpu_gemm.cpp; an error where it cannot
+# run), "onednn", "aten", or "auto" (the default: whichever measures fastest, per bucket);
+# or sets the plan: one kernel name per row bucket, comma-separated
+# ("own/tiled,own,onednn,onednn/fused-mlp"), unmeasured.
 KERNEL_ENV = "PLUGSERVE_CPU_BF16_KERNEL"
-_KERNEL_CHOICES = ("auto", "own", "onednn")
+_KERNEL_CHOICES = ("auto", "own", "onednn", "aten")
+
+
+def _kernel_setting() -> str:
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in _KERNEL_CHOICES and "," not in choice:
+        raise ValueError(
+            f"{KERNEL_ENV}={choice!r}: expected one of {', '.join(_KERNEL_CHOICES)}, or one "
+            f"kernel per row bucket ({', '.join(b.name for b in ROW_BUCKETS)}) from "
+            f"{', '.join(KERNELS_BY_NAME)}, comma-separated"
+        )
+    return choice
+
+
+def forced_plan() -> KernelPlan | None:
+    """The plan PLUGSERVE_CPU_BF16_KERNEL sets, where it names one kernel per bucket."""
+    choice = _kernel_setting()
+    if "," not in choice:
+        return None
+    names = [name.strip() for name in choice.split(",")]
+    unknown = [name for name in names if name not in KERNELS_BY_NAME]
+    if len(names) != len(ROW_BUCKETS) or unknown:
+        raise ValueError(
+            f"{KERNEL_ENV}={choice!r}: expected {len(ROW_BUCKETS)} kernels (rows "
+            f"{', '.join(b.name for b in ROW_BUCKETS)}) from {', '.join(KERNELS_BY_NAME)}"
+        )
+    return KernelPlan(tuple(KERNELS_BY_NAME[name] for name in names))
+
+
 # What cpu_gemm.cpp's kernel needs of the CPU (cpu_gemm.h: PLUGSERVE_HAS_BF16_GEMM).
 _OWN_KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16")
 
 
-def uses_own_kernel() -> bool:
-    """Whether bf16 linears run cpu_gemm.cpp here rather than oneDNN: the production
-    choice. By default cpu_gemm.cpp wherever it can run (own_kernel_unavailable_reason)
-    except on AMX CPUs, whose oneDNN tile kernels it was never measured against. The
-    environment variable PLUGSERVE_CPU_BF16_KERNEL overrides it: "own" (a RuntimeError
-    naming what is missing where cpu_gemm.cpp cannot run), "onednn", "auto" (the default).
-    Tests force "own" to run the kernel on a CPU that prefers oneDNN."""
-    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if choice not in _KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected one of {', '.join(_KERNEL_CHOICES)}")
-    if choice == "onednn" or (choice == "auto" and "amx_bf16" in _cpu_flags()):
-        return False
+def allowed_libraries() -> tuple[Library, ...]:
+    """The kernel libraries bf16 linears may use here: every one that runs on this machine,
+    or the one PLUGSERVE_CPU_BF16_KERNEL names ("own" raises a RuntimeError naming what is
+    missing where cpu_gemm.cpp cannot run). Tests force "own" or "onednn" to run a kernel
+    the machine would not pick."""
+    choice = _kernel_setting()
     reason = own_kernel_unavailable_reason()  # builds and loads it on the first call
-    if reason is not None and choice == "own":
-        raise RuntimeError(f"{KERNEL_ENV}=own, but cpu_gemm.cpp cannot run here: {reason}")
-    return reason is None
+    plan = forced_plan()
+    if plan is not None:
+        if "own" in plan.libraries() and reason is not None:
+            raise RuntimeError(f"{KERNEL_ENV} names cpu_gemm.cpp, which cannot run here: {reason}")
+        return tuple(lib for lib in ("own", "onednn", "aten") if lib in plan.libraries())
+    if choice == "own":
+        if reason is not None:
+            raise RuntimeError(f"{KERNEL_ENV}=own, but cpu_gemm.cpp cannot run here: {reason}")
+        return ("own",)
+    if choice == "onednn":
+        if not _onednn_bf16_supported():
+            raise RuntimeError(f"{KERNEL_ENV}=onednn, but oneDNN has no bf16 kernel here")
+        return ("onednn",)
+    if choice == "aten":
+        return ("aten",)
+    available: list[Library] = ["own"] if reason is None else []
+    if _onednn_bf16_supported():
+        available.append("onednn")
+    return (*available, "aten")
+
+
+def default_plan() -> KernelPlan:
+    """The plan of a PackedLinear built without one (outside a model: tests, tools): one
+    kernel for every row count, the first allowed of cpu_gemm.cpp, oneDNN, ATen. A model's
+    own plan is measured (kernel_choice.py)."""
+    library = allowed_libraries()[0]
+    return forced_plan() or KernelPlan.single(KERNELS_BY_NAME[library])
 
 
 def own_kernel_unavailable_reason() -> str | None:
-    """None where this machine can run cpu_gemm.cpp, whether or not uses_own_kernel
-    prefers it here; else what is missing: "the CPU lacks avx512_bf16" (or avx512f), or
+    """None where this machine can run cpu_gemm.cpp, whether or not a plan picks it
+    here; else what is missing: "the CPU lacks avx512_bf16" (or avx512f), or
     "cpu_gemm.cpp cannot be built or loaded: ..." with the compiler's or loader's error.
     On the first call where the CPU has what it needs, builds and loads the library, and
     turns its row pool on where openmp_spins_briefly."""
@@ -107,18 +165,18 @@ def _load_own_kernel() -> str | None:
     return None
 
 
-def describe_bf16_path(coded_weights: bool) -> str:
-    """One line for the start-up log: which kernel bf16 linears run here, and whether
-    one-row steps read exponent-coded copies and share their work with the helper thread
-    (whose use also needs more than one torch thread)."""
-    if not _onednn_bf16_supported() and not uses_own_kernel():
-        return "F.linear (no packed bf16 kernel on this CPU)"
-    if not uses_own_kernel():
-        return "oneDNN, packed once"
-    coded = "exponent-coded copies" if coded_weights else "packed weights (coding off)"
-    pool = torch.ops.plugserve_gemm.row_pool_enabled() and torch.get_num_threads() > 1
-    helper = "shared with the helper thread" if pool else "on the calling threads only"
-    return f"cpu_gemm.cpp; one-row steps read {coded}, {helper}"
+def describe_bf16_path(plan: KernelPlan) -> str:
+    """One line for the start-up log: which kernel each row bucket runs, and whether
+    one-row steps share their work with the helper thread (which also needs more than one
+    torch thread)."""
+    line = plan.describe()
+    one_row = plan.by_bucket[0]
+    if one_row.library == "own" and one_row.one_row_mode != TILED:
+        pool = torch.ops.plugserve_gemm.row_pool_enabled() and torch.get_num_threads() > 1
+        line += "; one-row cpu_gemm steps " + (
+            "shared with the helper thread" if pool else "on the calling threads only"
+        )
+    return line
 
 
 # At most this many turns of spinning after a parallel region (GNU OpenMP's default is
@@ -191,11 +249,16 @@ def code_exponents(packed: torch.Tensor, out: torch.Tensor | None = None) -> tor
 _EXPONENT_CODING: ContextVar[bool] = ContextVar("plugserve_exponent_coding", default=False)
 
 
+def coding_allowed() -> bool:
+    """Whether one-row matmuls may read exponent-coded copies here (exponent_coding)."""
+    return _EXPONENT_CODING.get()
+
+
 @contextmanager
 def exponent_coding(enabled: bool) -> Iterator[None]:
-    """Within this block, arenas made by WeightArena.for_weights also hold each packed
-    weight's exponent-coded copy (code_exponents), which one-row matmuls then read:
-    ~25 % fewer bytes a batch-1 step, for 75 % more memory for the weights."""
+    """Within this block, one-row matmuls may read exponent-coded copies of the packed
+    weights (code_exponents): ~25 % fewer bytes a batch-1 step, for 75 % more memory for
+    the weights. Whether they do is measured with the other kernels (kernel_choice.py)."""
     token = _EXPONENT_CODING.set(enabled)
     try:
         yield
@@ -219,15 +282,19 @@ class WeightArena:
         self._coded_offset = 0
 
     @classmethod
-    def for_weights(cls, weights: list[torch.Tensor]) -> WeightArena | None:
-        """An arena for the weights this machine packs for cpu_gemm; None where it packs
-        none (oneDNN does its own layout). With coded copies inside exponent_coding(True)."""
+    def for_weights(
+        cls, weights: list[torch.Tensor], plan: KernelPlan | None = None
+    ) -> WeightArena | None:
+        """An arena for the weights `plan` (default_plan where None) runs on cpu_gemm, with
+        their coded copies where its one-row kernel reads them; None where it packs none
+        (oneDNN and ATen keep their own layouts)."""
+        plan = plan or default_plan()
         shapes = [
             (w.shape[0], w.shape[1])
             for w in weights
-            if packs_k_pairs(w.dtype, w.device, w.shape[1])
+            if "own" in plan.libraries() and packs_k_pairs(w.dtype, w.device, w.shape[1])
         ]
-        return cls(shapes, coded=_EXPONENT_CODING.get()) if shapes else None
+        return cls(shapes, coded=plan.coded) if shapes else None
 
     def packed(self) -> torch.Tensor:
         """Every weight handed out so far, as one bf16 tensor: what a batch-1 step reads
@@ -261,12 +328,12 @@ def _coded_bytes(out_features: int, in_features: int) -> int:
 
 
 def packs_k_pairs(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
-    """Whether a weight of this kind is packed for cpu_gemm.cpp (else oneDNN or none)."""
+    """Whether cpu_gemm.cpp can run a weight of this kind (else oneDNN or ATen do)."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and in_features % 2 == 0
-        and uses_own_kernel()
+        and own_kernel_unavailable_reason() is None
     )
 
 
@@ -278,49 +345,124 @@ def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear:
-    """x [T, in] → x @ weight.T + bias, through whichever kernel this machine uses."""
+    """x [T, in] → x @ weight.T + bias, each call through the kernel that `plan` gives its
+    row count (default_plan where None). Holds the layout of every kernel the plan uses,
+    or of every kernel in `kernels` where given (to time them with `run`): cpu_gemm's
+    k-pair-packed copy (in `arena` where given) and its exponent-coded one, oneDNN's
+    blocked one, or the weight as loaded for ATen. Where cpu_gemm cannot take the weight
+    (an odd number of inputs), its buckets run oneDNN, else ATen."""
 
-    __slots__ = ("bias", "coded", "out_features", "own_kernel", "weight")
+    __slots__ = (
+        "_calls",
+        "bias",
+        "coded",
+        "onednn_weight",
+        "out_features",
+        "own_bias",
+        "plain_weight",
+        "plan",
+        "weight",
+    )
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         arena: WeightArena | None = None,
+        plan: KernelPlan | None = None,
+        kernels: Collection[Kernel] | None = None,
     ) -> None:
-        """`arena`, where given, holds the packed copy (the own kernel's layout only), and
-        the exponent-coded one where it holds those."""
         self.out_features, in_features = weight.shape
-        self.own_kernel = packs_k_pairs(weight.dtype, weight.device, in_features)
+        own_runs = packs_k_pairs(weight.dtype, weight.device, in_features)
+        plan = _runnable_plan(plan or default_plan(), own_runs)
+        self.plan = plan
+        wanted = {_runnable(k, own_runs) for k in (plan.by_bucket if kernels is None else kernels)}
+        libraries = {kernel.library for kernel in wanted}
+        self.bias = bias
+        self.weight: torch.Tensor | None = None  # cpu_gemm's k-pair layout
+        self.own_bias: torch.Tensor | None = None
         self.coded: torch.Tensor | None = None
-        if self.own_kernel:
+        if "own" in libraries:
             out = None if arena is None else arena.take(self.out_features, in_features)
             self.weight = pack_k_pairs(weight, out)
-            self.bias = None if bias is None else bias.detach().float().contiguous()
-            coded = None if arena is None else arena.take_coded(self.out_features, in_features)
-            if coded is not None:
-                self.coded = code_exponents(self.weight, coded)
-        else:
-            self.weight = pack_onednn(weight)
-            self.bias = bias
+            self.own_bias = None if bias is None else bias.detach().float().contiguous()
+            if any(kernel.coded for kernel in wanted):
+                coded = self._coded_room(arena, in_features)
+                if coded is not None or (arena is None and exponent_codable(in_features)):
+                    self.coded = code_exponents(self.weight, coded)
+        self.onednn_weight = pack_onednn(weight) if "onednn" in libraries else None
+        self.plain_weight = weight.detach() if "aten" in libraries else None
+        self._calls = tuple(self._call_for(kernel) for kernel in plan.by_bucket)
+
+    def _coded_room(self, arena: WeightArena | None, in_features: int) -> torch.Tensor | None:
+        return None if arena is None else arena.take_coded(self.out_features, in_features)
+
+    @property
+    def own_kernel(self) -> bool:
+        """Whether this weight has cpu_gemm's layout (which the fused decoder reads)."""
+        return self.weight is not None
+
+    def _call_for(self, kernel: Kernel) -> Callable[..., torch.Tensor]:
+        if kernel.library == "own":
+            linear_bf16 = torch.ops.plugserve_gemm.linear_bf16
+            weight, n, bias, mode = (
+                self.weight,
+                self.out_features,
+                self.own_bias,
+                kernel.one_row_mode,
+            )
+            coded = self.coded if kernel.coded else None
+            return lambda x, out_dtype=None: linear_bf16(x, weight, n, bias, out_dtype, coded, mode)
+        if kernel.library == "onednn":
+            pointwise, onednn_weight, bias = (
+                torch.ops.mkldnn._linear_pointwise,
+                self.onednn_weight,
+                self.bias,
+            )
+
+            def onednn(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out = pointwise(x, onednn_weight, bias, "none", [], "")
+                return out if out_dtype is None else out.to(out_dtype)
+
+            return onednn
+        plain, bias = self.plain_weight, self.bias
+
+        def aten(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out = F.linear(x, plain, bias)
+            return out if out_dtype is None else out.to(out_dtype)
+
+        return aten
+
+    def run(
+        self, kernel: Kernel, x: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x through `kernel` whatever the plan says (a kernel whose layout this holds)."""
+        return self._call_for(kernel)(x, out_dtype)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """out_dtype=torch.float32 asks for fp32 (the LM head's logits): the own kernel
-        writes its sums unrounded, oneDNN's bf16 result is converted."""
-        if self.own_kernel:
-            return torch.ops.plugserve_gemm.linear_bf16(
-                x, self.weight, self.out_features, self.bias, out_dtype, self.coded
-            )
-        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return out if out_dtype is None else out.to(out_dtype)
+        """out_dtype=torch.float32 asks for fp32 (the LM head's logits): cpu_gemm writes its
+        sums unrounded, the others' bf16 result is converted."""
+        return self._calls[bucket_index(x.shape[0])](x, out_dtype)
 
 
-# Below this many tokens the MLP keeps one fused gate-up matmul and separate passes.
-FUSED_MLP_MIN_TOKENS = 128
+def _runnable(kernel: Kernel, own_runs: bool) -> Kernel:
+    """`kernel`, or where it is cpu_gemm's and cpu_gemm cannot take the weight, oneDNN
+    (ATen where oneDNN has no bf16 kernel)."""
+    if kernel.library != "own" or own_runs:
+        return kernel
+    return KERNELS_BY_NAME["onednn" if _onednn_bf16_supported() else "aten"]
+
+
+def _runnable_plan(plan: KernelPlan, own_runs: bool) -> KernelPlan:
+    if own_runs or "own" not in plan.libraries():
+        return plan
+    return KernelPlan(tuple(_runnable(kernel, own_runs) for kernel in plan.by_bucket))
 
 
 class FusedMLP:
-    """down(silu(gate(x)) * up(x)) in three oneDNN matmuls, SiLU and * up as post-ops."""
+    """down(silu(gate(x)) * up(x)) in three oneDNN matmuls, SiLU and * up as post-ops:
+    applied to the fp32 accumulators inside the matmuls instead of separate bf16 passes
+    over [tokens, intermediate] tensors (a third of a 2048-token prefill's MLP)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate = pack_onednn(gate.contiguous())

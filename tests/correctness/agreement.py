@@ -33,6 +33,9 @@ import torch
 
 LOGPROB_TOLERANCE = 0.4
 NEAR_TIE = 0.375  # three units of a bf16 logit in [16, 32)
+# A difference of two logprobs computed in fp32 from bf16 logits three units apart can come
+# out a hair above 0.375 (seen on a 2-core Xeon with AMX: HF's own gap of 0.37500x).
+_FP32_SLACK = 1e-3
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,21 @@ class Reference:
         return (top[0] - top[1]).item()
 
 
+def clear_first_tokens(references: Sequence[Reference]) -> list[bool]:
+    """Per reference, whether Hugging Face prefers its first token by more than NEAR_TIE.
+    Which prompts start at a near-tie depends on the machine (its bf16 matmuls sum in
+    their own order): on a Zen 5 the 150-token corpus prompt, on a Xeon with AMX the
+    47-token one."""
+    return [reference.margin(0) > NEAR_TIE + _FP32_SLACK for reference in references]
+
+
 def assert_clear_first_tokens(references: Sequence[Reference], prompts: Sequence[object]) -> None:
     """The set's precondition: no prompt starts at a near-tie."""
     for prompt, reference in zip(prompts, references, strict=True):
         margin = reference.margin(0)
-        assert margin > NEAR_TIE, f"{prompt!r}: first token is a near-tie ({margin:.3f})"
+        assert margin > NEAR_TIE + _FP32_SLACK, (
+            f"{prompt!r}: first token is a near-tie ({margin:.3f})"
+        )
 
 
 def assert_agrees(
@@ -72,7 +85,7 @@ def assert_agrees(
         )
         if theirs != mine:
             gap = (reference.logprobs[step, theirs] - reference.logprobs[step, mine]).item()
-            assert gap <= NEAR_TIE, (
+            assert gap <= NEAR_TIE + _FP32_SLACK, (
                 f"{label}, step {step}: Hugging Face prefers {theirs} over {mine} by {gap:.3f}"
             )
             return step

@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from correctness.agreement import assert_agrees, assert_clear_first_tokens
+from correctness.agreement import assert_agrees, clear_first_tokens
 from plugserve import LLM, SamplingParams
 from plugserve.worker import cpu_linear
 
@@ -22,17 +22,25 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def bf16_prompts(mixed_prompts) -> list[list[int]]:
-    # The 150-token prompt starts at a tie in Hugging Face's own bf16 scores (its two best
-    # first tokens are one bf16 unit, 0.125, apart): it cannot show a first-token error.
-    return [p for p in mixed_prompts if len(p) != 150]
+def bf16_set(mixed_prompts, hf_greedy_references) -> tuple[list[list[int]], list]:
+    """The prompts whose first token Hugging Face's bf16 scores prefer clearly on this
+    machine, and their references: a prompt that starts at a near-tie cannot show a
+    first-token error. At most two of the set are left out."""
+    references = hf_greedy_references(mixed_prompts, NEW_TOKENS, torch.bfloat16)
+    clear = clear_first_tokens(references)
+    assert sum(clear) >= len(mixed_prompts) - 2, [len(p) for p in mixed_prompts]
+    kept = [(p, r) for p, r, ok in zip(mixed_prompts, references, clear, strict=True) if ok]
+    return [p for p, _ in kept], [r for _, r in kept]
 
 
 @pytest.fixture(scope="module")
-def hf_bf16(bf16_prompts, hf_greedy_references):
-    references = hf_greedy_references(bf16_prompts, NEW_TOKENS, torch.bfloat16)
-    assert_clear_first_tokens(references, [len(p) for p in bf16_prompts])
-    return references
+def bf16_prompts(bf16_set) -> list[list[int]]:
+    return bf16_set[0]
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(bf16_set) -> list:
+    return bf16_set[1]
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +77,13 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
 ) -> None:
     """One request at a time every decode step is a one-row step, the steps that read the
     exponent-coded copies: lossless, summed in the same order, so equal to the last bit."""
-    # cpu_gemm.cpp also where production would pick oneDNN (AMX CPUs), which has no coded copies.
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
+    # cpu_gemm.cpp's one-row stream over the plain or the coded copies, whatever plan this
+    # machine would measure.
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     results = []
     for coded in (False, True):
+        one_row = "own/coded" if coded else "own"
+        monkeypatch.setenv(cpu_linear.KERNEL_ENV, f"{one_row},own,own,own")
         llm = LLM(
             model="smollm2-135m-instruct",
             dtype="bfloat16",

@@ -11,7 +11,6 @@ import pytest
 
 from plugserve import __version__
 from plugserve.frontend.api_server import API_SERVER_HEADER
-from plugserve.worker import cpu_linear
 
 from .conftest import (
     API_SERVER_TITLE,
@@ -131,7 +130,8 @@ def test_the_engine_measures_the_floor_on_its_own_weights(tmp_path):
         read = http.get(server.url("/bench/weight_read"), params={"seconds": 0.2})
         too_long = http.get(server.url("/bench/weight_read"), params={"seconds": 60})
         no_engine = http.get(server.url("/bench/weight_read"), params={"engine": 2})
-    if not cpu_linear.uses_own_kernel():  # no AVX512-BF16: oneDNN packs, no one buffer
+    plan_line = server.log_text().split("bf16 linears: ", 1)[-1].split("\n", 1)[0]
+    if "own" not in plan_line:  # no cpu_gemm anywhere in the plan: no one buffer
         assert_openai_error(read, 409)
     else:
         assert read.status_code == 200, read.text

@@ -43,10 +43,14 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight).masked_fill_(~inside[:, None], 0.0)
         return self.parallel.all_reduce(out)
 
-    def pack_as_head(self, arena: cpu_linear.WeightArena | None = None) -> None:
+    def pack_as_head(
+        self,
+        arena: cpu_linear.WeightArena | None = None,
+        plan: cpu_linear.KernelPlan | None = None,
+    ) -> None:
         """Pack the matrix for `logits` (a tied head). The embedding keeps its own copy:
         the lookup reads rows of it."""
-        self.packed_head = cpu_linear.PackedLinear(self.weight, arena=arena)
+        self.packed_head = cpu_linear.PackedLinear(self.weight, arena=arena, plan=plan)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """As a tied LM head: hidden [N, hidden] → this rank's fp32 logits [N, end - start]."""

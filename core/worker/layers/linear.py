@@ -65,8 +65,12 @@ class Linear(nn.Module):
         """The cheapest callable computing this layer: the packed weight, else the module."""
         return self.packed if self.packed is not None else self
 
-    def pack(self, arena: cpu_linear.WeightArena | None = None) -> None:
-        self._set_packed(cpu_linear.PackedLinear(self.weight, self.bias, arena))
+    def pack(
+        self,
+        arena: cpu_linear.WeightArena | None = None,
+        plan: cpu_linear.KernelPlan | None = None,
+    ) -> None:
+        self._set_packed(cpu_linear.PackedLinear(self.weight, self.bias, arena, plan))
 
     def _set_packed(self, packed: cpu_linear.PackedLinear) -> None:
         """From now on the packed copy is the weight: the loaded one is freed, so a model
@@ -191,10 +195,14 @@ class RowParallelLinear(Linear):
         else:
             copy_weight(param.data, tensor[:, self.in_start : self.in_end])
 
-    def pack(self, arena: cpu_linear.WeightArena | None = None) -> None:
+    def pack(
+        self,
+        arena: cpu_linear.WeightArena | None = None,
+        plan: cpu_linear.KernelPlan | None = None,
+    ) -> None:
         sharded = self.parallel.world_size > 1
         bias = None if sharded else self.bias
-        self._set_packed(cpu_linear.PackedLinear(self.weight, bias, arena))
+        self._set_packed(cpu_linear.PackedLinear(self.weight, bias, arena, plan))
 
     def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         # Sharded, the partial products still need the all-reduce in forward.

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugserve.worker import cpu_linear
+from plugserve.worker.kernel_plan import PREFILL, bucket_index
 from plugserve.worker.layers.direct_call import direct_call
 from plugserve.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
@@ -41,12 +42,17 @@ class GatedMLP(nn.Module):
         self.inter = self.inter_end - self.inter_start
         self.fused: cpu_linear.FusedMLP | None = None
 
-    def pack(self, arena: cpu_linear.WeightArena | None = None) -> None:
-        """With oneDNN, also pack gate and up apart for the post-op path (cpu_linear).
-        (`arena` is for the own kernel's layout, which never runs this path.) Reads the
-        loaded weights: runs before gate_up_proj and down_proj are packed."""
+    def pack(
+        self,
+        arena: cpu_linear.WeightArena | None = None,
+        plan: cpu_linear.KernelPlan | None = None,
+    ) -> None:
+        """Where `plan` runs prefill chunks' MLP as oneDNN post-ops, pack gate and up apart
+        for it (cpu_linear.FusedMLP). (`arena` is for cpu_gemm's layout, which never runs
+        this path.) Reads the loaded weights: runs before gate_up_proj and down_proj are
+        packed."""
         if (
-            not cpu_linear.uses_own_kernel()
+            (plan or cpu_linear.default_plan()).fused_mlp
             and self.down_proj.parallel.world_size == 1
             and self.gate_up_proj.bias is None
         ):
@@ -58,7 +64,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        if self.fused is not None and x.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
+        if self.fused is not None and bucket_index(x.shape[0]) == PREFILL:
             return self.fused(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

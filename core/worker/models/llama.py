@@ -23,6 +23,7 @@ from torch import nn
 
 from plugserve.interfaces import AttentionBackend
 from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker.kernel_plan import KernelPlan
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
 from plugserve.worker.layers.cpu_packing import pack_for_cpu
@@ -182,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         # Or all of them at once, final norm included, where FusedCpuDecoder runs.
         self.decoder: FusedCpuDecoder | None = None
         self._arena: cpu_linear.WeightArena | None = None
+        # bf16 on CPU: which kernel each row bucket's linears run (kernel_choice.py).
+        self.kernel_plan: KernelPlan | None = None
 
     @staticmethod
     def qkv_bias(hf_config: Any) -> bool:
@@ -197,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.prepare(positions, x.dtype)
-        if self.decoder is not None:
+        if self.decoder is not None and self.decoder.runs(x.shape[0]):
             return self.decoder(x, rope)
         residual = None
         for layer in self.layer_fns:
@@ -221,7 +224,9 @@ class LlamaForCausalLM(nn.Module):
         FusedCpuDecoderLayer over the fused CPU ops (the final norm through them too).
         Elsewhere the model keeps ATen's ops and the weights as loaded."""
         embed = self.model.embed_tokens
-        self._arena = pack_for_cpu(self, tied_head=embed if self.lm_head is None else None)
+        packing = pack_for_cpu(self, tied_head=embed if self.lm_head is None else None)
+        self._arena = None if packing is None else packing.arena
+        self.kernel_plan = None if packing is None else packing.plan
         if cpu_ops.supported(embed.weight.dtype, embed.weight.device):
             self.rotary.use_fused_op()
             assert self.rotary.cos_sin is not None
@@ -230,8 +235,8 @@ class LlamaForCausalLM(nn.Module):
                 FusedCpuDecoderLayer(layer, self.rotary.cos_sin) for layer in self.model.layers
             ]
             self.layer_fns = list(fused)
-            if FusedCpuDecoder.supported(fused):
-                self.decoder = FusedCpuDecoder(fused, self.model.norm.weight)
+            if packing is not None and FusedCpuDecoder.supported(fused):
+                self.decoder = FusedCpuDecoder(fused, self.model.norm.weight, packing.plan)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown

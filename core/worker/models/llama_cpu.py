@@ -23,6 +23,7 @@ import torch
 from plugserve import ops
 from plugserve.capabilities import supports_fused_cpu_layer
 from plugserve.worker import cpu_linear
+from plugserve.worker.kernel_plan import PREFILL, KernelPlan, bucket_index
 
 _DECODER_SOURCE = ops.DECODER_SOURCE
 
@@ -69,7 +70,7 @@ class FusedCpuDecoderLayer:
         h = self.o_proj(self.attend(qkv))
 
         ops.fused_add_rms_norm(h, residual, self.post_attention_norm, self.eps)
-        if self.fused_mlp is not None and h.shape[0] >= cpu_linear.FUSED_MLP_MIN_TOKENS:
+        if self.fused_mlp is not None and bucket_index(h.shape[0]) == PREFILL:
             return self.fused_mlp(h), residual
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
 
@@ -93,8 +94,8 @@ class FusedCpuDecoder:
 
     @staticmethod
     def supported(layers: list[FusedCpuDecoderLayer]) -> bool:
-        """Whether these layers can run as one: every linear a cpu_gemm-packed weight on
-        one rank (a row-parallel shard's all-reduce needs the module), the op built."""
+        """Whether these layers can run as one: every linear with a cpu_gemm-packed weight
+        on one rank (a row-parallel shard's all-reduce needs the module), the op built."""
         linears = [
             linear
             for layer in layers
@@ -107,29 +108,34 @@ class FusedCpuDecoder:
             and hasattr(torch.ops.plugserve_decoder, "decode_layers")
         )
 
-    def __init__(self, layers: list[FusedCpuDecoderLayer], final_norm: torch.Tensor) -> None:
+    def __init__(
+        self, layers: list[FusedCpuDecoderLayer], final_norm: torch.Tensor, plan: KernelPlan
+    ) -> None:
         self.layers = layers
         first = layers[0]
         # Every stretch's weights, held in C++ once (decode_stretch, decode_layers).
         self.stack = torch.classes.plugserve_decoder.LayerStack(
-            first.cos_sin, first.heads[0], first.heads[1], first.head_dim
+            first.cos_sin, first.heads[0], first.heads[1], first.head_dim, plan.one_row_mode
         )
+        # The steps it runs: those whose row count the plan gives cpu_gemm; the others run
+        # layer by layer, each linear through its plan's kernel.
+        self.runs_bucket = tuple(kernel.library == "own" for kernel in plan.by_bucket)
         for layer, following in zip(layers, [*layers[1:], None], strict=True):
             o, gate_up, down = map(_packed, (layer.o_proj, layer.gate_up_proj, layer.down_proj))
             qkv = None if following is None else _packed(following.qkv_proj)
             self.stack.add_layer(
                 layer.layer_idx,
                 o.weight,
-                o.bias,
+                o.own_bias,
                 layer.post_attention_norm,
                 gate_up.weight,
-                gate_up.bias,
+                gate_up.own_bias,
                 down.weight,
-                down.bias,
+                down.own_bias,
                 final_norm if following is None else following.input_norm,
                 layer.eps,
                 None if qkv is None else qkv.weight,
-                None if qkv is None else qkv.bias,
+                None if qkv is None else qkv.own_bias,
                 0 if qkv is None else qkv.out_features,
                 o.coded,
                 gate_up.coded,
@@ -139,6 +145,10 @@ class FusedCpuDecoder:
         self.attention = first.attention
         # Asked once: a Protocol check costs microseconds, too many for every step.
         self.offers_layer_call = supports_fused_cpu_layer(self.attention)
+
+    def runs(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens runs here (its kernel is cpu_gemm's)."""
+        return self.runs_bucket[bucket_index(rows)]
 
     def __call__(self, x: torch.Tensor, rope: Any) -> torch.Tensor:
         ops = torch.ops.plugserve_ops

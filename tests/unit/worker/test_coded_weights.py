@@ -14,6 +14,7 @@ import torch
 
 from plugserve import ops
 from plugserve.worker import cpu_linear
+from plugserve.worker.kernel_plan import OWN, OWN_CODED, KernelPlan
 
 # cpu_gemm.cpp forced wherever this CPU can run it (conftest.py), else skipped saying why.
 pytestmark = pytest.mark.usefixtures("own_kernel")
@@ -129,16 +130,19 @@ def test_a_coded_copy_of_the_wrong_size_is_rejected() -> None:
         cpu_linear.code_exponents(cpu_linear.pack_k_pairs(trained_like(32, 18, seed=7)))
 
 
-def test_an_arena_holds_coded_copies_only_inside_exponent_coding() -> None:
+def test_an_arena_holds_coded_copies_only_where_the_plan_reads_them() -> None:
     weights = [trained_like(n, k, seed=n) for n, k in [(40, 64), (48, 70), (960, 576)]]
-    plain_arena = cpu_linear.WeightArena.for_weights(weights)
+    plain = KernelPlan.single(OWN)
+    plain_arena = cpu_linear.WeightArena.for_weights(weights, plain)
     assert plain_arena is not None
-    assert all(cpu_linear.PackedLinear(w, arena=plain_arena).coded is None for w in weights)
+    assert all(
+        cpu_linear.PackedLinear(w, arena=plain_arena, plan=plain).coded is None for w in weights
+    )
 
-    with cpu_linear.exponent_coding(True):
-        arena = cpu_linear.WeightArena.for_weights(weights)
+    coded = KernelPlan((OWN_CODED, OWN, OWN, OWN))
+    arena = cpu_linear.WeightArena.for_weights(weights, coded)
     assert arena is not None
-    first, odd, last = (cpu_linear.PackedLinear(w, arena=arena) for w in weights)
+    first, odd, last = (cpu_linear.PackedLinear(w, arena=arena, plan=coded) for w in weights)
     assert odd.own_kernel and odd.coded is None  # 70 inputs: 35 k-pairs, not whole groups
     assert first.coded is not None and last.coded is not None
     assert first.coded.data_ptr() % ops.HUGE_PAGE_BYTES == 0

@@ -8,6 +8,14 @@ import torch
 
 from plugserve import ops
 from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker.kernel_plan import (
+    OWN,
+    OWN_CACHED,
+    OWN_CODED,
+    OWN_TILED,
+    Kernel,
+    KernelPlan,
+)
 
 OPS_MISSING = cpu_ops.unavailable_reason()
 DECODER_MISSING = ops.unavailable_reason(ops.DECODER_SOURCE)
@@ -26,16 +34,21 @@ def bf16(*shape: int) -> torch.Tensor:
     return (torch.randn(*shape) * 0.3).to(torch.bfloat16)
 
 
-def make_args(last: bool, coded: bool = False) -> dict[str, object]:
-    """One layer's weights; with `coded`, packed in an arena with exponent-coded copies."""
+def make_args(last: bool, one_row: Kernel = OWN) -> dict[str, object]:
+    """One layer's weights, packed in an arena for a plan whose one-row kernel is
+    `one_row` (with exponent-coded copies where it reads them)."""
     torch.manual_seed(0)
     shapes = [(HIDDEN, Q_HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER), (QKV, HIDDEN)]
     weights = [bf16(*shape) for shape in shapes]
-    with cpu_linear.exponent_coding(coded):
-        arena = cpu_linear.WeightArena.for_weights(weights)
-    o, gate_up, down, qkv = (cpu_linear.PackedLinear(w, arena=arena) for w in weights)
-    o.bias, qkv.bias = bf16(HIDDEN).float(), bf16(QKV).float()
+    plan = KernelPlan((one_row, OWN, OWN, OWN))
+    arena = cpu_linear.WeightArena.for_weights(weights, plan)
+    o_bias, qkv_bias = bf16(HIDDEN), bf16(QKV)
+    o, gate_up, down, qkv = (
+        cpu_linear.PackedLinear(w, bias, arena=arena, plan=plan)
+        for w, bias in zip(weights, [o_bias, None, None, qkv_bias], strict=True)
+    )
     return {
+        "plan": plan,
         "o": o,
         "post_norm": bf16(HIDDEN),
         "gate_up": gate_up,
@@ -49,12 +62,14 @@ def make_args(last: bool, coded: bool = False) -> dict[str, object]:
 def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """A one-layer LayerStack of these weights, its stretch run by decode_stretch."""
     qkv = a["qkv"]
-    stack = torch.classes.plugserve_decoder.LayerStack(a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM)
+    stack = torch.classes.plugserve_decoder.LayerStack(
+        a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM, a["plan"].one_row_mode
+    )
     stack.add_layer(
-        0, a["o"].weight, a["o"].bias, a["post_norm"],
-        a["gate_up"].weight, a["gate_up"].bias, a["down"].weight, a["down"].bias,
+        0, a["o"].weight, a["o"].own_bias, a["post_norm"],
+        a["gate_up"].weight, a["gate_up"].own_bias, a["down"].weight, a["down"].own_bias,
         a["next_norm"], EPS,
-        None if qkv is None else qkv.weight, None if qkv is None else qkv.bias,
+        None if qkv is None else qkv.weight, None if qkv is None else qkv.own_bias,
         0 if qkv is None else qkv.out_features,
         a["o"].coded, a["gate_up"].coded, a["down"].coded,
         None if qkv is None else qkv.coded,
@@ -72,7 +87,11 @@ def one_by_one(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> 
         return m
     qkv = a["qkv"](m)
     cpu_ops.rotary_embedding(
-        qkv, torch.tensor([3, 0, 17]), a["cos_sin"], Q_HEADS + KV_HEADS, HEAD_DIM
+        qkv,
+        torch.tensor([3, 0, 17])[: qkv.shape[0]],
+        a["cos_sin"],
+        Q_HEADS + KV_HEADS,
+        HEAD_DIM,
     )
     return qkv
 
@@ -91,9 +110,22 @@ def test_equals_the_ops_it_fuses_in_their_order(last: bool) -> None:
     assert torch.equal(residual, expected_residual)  # the residual stream, in place
 
 
+@pytest.mark.parametrize("one_row", [OWN, OWN_CACHED, OWN_TILED, OWN_CODED], ids=lambda k: k.name)
+@pytest.mark.parametrize("last", [False, True], ids=["to-next-qkv", "last-layer"])
+def test_one_token_runs_the_plans_one_row_kernel_as_the_ops_do(last: bool, one_row: Kernel) -> None:
+    """Each one-row kernel a plan may choose gives, inside the stretch, the bits that kernel
+    gives called op by op."""
+    a = make_args(last, one_row)
+    attention_out, residual = bf16(1, Q_HEADS * HEAD_DIM), bf16(1, HIDDEN)
+    expected_residual = residual.clone()
+    expected = one_by_one(a, attention_out, expected_residual)
+    assert torch.equal(call_op(a, attention_out, residual), expected)
+    assert torch.equal(residual, expected_residual)
+
+
 @pytest.mark.parametrize("last", [False, True], ids=["to-next-qkv", "last-layer"])
 def test_one_token_through_coded_weights_gives_the_same_bits(last: bool) -> None:
-    plain, coded = make_args(last), make_args(last, coded=True)
+    plain, coded = make_args(last), make_args(last, OWN_CODED)
     assert coded["down"].coded is not None and plain["down"].coded is None
     attention_out, residual = bf16(1, Q_HEADS * HEAD_DIM), bf16(1, HIDDEN)
     original, coded_residual = residual.clone(), residual.clone()
@@ -113,7 +145,9 @@ def test_rejects_a_norm_weight_of_another_width_and_a_position_past_the_table() 
         call_op({**a, "next_norm": bf16(HIDDEN // 2)}, attention_out, residual)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         call_op({**a, "cos_sin": torch.randn(4, HEAD_DIM)}, attention_out, residual)
-    stack = torch.classes.plugserve_decoder.LayerStack(a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM)
+    stack = torch.classes.plugserve_decoder.LayerStack(
+        a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM, OWN.one_row_mode
+    )
     with pytest.raises(RuntimeError, match="layer 0 is not in the stack"):
         torch.ops.plugserve_decoder.decode_stretch(
             stack, 0, attention_out, residual, torch.tensor([3, 0, 17])

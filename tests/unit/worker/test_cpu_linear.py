@@ -387,25 +387,30 @@ def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch, add: list[str], drop: list[s
 
 
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
-def test_production_picks_the_own_kernel_where_it_runs_except_on_amx_cpus(
+def test_every_kernel_that_runs_here_is_a_candidate_unless_one_is_named(
     monkeypatch: pytest.MonkeyPatch, amx: bool
 ) -> None:
-    """Whether it runs and whether production prefers it are two questions: an AMX CPU that
-    runs it still gets oneDNN by default, and the kernel when told to."""
+    """No CPU flag decides between the kernels (the measured plan does): with AMX or
+    without, every library that runs is a candidate, and PLUGSERVE_CPU_BF16_KERNEL narrows
+    them to one."""
     fake_cpu_flags(monkeypatch, add=["amx_bf16"] if amx else [], drop=["amx_bf16"])
     runnable = cpu_linear.own_kernel_unavailable_reason() is None
+    onednn = cpu_linear._onednn_bf16_supported()
     monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
-    assert cpu_linear.uses_own_kernel() == (runnable and not amx)
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "onednn")
-    assert not cpu_linear.uses_own_kernel()
-    assert not cpu_linear.packs_k_pairs(torch.bfloat16, torch.device("cpu"), 64)
+    expected = (*(["own"] if runnable else []), *(["onednn"] if onednn else []), "aten")
+    assert cpu_linear.allowed_libraries() == expected
+    weight = torch.zeros(32, 64, dtype=torch.bfloat16)
+    if onednn:
+        monkeypatch.setenv(cpu_linear.KERNEL_ENV, "onednn")
+        assert cpu_linear.allowed_libraries() == ("onednn",)
+        assert not cpu_linear.PackedLinear(weight).own_kernel
     monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
     if runnable:
-        assert cpu_linear.uses_own_kernel()
-        assert cpu_linear.PackedLinear(torch.zeros(32, 64, dtype=torch.bfloat16)).own_kernel
+        assert cpu_linear.allowed_libraries() == ("own",)
+        assert cpu_linear.PackedLinear(weight).own_kernel
     else:
         with pytest.raises(RuntimeError, match="cannot run here"):
-            cpu_linear.uses_own_kernel()
+            cpu_linear.allowed_libraries()
 
 
 @pytest.mark.parametrize(
@@ -421,12 +426,12 @@ def test_a_cpu_without_avx512_bf16_is_named_as_what_is_missing(
     fake_cpu_flags(monkeypatch, add=[], drop=drop)
     assert cpu_linear.own_kernel_unavailable_reason() == reason
     monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
-    assert not cpu_linear.uses_own_kernel()
+    assert "own" not in cpu_linear.allowed_libraries()
     monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
     with pytest.raises(
         RuntimeError, match=f"KERNEL=own, but cpu_gemm.cpp cannot run here: {reason}"
     ):
-        cpu_linear.uses_own_kernel()
+        cpu_linear.allowed_libraries()
     with pytest.raises(RuntimeError, match=re.escape(reason)):
         cpu_linear.code_exponents(torch.zeros(1, 2, 16, 2, dtype=torch.bfloat16))
 
@@ -446,4 +451,18 @@ def test_without_a_compiler_the_reason_says_so(
 def test_an_unknown_kernel_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_linear.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match="PLUGSERVE_CPU_BF16_KERNEL='fastest'"):
-        cpu_linear.uses_own_kernel()
+        cpu_linear.allowed_libraries()
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own,onednn")  # two buckets of four
+    with pytest.raises(ValueError, match="expected 4 kernels"):
+        cpu_linear.forced_plan()
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own,own,own,fastest")
+    with pytest.raises(ValueError, match="expected 4 kernels"):
+        cpu_linear.forced_plan()
+
+
+def test_a_plan_can_be_set_one_kernel_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, " aten, aten ,aten,aten")
+    plan = cpu_linear.forced_plan()
+    assert plan is not None and plan.libraries() == {"aten"}
+    assert cpu_linear.allowed_libraries() == ("aten",)
+    assert cpu_linear.default_plan() == plan

@@ -259,6 +259,11 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
         torch.testing.assert_close(ours[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=0)
 
 
+# A plan as measured on a 2-core Xeon with AMX: cpu_gemm for decode up to 8 rows, oneDNN's
+# AMX tiles above, prefill MLPs as oneDNN post-ops.
+MIXED_PLAN = "own/tiled,own,onednn,onednn/fused-mlp"
+
+
 @needs_fused_ops
 @pytest.mark.parametrize(
     "config",
@@ -267,7 +272,7 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
         pytest.param(Qwen2Config(**TINY, tie_word_embeddings=False), id="qwen2-qkv-bias"),
     ],
 )
-@pytest.mark.parametrize("kernel", ["own", "onednn", "unpacked"])
+@pytest.mark.parametrize("kernel", ["own", "onednn", "mixed", "unpacked"])
 def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     config: Any, kernel: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
@@ -275,11 +280,15 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     matmuls; it computes what the plain ATen path computes, within bf16 rounding. "own"
     takes the path of AVX512-BF16 CPUs without AMX (cpu_gemm.cpp, the stack as one
     FusedCpuDecoder), wherever this CPU can run it; "onednn" that of CPUs without
-    AVX512-BF16 or with AMX, prefill-sized MLPs as oneDNN post-ops included; "unpacked"
-    that of a CPU where neither kernel packs bf16, the layers then calling the Linear
-    modules."""
+    AVX512-BF16; "mixed" a plan of both, by row count, prefill-sized MLPs as oneDNN
+    post-ops; "unpacked" that of a CPU where neither kernel packs bf16, the layers then
+    calling the Linear modules."""
     if kernel in ("own", "onednn"):
         request.getfixturevalue(f"{kernel}_kernel")  # conftest.py: forced, or skipped saying why
+    if kernel == "mixed":
+        request.getfixturevalue("own_kernel")
+        request.getfixturevalue("onednn_kernel")
+        monkeypatch.setenv(cpu_linear.KERNEL_ENV, MIXED_PLAN)
     if kernel == "unpacked":
         monkeypatch.setattr(cpu_linear, "packing_supported", lambda dtype, device: False)
 
@@ -298,7 +307,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     # Every layer runs the one-frame-per-layer path, or, where every linear runs cpu_gemm,
     # the whole stack runs as FusedCpuDecoder (one op between two attention calls)...
     assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
-    own_kernel = kernel == "own"
+    own_kernel = kernel in ("own", "mixed")  # every weight has cpu_gemm's layout
     assert isinstance(fast.decoder, FusedCpuDecoder) == own_kernel
     assert plain.decoder is None
     assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
@@ -329,10 +338,12 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
             assert starts[0] % ops.HUGE_PAGE_BYTES == 0
         # ...and on one rank the layers call the packed weights directly.
         assert all(isinstance(f.down_proj, cpu_linear.PackedLinear) for f in fast.layer_fns)
-        if kernel == "onednn":
-            assert all(f.fused_mlp is not None for f in fast.layer_fns)
+        assert fast.kernel_plan is not None
+        assert all((f.fused_mlp is not None) == fast.kernel_plan.fused_mlp for f in fast.layer_fns)
+        if kernel == "mixed":
+            assert fast.kernel_plan.fused_mlp and not fast.decoder.runs(143)
 
-    # 143 tokens: over FUSED_MLP_MIN_TOKENS, so oneDNN's prefill MLP runs too.
+    # 143 tokens: a prefill chunk's bucket, so oneDNN's prefill MLP runs where planned.
     prompts = [torch.randint(0, 128, (n,)).tolist() for n in (100, 3, 40)]
     rows = [(str(i), p) for i, p in enumerate(prompts)]
     expected = PagedRunner(plain, plain.model.layers[0].self_attn.attention, 16).step(rows)

@@ -1,0 +1,342 @@
+"""A model's bf16 CPU kernel plan, chosen by timing the candidates on its own weights.
+
+For each row bucket (kernel_plan.ROW_BUCKETS) every candidate kernel runs the matmuls of
+one step of the model (each layer's projections and its gated MLP, the LM head in the
+decode buckets) over the model's real weights, in step order, so that the weights stream
+from memory as in serving. Candidates take turns round by round, so that a shift in the
+machine's memory speed (a shared VM's bandwidth changes phase within seconds) reaches all
+of them alike; each one's median wins or loses. A model bigger than MEASURED_BYTES is
+timed on its first layers up to that size.
+
+The plan is kept per machine and model shape (CPU model and flags, threads, torch and
+kernel sources, the matmul shapes) under the plugserve cache dir, so an engine measures
+once; PLUGSERVE_REMEASURE_KERNELS=1 or `plugserve bench kernels` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from plugserve import ops
+from plugserve.ops.build import cache_key as source_key
+from plugserve.user_cache import cache_root
+from plugserve.worker import cpu_linear
+from plugserve.worker.kernel_plan import (
+    KERNELS,
+    KERNELS_BY_NAME,
+    PREFILL,
+    ROW_BUCKETS,
+    Kernel,
+    KernelPlan,
+    candidates_for,
+)
+
+logger = logging.getLogger(__name__)
+
+REMEASURE_ENV = "PLUGSERVE_REMEASURE_KERNELS"
+# Timed on at most this many bytes of bf16 weights (a step's leading layers).
+MEASURED_BYTES = 768 * 2**20
+# Rounds per bucket: every candidate once a round; the median over rounds counts.
+DECODE_ROUNDS, PREFILL_ROUNDS = 7, 3
+_PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class LinearStep:
+    """One matmul of a step: weight [out, in] as loaded; `head`: the LM head (fp32 out)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    head: bool = False
+
+
+@dataclass(frozen=True)
+class GatedMlpStep:
+    """down(silu(gate) * up) with gate and up stacked in one weight, as GatedMLP holds them."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
+Step = LinearStep | GatedMlpStep
+
+
+@dataclass
+class Measurement:
+    """Per bucket, each candidate's median milliseconds for a step's matmuls."""
+
+    plan: KernelPlan
+    times_ms: list[dict[str, float]]
+    rounds: list[int]
+    measured_bytes: int
+    total_bytes: int
+    key: dict[str, object] = field(default_factory=dict)
+    cache_file: Path | None = None
+    from_cache: bool = False
+
+    def table(self) -> str:
+        """A markdown table: buckets down, candidates across, the chosen time starred."""
+        names = [k.name for k in KERNELS if any(k.name in t for t in self.times_ms)]
+        lines = [
+            "| rows | measured at | chosen | " + " | ".join(names) + " |",
+            "|---|---|---|" + "---|" * len(names),
+        ]
+        for bucket, times, chosen in zip(
+            ROW_BUCKETS, self.times_ms, self.plan.by_bucket, strict=True
+        ):
+            cells = [
+                ("—" if n not in times else f"{times[n]:.2f}" + ("*" if n == chosen.name else ""))
+                for n in names
+            ]
+            lines.append(
+                f"| {bucket.name} | {bucket.measured_rows} | {chosen.name} | "
+                + " | ".join(cells)
+                + " |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format": _PLAN_FORMAT,
+            "key": self.key,
+            "plan": [kernel.name for kernel in self.plan.by_bucket],
+            "times_ms": self.times_ms,
+            "rounds": self.rounds,
+            "measured_bytes": self.measured_bytes,
+            "total_bytes": self.total_bytes,
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, cache_file: Path) -> Measurement:
+        return cls(
+            plan=KernelPlan(tuple(KERNELS_BY_NAME[name] for name in data["plan"])),
+            times_ms=data["times_ms"],
+            rounds=data["rounds"],
+            measured_bytes=data["measured_bytes"],
+            total_bytes=data["total_bytes"],
+            key=data["key"],
+            cache_file=cache_file,
+            from_cache=True,
+        )
+
+
+def plan_for(steps: Sequence[Step], remeasure: bool | None = None) -> Measurement:
+    """The plan for a model whose step runs `steps`: the one cached for this machine and
+    shape, else measured now (and cached). Where each bucket has one candidate (a single
+    library allowed), that one, unmeasured."""
+    libraries = cpu_linear.allowed_libraries()
+    coded = cpu_linear.coding_allowed() and "own" in libraries
+    candidates = [candidates_for(b, libraries, coded) for b in range(len(ROW_BUCKETS))]
+    total = sum(_step_bytes(step) for step in steps)
+    forced = cpu_linear.forced_plan()
+    if forced is not None or all(len(c) == 1 for c in candidates):
+        plan = forced or KernelPlan(tuple(c[0] for c in candidates))
+        return Measurement(plan, [{} for _ in ROW_BUCKETS], [0] * len(ROW_BUCKETS), 0, total)
+    key = _cache_key(steps, candidates)
+    path = cache_root() / "kernel_plans" / f"{_digest(key)}.json"
+    if remeasure is None:
+        remeasure = os.environ.get(REMEASURE_ENV, "") not in ("", "0")
+    if not remeasure and path.exists():
+        try:
+            return Measurement.from_json(json.loads(path.read_text()), path)
+        except (KeyError, ValueError, TypeError) as exc:
+            logger.warning("ignoring unreadable kernel plan %s: %s", path, exc)
+    measurement = measure(steps, candidates)
+    measurement.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(measurement.to_json(), indent=1))
+    tmp.replace(path)  # atomic: engines starting together read a whole file
+    measurement.cache_file = path
+    return measurement
+
+
+def measure(steps: Sequence[Step], candidates: list[list[Kernel]]) -> Measurement:
+    """Time candidates[b] for each bucket b on `steps` (their leading MEASURED_BYTES) and
+    choose each bucket's fastest."""
+    measured = _leading(steps, MEASURED_BYTES)
+    kernels = {k for bucket in candidates for k in bucket}
+    bench = _StepBench(measured, kernels)
+    times = time_candidates(bench.run, candidates)
+    plan = choose(times, candidates)
+    rounds = [PREFILL_ROUNDS if b == PREFILL else DECODE_ROUNDS for b in range(len(ROW_BUCKETS))]
+    return Measurement(
+        plan,
+        times,
+        rounds,
+        sum(_step_bytes(s) for s in measured),
+        sum(_step_bytes(s) for s in steps),
+    )
+
+
+def time_candidates(
+    run: Callable[[Kernel, int, int], None], candidates: list[list[Kernel]]
+) -> list[dict[str, float]]:
+    """Per bucket, each candidate's median milliseconds of run(kernel, rows, bucket) over
+    the bucket's rounds, the candidates taking turns in each round (after one untimed
+    warm-up run each). A bucket with one candidate is not timed."""
+    times: list[dict[str, float]] = []
+    for b, (bucket, kernels) in enumerate(zip(ROW_BUCKETS, candidates, strict=True)):
+        if len(kernels) < 2:
+            times.append({})
+            continue
+        rows = bucket.measured_rows
+        for kernel in kernels:
+            run(kernel, rows, b)
+        samples: dict[str, list[float]] = {k.name: [] for k in kernels}
+        for round_index in range(PREFILL_ROUNDS if b == PREFILL else DECODE_ROUNDS):
+            # Each round starts with another candidate: none always follows the same one.
+            shift = round_index % len(kernels)
+            for kernel in kernels[shift:] + kernels[:shift]:
+                start = time.perf_counter()
+                run(kernel, rows, b)
+                samples[kernel.name].append(1e3 * (time.perf_counter() - start))
+        times.append({name: statistics.median(s) for name, s in samples.items()})
+    return times
+
+
+def choose(times: list[dict[str, float]], candidates: list[list[Kernel]]) -> KernelPlan:
+    """Each bucket's fastest candidate (its only one where it was not timed)."""
+    return KernelPlan(
+        tuple(
+            min(kernels, key=lambda k: bucket_times[k.name]) if bucket_times else kernels[0]
+            for bucket_times, kernels in zip(times, candidates, strict=True)
+        )
+    )
+
+
+class _StepBench:
+    """The measured steps with every candidate's layouts, run as a model step runs them."""
+
+    def __init__(self, steps: Sequence[Step], kernels: set[Kernel]) -> None:
+        plain = [s.weight for s in steps if isinstance(s, LinearStep)]
+        plain += [w for s in steps if isinstance(s, GatedMlpStep) for w in (s.gate_up, s.down)]
+        own = [k for k in kernels if k.library == "own"]
+        arena = None
+        if own:  # on huge pages as in serving; coded copies where a candidate reads them
+            layout = next((k for k in own if k.coded), own[0])
+            arena = cpu_linear.WeightArena.for_weights(plain, KernelPlan.single(layout))
+        self.calls: list[Callable[[Kernel, torch.Tensor], torch.Tensor]] = []
+        self.inputs: list[int] = []  # each step's input width
+        for step in steps:
+            if isinstance(step, LinearStep):
+                linear = cpu_linear.PackedLinear(step.weight, step.bias, arena, kernels=kernels)
+                out_dtype = torch.float32 if step.head else None
+                self.calls.append(_linear_call(linear, out_dtype))
+                self.inputs.append(step.weight.shape[1])
+            else:
+                self.calls.append(_mlp_call(step, arena, kernels))
+                self.inputs.append(step.gate_up.shape[1])
+        self.heads = [isinstance(s, LinearStep) and s.head for s in steps]
+        self._x: dict[tuple[int, int], torch.Tensor] = {}
+
+    def run(self, kernel: Kernel, rows: int, bucket: int) -> None:
+        for call, width, head in zip(self.calls, self.inputs, self.heads, strict=True):
+            if head and bucket == PREFILL:
+                continue  # a prefill chunk's head runs on its few sampled rows
+            call(kernel, self._input(rows, width))
+
+    def _input(self, rows: int, width: int) -> torch.Tensor:
+        x = self._x.get((rows, width))
+        if x is None:
+            generator = torch.Generator().manual_seed(rows * 7919 + width)
+            x = torch.randn(rows, width, generator=generator).to(torch.bfloat16)
+            self._x[(rows, width)] = x
+        return x
+
+
+def _linear_call(
+    linear: cpu_linear.PackedLinear, out_dtype: torch.dtype | None
+) -> Callable[[Kernel, torch.Tensor], torch.Tensor]:
+    return lambda kernel, x: linear.run(kernel, x, out_dtype)
+
+
+def _mlp_call(
+    step: GatedMlpStep, arena: cpu_linear.WeightArena | None, kernels: set[Kernel]
+) -> Callable[[Kernel, torch.Tensor], torch.Tensor]:
+    gate_up = cpu_linear.PackedLinear(step.gate_up, step.gate_up_bias, arena, kernels=kernels)
+    down = cpu_linear.PackedLinear(step.down, step.down_bias, arena, kernels=kernels)
+    inter = step.down.shape[1]
+    fused = None
+    if any(k.fused_mlp for k in kernels) and step.gate_up_bias is None:
+        fused = cpu_linear.FusedMLP(step.gate_up[:inter], step.gate_up[inter:], step.down)
+    silu_and_mul = torch.ops.plugserve_ops.silu_and_mul if ops.load(ops.OPS_SOURCE) else None
+
+    def run(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
+        if kernel.fused_mlp and fused is not None:
+            return fused(x)
+        h = gate_up.run(kernel, x)
+        if silu_and_mul is not None:
+            activated = silu_and_mul(h)
+        else:
+            activated = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        return down.run(kernel, activated)
+
+    return run
+
+
+def _step_bytes(step: Step) -> int:
+    if isinstance(step, LinearStep):
+        return step.weight.numel() * step.weight.element_size()
+    return (step.gate_up.numel() + step.down.numel()) * step.gate_up.element_size()
+
+
+def _leading(steps: Sequence[Step], limit: int) -> list[Step]:
+    """The steps up to `limit` bytes (at least one), plus the head where it fits."""
+    taken, size = [], 0
+    for step in steps:
+        if taken and size + _step_bytes(step) > limit:
+            break
+        taken.append(step)
+        size += _step_bytes(step)
+    return taken
+
+
+def _cache_key(steps: Sequence[Step], candidates: list[list[Kernel]]) -> dict[str, object]:
+    """What the measurement depends on: the machine, the code, the model's matmul shapes."""
+    shapes = [
+        [list(s.weight.shape), s.bias is not None, s.head]
+        if isinstance(s, LinearStep)
+        else [list(s.gate_up.shape), list(s.down.shape), s.gate_up_bias is not None]
+        for s in steps
+    ]
+    return {
+        "cpu": _cpu_model(),
+        "flags": ops.cpu_flags(),
+        "threads": torch.get_num_threads(),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
+        "torch": torch.__version__,
+        "kernels": source_key(ops.GEMM_SOURCE) if "own" in cpu_linear.allowed_libraries() else "",
+        "candidates": [[k.name for k in bucket] for bucket in candidates],
+        "shapes": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16],
+        "layers": len(steps),
+        "format": _PLAN_FORMAT,
+    }
+
+
+def _digest(key: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

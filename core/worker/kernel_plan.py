@@ -1,0 +1,143 @@
+"""Which kernel runs a bf16 CPU matmul of a given number of rows: the plan's vocabulary.
+
+No kernel wins everywhere. On a 2-core Xeon with AMX, SmolLM2's matmuls at one row take
+11.4 ms in cpu_gemm.cpp (prefetching into the caches) and 14.6 in oneDNN, while at 32 rows
+oneDNN's AMX tiles take 17.6 and cpu_gemm.cpp 36; on a 2-core Zen 5 without AMX
+cpu_gemm.cpp wins up to 32 rows, with non-temporal prefetches. So a model's matmuls are
+dispatched by their row count, in buckets (ROW_BUCKETS), to the kernel that measured
+fastest for that bucket on this machine (kernel_choice.py): a KernelPlan.
+
+Torch-free apart from the annotations, so that a plan can be read, printed and cached
+anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Library = Literal["own", "onednn", "aten"]
+
+
+@dataclass(frozen=True)
+class RowBucket:
+    """Matmuls of first..last rows (last None: no bound), measured at `measured_rows`."""
+
+    name: str
+    first: int
+    last: int | None
+    measured_rows: int
+
+
+# The row counts the engine's steps produce: batch-1 decode, small and large decode
+# batches, and prefill chunks (whose head runs on the few sampled rows, a decode bucket).
+ROW_BUCKETS: tuple[RowBucket, ...] = (
+    RowBucket("1", 1, 1, 1),
+    RowBucket("2-8", 2, 8, 8),
+    RowBucket("9-64", 9, 64, 32),
+    RowBucket("65+", 65, None, 512),
+)
+ONE_ROW, PREFILL = 0, len(ROW_BUCKETS) - 1
+
+
+def bucket_index(rows: int) -> int:
+    """The ROW_BUCKETS index of a matmul over `rows` rows."""
+    return 0 if rows <= 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3
+
+
+# cpu_gemm.h's OneRowMode: how cpu_gemm.cpp runs a single row.
+STREAM_NON_TEMPORAL, STREAM_CACHED, TILED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way to run a bf16 matmul on the CPU.
+
+    library: "own" (cpu_gemm.cpp over k-pair-packed weights; needs AVX512_BF16), "onednn"
+    (torch's oneDNN over its own blocked layout: AMX tiles where the CPU has them), "aten"
+    (F.linear over the weight as loaded). For "own", one_row_mode and coded say how a
+    single row runs (a stream over the plain or the exponent-coded copy, or the tile
+    kernel); for "onednn", fused_mlp runs a gated MLP as three matmuls with SiLU and
+    the product as post-ops.
+    """
+
+    name: str
+    library: Library
+    one_row_mode: int = STREAM_NON_TEMPORAL
+    coded: bool = False
+    fused_mlp: bool = False
+
+
+OWN = Kernel("own", "own")
+OWN_CACHED = Kernel("own/cached", "own", one_row_mode=STREAM_CACHED)
+OWN_TILED = Kernel("own/tiled", "own", one_row_mode=TILED)
+OWN_CODED = Kernel("own/coded", "own", coded=True)
+OWN_CODED_CACHED = Kernel("own/coded/cached", "own", one_row_mode=STREAM_CACHED, coded=True)
+ONEDNN = Kernel("onednn", "onednn")
+ONEDNN_FUSED_MLP = Kernel("onednn/fused-mlp", "onednn", fused_mlp=True)
+ATEN = Kernel("aten", "aten")
+KERNELS: tuple[Kernel, ...] = (
+    OWN,
+    OWN_CACHED,
+    OWN_TILED,
+    OWN_CODED,
+    OWN_CODED_CACHED,
+    ONEDNN,
+    ONEDNN_FUSED_MLP,
+    ATEN,
+)
+KERNELS_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
+
+
+def candidates_for(bucket: int, libraries: tuple[Library, ...], coded: bool) -> list[Kernel]:
+    """The kernels worth timing for a bucket: the one-row variants only at one row (they
+    run more rows alike), coded ones only where coded copies are allowed.
+
+    Never the fused MLP: on a Xeon with AMX, oneDNN's SiLU post-op moved a logprob of
+    SmolLM2's 300-token correctness prompt by 0.51 nats from Hugging Face's bf16 (every
+    other kernel: under 0.4), for 7 % of a 512-token chunk's matmul time. A plan may still
+    name it (PLUGSERVE_CPU_BF16_KERNEL)."""
+    kernels = []
+    for kernel in KERNELS:
+        if kernel.library not in libraries or (kernel.coded and not coded) or kernel.fused_mlp:
+            continue
+        if bucket != ONE_ROW and (kernel.one_row_mode != STREAM_NON_TEMPORAL or kernel.coded):
+            continue
+        kernels.append(kernel)
+    return kernels
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernel for each ROW_BUCKETS bucket."""
+
+    by_bucket: tuple[Kernel, ...]
+
+    @classmethod
+    def single(cls, kernel: Kernel) -> KernelPlan:
+        return cls((kernel,) * len(ROW_BUCKETS))
+
+    def for_rows(self, rows: int) -> Kernel:
+        return self.by_bucket[bucket_index(rows)]
+
+    def libraries(self) -> set[Library]:
+        return {kernel.library for kernel in self.by_bucket}
+
+    @property
+    def one_row_mode(self) -> int:
+        return self.by_bucket[ONE_ROW].one_row_mode
+
+    @property
+    def coded(self) -> bool:
+        """Whether one-row matmuls read exponent-coded copies (which must then exist)."""
+        return self.by_bucket[ONE_ROW].coded
+
+    @property
+    def fused_mlp(self) -> bool:
+        return self.by_bucket[PREFILL].fused_mlp
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{bucket.name} rows: {kernel.name}"
+            for bucket, kernel in zip(ROW_BUCKETS, self.by_bucket, strict=True)
+        )

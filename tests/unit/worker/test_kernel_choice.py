@@ -1,0 +1,117 @@
+"""The kernel plan: chosen by timing the candidates on the model's own matmuls, kept per
+machine and model shape, and followed call by call."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugserve.worker import cpu_linear, kernel_choice
+from plugserve.worker.kernel_plan import (
+    KERNELS_BY_NAME,
+    ROW_BUCKETS,
+    Kernel,
+    KernelPlan,
+    candidates_for,
+)
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")),
+    reason="no packed bf16 kernel on this CPU",
+)
+
+
+def tiny_step(seed: int = 0, hidden: int = 64) -> list[kernel_choice.Step]:
+    """Two layers of a tiny model's matmuls, and a tied head."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16)
+
+    steps: list[kernel_choice.Step] = []
+    for _ in range(2):
+        steps.append(kernel_choice.LinearStep(weight(3 * hidden, hidden)))  # qkv
+        steps.append(kernel_choice.LinearStep(weight(hidden, hidden)))  # o
+        steps.append(
+            kernel_choice.GatedMlpStep(weight(4 * hidden, hidden), weight(hidden, 2 * hidden))
+        )
+    steps.append(kernel_choice.LinearStep(weight(256, hidden), head=True))
+    return steps
+
+
+def all_candidates() -> list[list[Kernel]]:
+    libraries = cpu_linear.allowed_libraries()
+    return [candidates_for(b, libraries, coded=True) for b in range(len(ROW_BUCKETS))]
+
+
+def test_a_slowed_candidate_never_wins_whichever_it_is() -> None:
+    """The plan follows the clock, not a preference: each candidate in turn made slower
+    than any real kernel here (20 ms more a run) loses every bucket it competes in."""
+    candidates = all_candidates()
+    bench = kernel_choice._StepBench(tiny_step(), {k for b in candidates for k in b})
+    contested = {k for bucket in candidates if len(bucket) > 1 for k in bucket}
+    assert len(contested) >= 2, "fewer than two kernels run here: nothing to choose"
+    for slowed in contested:
+
+        def run(kernel: Kernel, rows: int, bucket: int, slowed: Kernel = slowed) -> None:
+            bench.run(kernel, rows, bucket)
+            if kernel == slowed:
+                time.sleep(0.02)
+
+        times = kernel_choice.time_candidates(run, candidates)
+        plan = kernel_choice.choose(times, candidates)
+        for bucket, chosen, bucket_times in zip(candidates, plan.by_bucket, times, strict=True):
+            if len(bucket) > 1 and slowed in bucket:
+                assert chosen != slowed
+                assert bucket_times[slowed.name] > 20
+                assert bucket_times[chosen.name] == min(bucket_times.values())
+
+
+def test_the_plan_is_measured_once_per_machine_and_model_shape(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(kernel_choice.REMEASURE_ENV, raising=False)
+    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    first = kernel_choice.plan_for(tiny_step())
+    assert not first.from_cache and first.cache_file is not None
+    assert first.cache_file.parent == tmp_path / "kernel_plans"
+    assert all(first.times_ms[b] for b, c in enumerate(all_candidates()) if len(c) > 1)
+
+    again = kernel_choice.plan_for(tiny_step(seed=1))  # other weights, the same shapes
+    assert again.from_cache and again.plan == first.plan
+    assert again.times_ms == first.times_ms
+    assert "| 1 | 1 |" in again.table()
+
+    other_shape = kernel_choice.plan_for(tiny_step(hidden=32))
+    assert not other_shape.from_cache and other_shape.cache_file != first.cache_file
+    remeasured = kernel_choice.plan_for(tiny_step(), remeasure=True)
+    assert not remeasured.from_cache and remeasured.cache_file == first.cache_file
+
+
+def test_a_set_plan_is_not_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "aten,aten,aten,aten")
+    measurement = kernel_choice.plan_for(tiny_step())
+    assert measurement.plan == KernelPlan.single(KERNELS_BY_NAME["aten"])
+    assert measurement.cache_file is None and not any(measurement.times_ms)
+    assert not (tmp_path / "kernel_plans").exists()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 30, 100])
+def test_each_call_runs_its_buckets_kernel_bit_for_bit(rows: int) -> None:
+    """A linear under a mixed plan gives, for each row count, exactly what the kernel its
+    bucket names gives."""
+    libraries = cpu_linear.allowed_libraries()
+    kernels = [k for k in KERNELS_BY_NAME.values() if k.library in libraries and not k.fused_mlp]
+    # A plan that differs from bucket to bucket wherever this machine has the kernels.
+    plan = KernelPlan(tuple(kernels[i % len(kernels)] for i in range(len(ROW_BUCKETS))))
+    weight = (torch.randn(96, 64) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16)
+    linear = cpu_linear.PackedLinear(weight, bias, plan=plan)
+    reference = cpu_linear.PackedLinear(weight, bias, kernels=kernels)
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    assert torch.equal(linear(x), reference.run(plan.for_rows(rows), x))
