@@ -1,4 +1,4 @@
-"""`plugserve` command line: plugins | models | config | serve | bench serve.
+"""`plugserve` command line: plugins | models | config | serve | bench serve | bench kernels.
 
 Any setting can be overridden after the subcommand as `--dotted.path value` or, when
 unambiguous, `--leaf-name value` (`--stack.scheduler priority`, `--max-num-seqs 8`).
@@ -9,6 +9,7 @@ plugserve.bench).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -85,6 +86,34 @@ def cmd_bench_serve(args: argparse.Namespace, _overrides: dict[str, Any]) -> int
     return bench_main(args)
 
 
+def cmd_bench_kernels(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """Time every bf16 CPU matmul kernel on the model's own matmuls, per row bucket, now
+    (not from the cache), print the table, and keep the plan for this machine: what an
+    engine then runs."""
+    import torch
+
+    from plugserve.llm import LLM
+    from plugserve.worker.kernel_choice import REMEASURE_ENV, cpu_model_name
+
+    os.environ[REMEASURE_ENV] = "1"  # this process's engine measures, whatever is cached
+    settings = {"dtype": "bfloat16", "kv_cache_memory": "32MiB", **overrides}
+    llm = LLM(config=args.config, **settings)
+    measurement = getattr(llm.engine.executor.runner.model, "kernel_measurement", None)
+    if measurement is None:
+        raise ValueError("this model and machine run no packed bf16 CPU kernels: nothing to time")
+    print(f"CPU: {cpu_model_name()}; {torch.get_num_threads()} threads; model {llm.config.model}")
+    print(
+        f"ms for one step's matmuls ({measurement.measured_bytes / 2**20:.0f} of "
+        f"{measurement.total_bytes / 2**20:.0f} MiB of weights), median of "
+        f"{', '.join(map(str, measurement.rounds))} rounds by bucket; * chosen"
+    )
+    print(measurement.table())
+    print(f"plan: {measurement.plan.describe()}")
+    if measurement.cache_file is not None:
+        print(f"kept in {measurement.cache_file}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plugserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,13 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="online serving benchmark, as `vllm bench serve` (its own flags)"
     )
     add_cli_args(p).set_defaults(func=cmd_bench_serve)
+    p = bench_sub.add_parser(
+        "kernels",
+        help="time the bf16 CPU matmul kernels on a model, per row bucket (settings as "
+        "--name value, e.g. --model, --num-threads)",
+    )
+    p.add_argument("--config", "-c", default=None, help="stack.yaml path")
+    p.set_defaults(func=cmd_bench_kernels)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench" and rest:
+    if args.command == "bench" and args.bench_command == "serve" and rest:
         parser.parse_args(argv)  # not settings but unknown flags: argparse's error, exit 2
     try:
         overrides = parse_overrides(rest)

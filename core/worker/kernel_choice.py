@@ -315,7 +315,7 @@ def _cache_key(steps: Sequence[Step], candidates: list[list[Kernel]]) -> dict[st
         for s in steps
     ]
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model_name(),
         "flags": ops.cpu_flags(),
         "threads": torch.get_num_threads(),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
@@ -332,7 +332,8 @@ def _digest(key: dict[str, object]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _cpu_model() -> str:
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's model name (what a plan is kept by), else the platform's."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

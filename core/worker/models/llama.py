@@ -185,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         self._arena: cpu_linear.WeightArena | None = None
         # bf16 on CPU: which kernel each row bucket's linears run (kernel_choice.py).
         self.kernel_plan: KernelPlan | None = None
+        self.kernel_measurement: Any = None  # how it was chosen (kernel_choice.Measurement)
 
     @staticmethod
     def qkv_bias(hf_config: Any) -> bool:
@@ -227,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         packing = pack_for_cpu(self, tied_head=embed if self.lm_head is None else None)
         self._arena = None if packing is None else packing.arena
         self.kernel_plan = None if packing is None else packing.plan
+        self.kernel_measurement = None if packing is None else packing.measurement
         if cpu_ops.supported(embed.weight.dtype, embed.weight.device):
             self.rotary.use_fused_op()
             assert self.rotary.cos_sin is not None

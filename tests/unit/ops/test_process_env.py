@@ -9,12 +9,18 @@ import sys
 from plugserve import ops
 from plugserve.ops import process_env
 
+ENGINE = {
+    "GOMP_SPINCOUNT": "2000",
+    "MALLOC_MMAP_THRESHOLD_": "33554432",
+    "MALLOC_TRIM_THRESHOLD_": "1073741824",
+}
 
-def test_engines_start_with_short_openmp_spinning() -> None:
+
+def test_engines_start_with_short_openmp_spinning_and_malloc_keeping_its_memory() -> None:
     environment = process_env.engine_environment()
-    assert environment == {"GOMP_SPINCOUNT": "2000"}
+    assert environment == ENGINE
     environment["GOMP_SPINCOUNT"] = "1"  # the caller's copy
-    assert process_env.engine_environment() == {"GOMP_SPINCOUNT": "2000"}
+    assert process_env.engine_environment() == ENGINE
 
 
 def test_asking_loads_no_torch_but_the_kernel_api_stays_at_hand() -> None:

@@ -3,12 +3,17 @@ machine and model shape, and followed call by call."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from plugserve.user_cache import cache_root
 from plugserve.worker import cpu_linear, kernel_choice
 from plugserve.worker.kernel_plan import (
     KERNELS_BY_NAME,
@@ -115,3 +120,48 @@ def test_each_call_runs_its_buckets_kernel_bit_for_bit(rows: int) -> None:
     reference = cpu_linear.PackedLinear(weight, bias, kernels=kernels)
     x = torch.randn(rows, 64).to(torch.bfloat16)
     assert torch.equal(linear(x), reference.run(plan.for_rows(rows), x))
+
+
+def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
+    tmp_path: Path,
+) -> None:
+    """`plugserve bench kernels` measures SmolLM2's matmuls now (not from the cache) and
+    prints the table; an engine started after it reads that plan from the cache."""
+    env = {**os.environ, "PLUGSERVE_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    env.pop(cpu_linear.KERNEL_ENV, None)
+    # The compiled kernels from the usual cache, so that nothing is built again here.
+    for name in ("kernels", "models"):
+        source = cache_root() / name
+        if source.exists():
+            (tmp_path / name).symlink_to(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "plugserve.cli", "bench", "kernels", "--num-threads", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "| rows | measured at | chosen |" in out and "| 65+ | 512 |" in out, out
+    assert "plan: 1 rows: " in out and "kept in " in out, out
+    plans = list((tmp_path / "kernel_plans").glob("*.json"))
+    assert len(plans) == 1
+    cached = json.loads(plans[0].read_text())
+    assert out.split("plan: ", 1)[1].startswith(f"1 rows: {cached['plan'][0]}, ")
+
+    engine = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from plugserve import LLM; LLM(dtype='bfloat16', kv_cache_memory='32MiB', "
+            "num_threads=2)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert engine.returncode == 0, engine.stderr[-3000:]
+    assert f"measured before, cached in {plans[0]}" in engine.stderr, engine.stderr[-3000:]
