@@ -61,7 +61,7 @@ def _onednn_bf16_supported() -> bool:
 # Restricts the kernels bf16 linears may run: "own" (cpu_gemm.cpp; an error where it cannot
 # run), "onednn", "aten", or "auto" (the default: whichever measures fastest, per bucket);
 # or sets the plan: one kernel name per row bucket, comma-separated
-# ("own/tiled,own,onednn,onednn/fused-mlp"), unmeasured.
+# ("own/tiled,own,onednn,onednn,onednn/fused-mlp"), unmeasured.
 KERNEL_ENV = "PLUGSERVE_CPU_BF16_KERNEL"
 _KERNEL_CHOICES = ("auto", "own", "onednn", "aten")
 

@@ -35,11 +35,12 @@ from plugserve.worker import cpu_linear
 from plugserve.worker.kernel_plan import (
     KERNELS,
     KERNELS_BY_NAME,
-    PREFILL,
+    ONE_ROW,
     ROW_BUCKETS,
     Kernel,
     KernelPlan,
     candidates_for,
+    is_prefill,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,11 @@ REMEASURE_ENV = "PLUGSERVE_REMEASURE_KERNELS"
 MEASURED_BYTES = 768 * 2**20
 # Rounds per bucket: every candidate once a round; the median over rounds counts.
 DECODE_ROUNDS, PREFILL_ROUNDS = 7, 3
-_PLAN_FORMAT = 1
+# A candidate this many times slower than a bucket's best is not timed in larger buckets,
+# where it only falls further behind (cpu_gemm against AMX tiles: 1.5x at 32 rows, 6x at
+# 512), and its 1024-row runs would take most of the measuring time.
+LOSER_FACTOR = 1.5
+_PLAN_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class Measurement:
     """Per bucket, each candidate's median milliseconds for a step's matmuls."""
 
     plan: KernelPlan
-    times_ms: list[dict[str, float]]
+    times_ms: list[dict[str, float | None]]
     rounds: list[int]
     measured_bytes: int
     total_bytes: int
@@ -97,10 +102,7 @@ class Measurement:
         for bucket, times, chosen in zip(
             ROW_BUCKETS, self.times_ms, self.plan.by_bucket, strict=True
         ):
-            cells = [
-                ("—" if n not in times else f"{times[n]:.2f}" + ("*" if n == chosen.name else ""))
-                for n in names
-            ]
+            cells = [_cell(times, n, chosen.name) for n in names]
             lines.append(
                 f"| {bucket.name} | {bucket.measured_rows} | {chosen.name} | "
                 + " | ".join(cells)
@@ -132,6 +134,14 @@ class Measurement:
             cache_file=cache_file,
             from_cache=True,
         )
+
+
+def _cell(times: dict[str, float | None], name: str, chosen: str) -> str:
+    if name not in times:
+        return "—"
+    ms = times[name]
+    mark = "*" if name == chosen else ""
+    return ("kept, untimed" if ms is None else f"{ms:.2f}") + mark
 
 
 def plan_for(steps: Sequence[Step], remeasure: bool | None = None) -> Measurement:
@@ -173,7 +183,7 @@ def measure(steps: Sequence[Step], candidates: list[list[Kernel]]) -> Measuremen
     bench = _StepBench(measured, kernels)
     times = time_candidates(bench.run, candidates)
     plan = choose(times, candidates)
-    rounds = [PREFILL_ROUNDS if b == PREFILL else DECODE_ROUNDS for b in range(len(ROW_BUCKETS))]
+    rounds = [_rounds(b) for b in range(len(ROW_BUCKETS))]
     return Measurement(
         plan,
         times,
@@ -185,38 +195,55 @@ def measure(steps: Sequence[Step], candidates: list[list[Kernel]]) -> Measuremen
 
 def time_candidates(
     run: Callable[[Kernel, int, int], None], candidates: list[list[Kernel]]
-) -> list[dict[str, float]]:
+) -> list[dict[str, float | None]]:
     """Per bucket, each candidate's median milliseconds of run(kernel, rows, bucket) over
     the bucket's rounds, the candidates taking turns in each round (after one untimed
-    warm-up run each). A bucket with one candidate is not timed."""
-    times: list[dict[str, float]] = []
+    warm-up run each). A bucket with one candidate is not timed ({}); one where the others
+    lost the bucket below by LOSER_FACTOR holds its survivor, untimed (None)."""
+    times: list[dict[str, float | None]] = []
+    losers: set[str] = set()  # far behind in the bucket below: not timed in this one
     for b, (bucket, kernels) in enumerate(zip(ROW_BUCKETS, candidates, strict=True)):
+        kernels = [k for k in kernels if k.name not in losers] or kernels
         if len(kernels) < 2:
-            times.append({})
+            times.append({kernels[0].name: None} if losers else {})  # left alone, untimed
             continue
         rows = bucket.measured_rows
         for kernel in kernels:
             run(kernel, rows, b)
         samples: dict[str, list[float]] = {k.name: [] for k in kernels}
-        for round_index in range(PREFILL_ROUNDS if b == PREFILL else DECODE_ROUNDS):
+        for round_index in range(_rounds(b)):
             # Each round starts with another candidate: none always follows the same one.
             shift = round_index % len(kernels)
             for kernel in kernels[shift:] + kernels[:shift]:
                 start = time.perf_counter()
                 run(kernel, rows, b)
                 samples[kernel.name].append(1e3 * (time.perf_counter() - start))
-        times.append({name: statistics.median(s) for name, s in samples.items()})
+        medians = {name: statistics.median(s) for name, s in samples.items()}
+        times.append(dict(medians))
+        if b != ONE_ROW:  # one row runs its own loops: no word on larger buckets
+            best = min(medians.values())
+            # Once left out, left out: a kernel behind at fewer rows stays behind at more.
+            losers = {name for name in losers if name not in medians} | {
+                name for name, ms in medians.items() if ms > LOSER_FACTOR * best
+            }
     return times
 
 
-def choose(times: list[dict[str, float]], candidates: list[list[Kernel]]) -> KernelPlan:
-    """Each bucket's fastest candidate (its only one where it was not timed)."""
-    return KernelPlan(
-        tuple(
-            min(kernels, key=lambda k: bucket_times[k.name]) if bucket_times else kernels[0]
-            for bucket_times, kernels in zip(times, candidates, strict=True)
-        )
-    )
+def _rounds(bucket: int) -> int:
+    return PREFILL_ROUNDS if is_prefill(bucket) else DECODE_ROUNDS
+
+
+def choose(times: list[dict[str, float | None]], candidates: list[list[Kernel]]) -> KernelPlan:
+    """Each bucket's fastest candidate (its survivor, or its only candidate, where it was
+    not timed)."""
+    chosen = []
+    for bucket_times, kernels in zip(times, candidates, strict=True):
+        timed = {name: ms for name, ms in bucket_times.items() if ms is not None}
+        if timed:
+            chosen.append(KERNELS_BY_NAME[min(timed, key=timed.__getitem__)])
+        else:
+            chosen.append(KERNELS_BY_NAME[next(iter(bucket_times))] if bucket_times else kernels[0])
+    return KernelPlan(tuple(chosen))
 
 
 class _StepBench:
@@ -246,7 +273,7 @@ class _StepBench:
 
     def run(self, kernel: Kernel, rows: int, bucket: int) -> None:
         for call, width, head in zip(self.calls, self.inputs, self.heads, strict=True):
-            if head and bucket == PREFILL:
+            if head and is_prefill(bucket):
                 continue  # a prefill chunk's head runs on its few sampled rows
             call(kernel, self._input(rows, width))
 

@@ -30,19 +30,26 @@ class RowBucket:
 
 
 # The row counts the engine's steps produce: batch-1 decode, small and large decode
-# batches, and prefill chunks (whose head runs on the few sampled rows, a decode bucket).
+# batches, short and long prefill chunks (whose head runs on the few sampled rows, a
+# decode bucket). Prefill is split at 256 rows: oneDNN's fused MLP saved 7 % of two
+# 1024-token prompts' prefill on a Xeon with AMX and cost 4 % of a 128-token one's.
 ROW_BUCKETS: tuple[RowBucket, ...] = (
     RowBucket("1", 1, 1, 1),
     RowBucket("2-8", 2, 8, 8),
     RowBucket("9-64", 9, 64, 32),
-    RowBucket("65+", 65, None, 512),
+    RowBucket("65-256", 65, 256, 128),
+    RowBucket("257+", 257, None, 1024),
 )
-ONE_ROW, PREFILL = 0, len(ROW_BUCKETS) - 1
+ONE_ROW, FIRST_PREFILL = 0, 3
 
 
 def bucket_index(rows: int) -> int:
     """The ROW_BUCKETS index of a matmul over `rows` rows."""
-    return 0 if rows <= 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3
+    return 0 if rows <= 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3 if rows <= 256 else 4
+
+
+def is_prefill(bucket: int) -> bool:
+    return bucket >= FIRST_PREFILL
 
 
 # cpu_gemm.h's OneRowMode: how cpu_gemm.cpp runs a single row.
@@ -91,17 +98,15 @@ KERNELS_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 
 def candidates_for(bucket: int, libraries: tuple[Library, ...], coded: bool) -> list[Kernel]:
     """The kernels worth timing for a bucket: the one-row variants only at one row (they
-    run more rows alike), coded ones only where coded copies are allowed.
-
-    Never the fused MLP: on a Xeon with AMX, oneDNN's SiLU post-op moved a logprob of
-    SmolLM2's 300-token correctness prompt by 0.51 nats from Hugging Face's bf16 (every
-    other kernel: under 0.4), for 7 % of a 512-token chunk's matmul time. A plan may still
-    name it (PLUGSERVE_CPU_BF16_KERNEL)."""
+    run more rows alike), coded ones only where coded copies are allowed, the fused MLP
+    only for prefill chunks (smaller steps keep one gate-up matmul)."""
     kernels = []
     for kernel in KERNELS:
-        if kernel.library not in libraries or (kernel.coded and not coded) or kernel.fused_mlp:
+        if kernel.library not in libraries or (kernel.coded and not coded):
             continue
         if bucket != ONE_ROW and (kernel.one_row_mode != STREAM_NON_TEMPORAL or kernel.coded):
+            continue
+        if kernel.fused_mlp and not is_prefill(bucket):
             continue
         kernels.append(kernel)
     return kernels
@@ -134,7 +139,8 @@ class KernelPlan:
 
     @property
     def fused_mlp(self) -> bool:
-        return self.by_bucket[PREFILL].fused_mlp
+        """Whether some bucket runs its gated MLPs as oneDNN post-ops."""
+        return any(kernel.fused_mlp for kernel in self.by_bucket)
 
     def describe(self) -> str:
         return ", ".join(

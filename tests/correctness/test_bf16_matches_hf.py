@@ -83,7 +83,7 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
     results = []
     for coded in (False, True):
         one_row = "own/coded" if coded else "own"
-        monkeypatch.setenv(cpu_linear.KERNEL_ENV, f"{one_row},own,own,own")
+        monkeypatch.setenv(cpu_linear.KERNEL_ENV, f"{one_row},own,own,own,own")
         llm = LLM(
             model="smollm2-135m-instruct",
             dtype="bfloat16",

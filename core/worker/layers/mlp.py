@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import PREFILL, bucket_index
+from plugserve.worker.kernel_plan import KernelPlan
 from plugserve.worker.layers.direct_call import direct_call
 from plugserve.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
@@ -41,18 +41,20 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel)
         self.inter = self.inter_end - self.inter_start
         self.fused: cpu_linear.FusedMLP | None = None
+        self.plan: KernelPlan | None = None  # where packed: which row counts run `fused`
 
     def pack(
         self,
         arena: cpu_linear.WeightArena | None = None,
         plan: cpu_linear.KernelPlan | None = None,
     ) -> None:
-        """Where `plan` runs prefill chunks' MLP as oneDNN post-ops, pack gate and up apart
-        for it (cpu_linear.FusedMLP). (`arena` is for cpu_gemm's layout, which never runs
-        this path.) Reads the loaded weights: runs before gate_up_proj and down_proj are
-        packed."""
+        """Where `plan` runs some prefill chunks' MLP as oneDNN post-ops, pack gate and up
+        apart for it (cpu_linear.FusedMLP). (`arena` is for cpu_gemm's layout, which never
+        runs this path.) Reads the loaded weights: runs before gate_up_proj and down_proj
+        are packed."""
+        self.plan = plan or cpu_linear.default_plan()
         if (
-            (plan or cpu_linear.default_plan()).fused_mlp
+            self.plan.fused_mlp
             and self.down_proj.parallel.world_size == 1
             and self.gate_up_proj.bias is None
         ):
@@ -64,7 +66,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        if self.fused is not None and bucket_index(x.shape[0]) == PREFILL:
+        if (
+            self.fused is not None
+            and self.plan is not None
+            and self.plan.for_rows(x.shape[0]).fused_mlp
+        ):
             return self.fused(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -23,7 +23,7 @@ import torch
 from plugserve import ops
 from plugserve.capabilities import supports_fused_cpu_layer
 from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import PREFILL, KernelPlan, bucket_index
+from plugserve.worker.kernel_plan import KernelPlan, bucket_index
 
 _DECODER_SOURCE = ops.DECODER_SOURCE
 
@@ -46,6 +46,10 @@ class FusedCpuDecoderLayer:
         self.gate_up_proj: Matmul = mlp.gate_up_proj.kernel()
         self.down_proj: Matmul = mlp.down_proj.kernel()
         self.fused_mlp: cpu_linear.FusedMLP | None = mlp.fused
+        self.fused_mlp_by_bucket = tuple(
+            mlp.plan is not None and kernel.fused_mlp
+            for kernel in (mlp.plan.by_bucket if mlp.plan is not None else ())
+        )
         self.cos_sin = cos_sin
         self.attention = attn.attention
         self.layer_idx = attn.layer_idx
@@ -70,7 +74,7 @@ class FusedCpuDecoderLayer:
         h = self.o_proj(self.attend(qkv))
 
         ops.fused_add_rms_norm(h, residual, self.post_attention_norm, self.eps)
-        if self.fused_mlp is not None and bucket_index(h.shape[0]) == PREFILL:
+        if self.fused_mlp is not None and self.fused_mlp_by_bucket[bucket_index(h.shape[0])]:
             return self.fused_mlp(h), residual
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
 

@@ -14,7 +14,7 @@ import torch
 
 from plugserve import ops
 from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import OWN, OWN_CODED, KernelPlan
+from plugserve.worker.kernel_plan import OWN, OWN_CODED, ROW_BUCKETS, KernelPlan
 
 # cpu_gemm.cpp forced wherever this CPU can run it (conftest.py), else skipped saying why.
 pytestmark = pytest.mark.usefixtures("own_kernel")
@@ -139,7 +139,7 @@ def test_an_arena_holds_coded_copies_only_where_the_plan_reads_them() -> None:
         cpu_linear.PackedLinear(w, arena=plain_arena, plan=plain).coded is None for w in weights
     )
 
-    coded = KernelPlan((OWN_CODED, OWN, OWN, OWN))
+    coded = KernelPlan((OWN_CODED,) + (OWN,) * (len(ROW_BUCKETS) - 1))
     arena = cpu_linear.WeightArena.for_weights(weights, coded)
     assert arena is not None
     first, odd, last = (cpu_linear.PackedLinear(w, arena=arena, plan=coded) for w in weights)

@@ -13,6 +13,7 @@ from plugserve.worker.kernel_plan import (
     OWN_CACHED,
     OWN_CODED,
     OWN_TILED,
+    ROW_BUCKETS,
     Kernel,
     KernelPlan,
 )
@@ -40,7 +41,7 @@ def make_args(last: bool, one_row: Kernel = OWN) -> dict[str, object]:
     torch.manual_seed(0)
     shapes = [(HIDDEN, Q_HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER), (QKV, HIDDEN)]
     weights = [bf16(*shape) for shape in shapes]
-    plan = KernelPlan((one_row, OWN, OWN, OWN))
+    plan = KernelPlan((one_row,) + (OWN,) * (len(ROW_BUCKETS) - 1))
     arena = cpu_linear.WeightArena.for_weights(weights, plan)
     o_bias, qkv_bias = bf16(HIDDEN), bf16(QKV)
     o, gate_up, down, qkv = (

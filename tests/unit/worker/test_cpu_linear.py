@@ -453,15 +453,15 @@ def test_an_unknown_kernel_choice_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="PLUGSERVE_CPU_BF16_KERNEL='fastest'"):
         cpu_linear.allowed_libraries()
     monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own,onednn")  # two buckets of four
-    with pytest.raises(ValueError, match="expected 4 kernels"):
+    with pytest.raises(ValueError, match="expected 5 kernels"):
         cpu_linear.forced_plan()
     monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own,own,own,fastest")
-    with pytest.raises(ValueError, match="expected 4 kernels"):
+    with pytest.raises(ValueError, match="expected 5 kernels"):
         cpu_linear.forced_plan()
 
 
 def test_a_plan_can_be_set_one_kernel_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, " aten, aten ,aten,aten")
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, " aten, aten ,aten,aten,aten")
     plan = cpu_linear.forced_plan()
     assert plan is not None and plan.libraries() == {"aten"}
     assert cpu_linear.allowed_libraries() == ("aten",)

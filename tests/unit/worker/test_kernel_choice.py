@@ -71,8 +71,11 @@ def test_a_slowed_candidate_never_wins_whichever_it_is() -> None:
         for bucket, chosen, bucket_times in zip(candidates, plan.by_bucket, times, strict=True):
             if len(bucket) > 1 and slowed in bucket:
                 assert chosen != slowed
-                assert bucket_times[slowed.name] > 20
-                assert bucket_times[chosen.name] == min(bucket_times.values())
+                timed = {n: ms for n, ms in bucket_times.items() if ms is not None}
+                # Timed and slow, or left out after losing a smaller bucket.
+                assert timed.get(slowed.name, float("inf")) > 20
+                if timed:
+                    assert timed[chosen.name] == min(timed.values())
 
 
 def test_the_plan_is_measured_once_per_machine_and_model_shape(
@@ -99,7 +102,7 @@ def test_the_plan_is_measured_once_per_machine_and_model_shape(
 
 def test_a_set_plan_is_not_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "aten,aten,aten,aten")
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, ",".join(["aten"] * len(ROW_BUCKETS)))
     measurement = kernel_choice.plan_for(tiny_step())
     assert measurement.plan == KernelPlan.single(KERNELS_BY_NAME["aten"])
     assert measurement.cache_file is None and not any(measurement.times_ms)
@@ -143,7 +146,7 @@ def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    assert "| rows | measured at | chosen |" in out and "| 65+ | 512 |" in out, out
+    assert "| rows | measured at | chosen |" in out and "| 257+ | 1024 |" in out, out
     assert "plan: 1 rows: " in out and "kept in " in out, out
     plans = list((tmp_path / "kernel_plans").glob("*.json"))
     assert len(plans) == 1

@@ -260,8 +260,8 @@ def test_tiny_random_models_match_transformers(config: Any) -> None:
 
 
 # A plan as measured on a 2-core Xeon with AMX: cpu_gemm for decode up to 8 rows, oneDNN's
-# AMX tiles above, prefill MLPs as oneDNN post-ops.
-MIXED_PLAN = "own/tiled,own,onednn,onednn/fused-mlp"
+# AMX tiles above, long prefill chunks' MLPs as oneDNN post-ops.
+MIXED_PLAN = "own/tiled,own,onednn,onednn,onednn/fused-mlp"
 
 
 @needs_fused_ops
