@@ -91,6 +91,7 @@ TORCH_LIBRARY(plugserve_gemm, m) {
       "linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias, "
       "ScalarType? out_dtype=None, Tensor? coded=None, int one_row_mode=0) -> Tensor");
   m.def("code_exponents(Tensor packed, Tensor(a!) out) -> ()");
+  m.def("amx_available() -> bool", &plugserve::amx_available);
   m.def("row_pool_address() -> int", &row_pool_address);
   m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
   m.def("row_pool_enabled() -> bool", &row_pool_enabled);

@@ -117,7 +117,8 @@ __attribute__((noinline)) void finish_row(const __m512 (&acc)[4], const float* b
 // One row against one 16-column block: out[col:col+16] = x . W_block (+ bias); `out` is
 // Out (uint16_t: bf16, or float) behind the pool's untyped pointer.
 // How a one-row matmul runs (see the top of this file).
-enum OneRowMode : int64_t { kStreamNonTemporal = 0, kStreamCached = 1, kTiled = 2 };
+// kAmx is not a one-row mode: every row count runs cpu_gemm_amx.h's tiles.
+enum OneRowMode : int64_t { kStreamNonTemporal = 0, kStreamCached = 1, kTiled = 2, kAmx = 3 };
 
 // A one-row stream's prefetch: into every cache level, or non-temporal.
 template <bool Cached>
@@ -388,6 +389,21 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
   });
 }
 
+}  // namespace plugserve
+
+#include "cpu_gemm_amx.h"
+
+namespace plugserve {
+
+// Whether linear_bf16 can run kAmx here: built for AMX-BF16 and allowed by the kernel.
+inline bool amx_available() {
+#ifdef PLUGSERVE_HAS_AMX_GEMM
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
 // x [rows, K] bf16 @ the packed weight (+ bias) → [rows, out_features], in bf16 or, with
 // out_dtype float32, the fp32 sums unrounded. `coded`, the weight's exponent-coded copy
 // where it has one, is what a single row reads instead, unless one_row_mode (OneRowMode)
@@ -415,12 +431,30 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
     TORCH_CHECK(pairs % 2 == 0 && coded->scalar_type() == at::kByte && coded->is_contiguous() &&
                     coded->numel() == blocks * coded_block_bytes(pairs),
                 "coded must be uint8 [N/16, coded_block_bytes] from cpu_linear.code_exponents");
-  TORCH_CHECK(one_row_mode >= kStreamNonTemporal && one_row_mode <= kTiled,
-              "one_row_mode must be 0 (stream, non-temporal), 1 (stream, cached) or 2 (tiled)");
+  TORCH_CHECK(one_row_mode >= kStreamNonTemporal && one_row_mode <= kAmx,
+              "one_row_mode must be 0 (stream, non-temporal), 1 (stream, cached), 2 (tiled) "
+              "or 3 (AMX tiles for every row count)");
+  TORCH_CHECK(one_row_mode != kAmx || (amx_available() && pairs % 16 == 0),
+              "AMX tiles need an AMX-BF16 CPU the kernel lets use them and K divisible by 32");
   const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "out_dtype must be bfloat16 or float32");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(dtype));
+#ifdef PLUGSERVE_HAS_AMX_GEMM
+  if (one_row_mode == kAmx) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    if (dtype == at::kFloat) {
+      linear_rows_amx<float>(xp, x.stride(0), x.size(0), wp, blocks, pairs, bp,
+                             out.data_ptr<float>(), out_features);
+    } else {
+      linear_rows_amx<uint16_t>(xp, x.stride(0), x.size(0), wp, blocks, pairs, bp,
+                                reinterpret_cast<uint16_t*>(out.data_ptr()), out_features);
+    }
+    return out;
+  }
+#endif
   if (dtype == at::kFloat) {
     linear_rows<float>(x, packed, out_features, bias, coded, one_row_mode, out);
   } else {

@@ -36,6 +36,7 @@ from plugserve import ops
 # from this module.
 from plugserve.ops import HUGE_PAGE_BYTES, huge_page_buffer  # noqa: F401
 from plugserve.worker.kernel_plan import (
+    AMX,
     KERNELS_BY_NAME,
     ROW_BUCKETS,
     TILED,
@@ -249,6 +250,13 @@ def code_exponents(packed: torch.Tensor, out: torch.Tensor | None = None) -> tor
 _EXPONENT_CODING: ContextVar[bool] = ContextVar("plugserve_exponent_coding", default=False)
 
 
+def amx_available() -> bool:
+    """Whether cpu_gemm.cpp runs AMX tiles here (built for AMX-BF16, allowed by the OS)."""
+    return own_kernel_unavailable_reason() is None and bool(
+        torch.ops.plugserve_gemm.amx_available()
+    )
+
+
 def coding_allowed() -> bool:
     """Whether one-row matmuls may read exponent-coded copies here (exponent_coding)."""
     return _EXPONENT_CODING.get()
@@ -356,6 +364,7 @@ class PackedLinear:
         "_calls",
         "bias",
         "coded",
+        "in_features",
         "onednn_weight",
         "out_features",
         "own_bias",
@@ -373,10 +382,12 @@ class PackedLinear:
         kernels: Collection[Kernel] | None = None,
     ) -> None:
         self.out_features, in_features = weight.shape
+        self.in_features = in_features
         own_runs = packs_k_pairs(weight.dtype, weight.device, in_features)
-        plan = _runnable_plan(plan or default_plan(), own_runs)
+        plan = _runnable_plan(plan or default_plan(), own_runs, in_features)
         self.plan = plan
-        wanted = {_runnable(k, own_runs) for k in (plan.by_bucket if kernels is None else kernels)}
+        kernels = plan.by_bucket if kernels is None else kernels
+        wanted = {_runnable(k, own_runs, in_features) for k in kernels}
         libraries = {kernel.library for kernel in wanted}
         self.bias = bias
         self.weight: torch.Tensor | None = None  # cpu_gemm's k-pair layout
@@ -436,8 +447,10 @@ class PackedLinear:
     def run(
         self, kernel: Kernel, x: torch.Tensor, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """x through `kernel` whatever the plan says (a kernel whose layout this holds)."""
-        return self._call_for(kernel)(x, out_dtype)
+        """x through `kernel` whatever the plan says (a kernel whose layout this holds; as
+        at construction, one that cannot take this weight stands in for another)."""
+        own_runs = self.weight is not None
+        return self._call_for(_runnable(kernel, own_runs, self.in_features))(x, out_dtype)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """out_dtype=torch.float32 asks for fp32 (the LM head's logits): cpu_gemm writes its
@@ -445,18 +458,21 @@ class PackedLinear:
         return self._calls[bucket_index(x.shape[0])](x, out_dtype)
 
 
-def _runnable(kernel: Kernel, own_runs: bool) -> Kernel:
+def _runnable(kernel: Kernel, own_runs: bool, in_features: int) -> Kernel:
     """`kernel`, or where it is cpu_gemm's and cpu_gemm cannot take the weight, oneDNN
-    (ATen where oneDNN has no bf16 kernel)."""
-    if kernel.library != "own" or own_runs:
+    (ATen where oneDNN has no bf16 kernel); AMX tiles where K is no multiple of 32, the
+    vector kernel."""
+    if kernel.library != "own":
         return kernel
-    return KERNELS_BY_NAME["onednn" if _onednn_bf16_supported() else "aten"]
+    if not own_runs:
+        return KERNELS_BY_NAME["onednn" if _onednn_bf16_supported() else "aten"]
+    if kernel.one_row_mode == AMX and in_features % 32 != 0:
+        return KERNELS_BY_NAME["own"]
+    return kernel
 
 
-def _runnable_plan(plan: KernelPlan, own_runs: bool) -> KernelPlan:
-    if own_runs or "own" not in plan.libraries():
-        return plan
-    return KernelPlan(tuple(_runnable(kernel, own_runs) for kernel in plan.by_bucket))
+def _runnable_plan(plan: KernelPlan, own_runs: bool, in_features: int) -> KernelPlan:
+    return KernelPlan(tuple(_runnable(k, own_runs, in_features) for k in plan.by_bucket))
 
 
 class FusedMLP:

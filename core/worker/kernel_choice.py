@@ -50,10 +50,12 @@ REMEASURE_ENV = "PLUGSERVE_REMEASURE_KERNELS"
 MEASURED_BYTES = 768 * 2**20
 # Rounds per bucket: every candidate once a round; the median over rounds counts.
 DECODE_ROUNDS, PREFILL_ROUNDS = 7, 3
-# A candidate this many times slower than a bucket's best is not timed in larger buckets,
-# where it only falls further behind (cpu_gemm against AMX tiles: 1.5x at 32 rows, 6x at
-# 512), and its 1024-row runs would take most of the measuring time.
-LOSER_FACTOR = 1.5
+# A candidate this many times slower than a decode bucket's best is not timed in the
+# prefill buckets, where it only falls further behind (cpu_gemm's vector kernel against
+# AMX tiles: 3x at 32 rows, 8x at 1024), and its long runs would take most of the
+# measuring time. Decode buckets time every candidate: oneDNN, 1.6x behind at 8 rows, led
+# at 32 before cpu_gemm had AMX tiles.
+LOSER_FACTOR = 2.5
 _PLAN_FORMAT = 2
 
 
@@ -150,7 +152,8 @@ def plan_for(steps: Sequence[Step], remeasure: bool | None = None) -> Measuremen
     library allowed), that one, unmeasured."""
     libraries = cpu_linear.allowed_libraries()
     coded = cpu_linear.coding_allowed() and "own" in libraries
-    candidates = [candidates_for(b, libraries, coded) for b in range(len(ROW_BUCKETS))]
+    amx = "own" in libraries and cpu_linear.amx_available()
+    candidates = [candidates_for(b, libraries, coded, amx) for b in range(len(ROW_BUCKETS))]
     total = sum(_step_bytes(step) for step in steps)
     forced = cpu_linear.forced_plan()
     if forced is not None or all(len(c) == 1 for c in candidates):
@@ -203,7 +206,8 @@ def time_candidates(
     times: list[dict[str, float | None]] = []
     losers: set[str] = set()  # far behind in the bucket below: not timed in this one
     for b, (bucket, kernels) in enumerate(zip(ROW_BUCKETS, candidates, strict=True)):
-        kernels = [k for k in kernels if k.name not in losers] or kernels
+        if is_prefill(b):
+            kernels = [k for k in kernels if k.name not in losers] or kernels
         if len(kernels) < 2:
             times.append({kernels[0].name: None} if losers else {})  # left alone, untimed
             continue
@@ -220,7 +224,7 @@ def time_candidates(
                 samples[kernel.name].append(1e3 * (time.perf_counter() - start))
         medians = {name: statistics.median(s) for name, s in samples.items()}
         times.append(dict(medians))
-        if b != ONE_ROW:  # one row runs its own loops: no word on larger buckets
+        if b != ONE_ROW:  # one row runs its own loops: no word on more rows
             best = min(medians.values())
             # Once left out, left out: a kernel behind at fewer rows stays behind at more.
             losers = {name for name in losers if name not in medians} | {

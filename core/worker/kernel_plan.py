@@ -52,8 +52,9 @@ def is_prefill(bucket: int) -> bool:
     return bucket >= FIRST_PREFILL
 
 
-# cpu_gemm.h's OneRowMode: how cpu_gemm.cpp runs a single row.
-STREAM_NON_TEMPORAL, STREAM_CACHED, TILED = 0, 1, 2
+# cpu_gemm.h's OneRowMode: how cpu_gemm.cpp runs a single row, or AMX: every row count on
+# AMX tiles (cpu_gemm_amx.h), over the same packed weights.
+STREAM_NON_TEMPORAL, STREAM_CACHED, TILED, AMX = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class Kernel:
     (torch's oneDNN over its own blocked layout: AMX tiles where the CPU has them), "aten"
     (F.linear over the weight as loaded). For "own", one_row_mode and coded say how a
     single row runs (a stream over the plain or the exponent-coded copy, or the tile
-    kernel); for "onednn", fused_mlp runs a gated MLP as three matmuls with SiLU and
-    the product as post-ops.
+    kernel), or one_row_mode AMX runs every row count on AMX tiles; for "onednn",
+    fused_mlp runs a gated MLP as three matmuls with SiLU and the product as post-ops.
     """
 
     name: str
@@ -80,6 +81,7 @@ OWN_CACHED = Kernel("own/cached", "own", one_row_mode=STREAM_CACHED)
 OWN_TILED = Kernel("own/tiled", "own", one_row_mode=TILED)
 OWN_CODED = Kernel("own/coded", "own", coded=True)
 OWN_CODED_CACHED = Kernel("own/coded/cached", "own", one_row_mode=STREAM_CACHED, coded=True)
+OWN_AMX = Kernel("own/amx", "own", one_row_mode=AMX)
 ONEDNN = Kernel("onednn", "onednn")
 ONEDNN_FUSED_MLP = Kernel("onednn/fused-mlp", "onednn", fused_mlp=True)
 ATEN = Kernel("aten", "aten")
@@ -89,6 +91,7 @@ KERNELS: tuple[Kernel, ...] = (
     OWN_TILED,
     OWN_CODED,
     OWN_CODED_CACHED,
+    OWN_AMX,
     ONEDNN,
     ONEDNN_FUSED_MLP,
     ATEN,
@@ -96,15 +99,21 @@ KERNELS: tuple[Kernel, ...] = (
 KERNELS_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 
 
-def candidates_for(bucket: int, libraries: tuple[Library, ...], coded: bool) -> list[Kernel]:
+def candidates_for(
+    bucket: int, libraries: tuple[Library, ...], coded: bool, amx: bool = False
+) -> list[Kernel]:
     """The kernels worth timing for a bucket: the one-row variants only at one row (they
-    run more rows alike), coded ones only where coded copies are allowed, the fused MLP
-    only for prefill chunks (smaller steps keep one gate-up matmul)."""
+    run more rows alike), coded ones only where coded copies are allowed, AMX tiles where
+    the CPU and cpu_gemm.cpp's build have them, the fused MLP only for prefill chunks
+    (smaller steps keep one gate-up matmul)."""
     kernels = []
     for kernel in KERNELS:
         if kernel.library not in libraries or (kernel.coded and not coded):
             continue
-        if bucket != ONE_ROW and (kernel.one_row_mode != STREAM_NON_TEMPORAL or kernel.coded):
+        if kernel.one_row_mode == AMX and not amx:
+            continue
+        one_row_only = kernel.one_row_mode in (STREAM_CACHED, TILED) or kernel.coded
+        if bucket != ONE_ROW and one_row_only:
             continue
         if kernel.fused_mlp and not is_prefill(bucket):
             continue

@@ -23,7 +23,7 @@ import torch
 from plugserve import ops
 from plugserve.capabilities import supports_fused_cpu_layer
 from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import KernelPlan, bucket_index
+from plugserve.worker.kernel_plan import AMX, KernelPlan, bucket_index
 
 _DECODER_SOURCE = ops.DECODER_SOURCE
 
@@ -123,7 +123,12 @@ class FusedCpuDecoder:
         )
         # The steps it runs: those whose row count the plan gives cpu_gemm; the others run
         # layer by layer, each linear through its plan's kernel.
-        self.runs_bucket = tuple(kernel.library == "own" for kernel in plan.by_bucket)
+        # (Its matmuls run one cpu_gemm mode: AMX tiles for every row count, or not.)
+        stack_amx = plan.one_row_mode == AMX
+        self.runs_bucket = tuple(
+            kernel.library == "own" and (kernel.one_row_mode == AMX) == stack_amx
+            for kernel in plan.by_bucket
+        )
         for layer, following in zip(layers, [*layers[1:], None], strict=True):
             o, gate_up, down = map(_packed, (layer.o_proj, layer.gate_up_proj, layer.down_proj))
             qkv = None if following is None else _packed(following.qkv_proj)

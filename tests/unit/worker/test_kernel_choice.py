@@ -17,6 +17,7 @@ from plugserve.user_cache import cache_root
 from plugserve.worker import cpu_linear, kernel_choice
 from plugserve.worker.kernel_plan import (
     KERNELS_BY_NAME,
+    OWN_AMX,
     ROW_BUCKETS,
     Kernel,
     KernelPlan,
@@ -168,3 +169,22 @@ def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
     )
     assert engine.returncode == 0, engine.stderr[-3000:]
     assert f"measured before, cached in {plans[0]}" in engine.stderr, engine.stderr[-3000:]
+
+
+@pytest.mark.skipif(not cpu_linear.amx_available(), reason="no AMX tiles here")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (40, 576), (600, 1536)])
+def test_amx_tiles_compute_the_matmul_over_the_vector_kernels_weights(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """cpu_gemm's AMX kernel reads the very k-pair-packed weights of the vector kernel:
+    its fp32 sums equal an fp32 matmul of the bf16 inputs to fp32 rounding, for row counts
+    that fill its 16-row tiles or not and column counts that fill its blocks or not."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    linear = cpu_linear.PackedLinear(weight, bias, plan=KernelPlan.single(OWN_AMX))
+    expected = x.float() @ weight.float().T + bias
+    torch.testing.assert_close(linear(x, torch.float32), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(x).float(), expected, atol=1e-2, rtol=1e-2)  # bf16 out

@@ -20,6 +20,7 @@ from plugserve import ops
 from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
 from plugserve.model_files import load_tokenizer
 from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker.kernel_plan import ROW_BUCKETS
 from plugserve.worker.layers.linear import Linear
 from plugserve.worker.model_loader import load_model
 from plugserve.worker.models.llama import (
@@ -388,6 +389,9 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
     """Where the attention backend offers its kernel as a C++ call (cpu_layer_call), the
     whole stack runs as decode_layers; it makes the same calls in the same order as the
     per-stretch loop, so prefill and decode logits are equal bit for bit."""
+    # cpu_gemm's vector kernel for every row count, as the stack runs it (a measured plan
+    # may give some buckets AMX tiles, which run layer by layer).
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, ",".join(["own"] * len(ROW_BUCKETS)))
     config = LlamaConfig(**TINY, tie_word_embeddings=True)
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
