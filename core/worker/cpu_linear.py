@@ -7,7 +7,8 @@ and the plan; kernel_choice.py: the plan measured per machine):
   weight (`pack_k_pairs`). It streams the weights at the memory bandwidth at decode sizes,
   where oneDNN does not (SmolLM2's matmuls on a 2-core Zen 5: 24 % faster at 1 row, 16 % at
   32). Sums run in another order than `F.linear`'s, so results differ from it by fp32
-  rounding before the bf16 store. One row can read a lossless exponent-coded copy.
+  rounding before the bf16 store. One row can read a lossless exponent-coded copy. On AMX
+  CPUs the same packed weights also run on AMX tiles (cpu_gemm_amx.h), which win batches.
 - oneDNN: the weight is reordered once into oneDNN's blocked layout, since `F.linear`
   re-lays out a bf16 weight on every call; bit-identical to `F.linear`. On AMX CPUs its
   tile kernels win batches and prefill (SmolLM2 at 32 rows on a 2-core Xeon: 17.6 ms
