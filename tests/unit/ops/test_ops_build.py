@@ -25,11 +25,12 @@ def test_the_attention_plugin_includes_only_public_headers() -> None:
 
 
 def test_headers_count_through_the_headers_that_include_them() -> None:
-    """cpu_decoder.cpp names cpu_gemm.h and cpu_ops.h; they bring row_pool.h and
-    cpu_bf16.h from the public folder."""
+    """cpu_decoder.cpp names cpu_gemm.h and cpu_ops.h; they bring cpu_gemm_amx.h beside
+    them, and row_pool.h and cpu_bf16.h from the public folder."""
     headers = build.included_headers(ops.DECODER_SOURCE, ops.include_dir())
     assert names(headers) == {
         "cpu_gemm.h",
+        "cpu_gemm_amx.h",
         "cpu_ops.h",
         "layer_attention.h",
         "row_pool.h",
