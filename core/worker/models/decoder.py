@@ -1,0 +1,193 @@
+"""What every decoder-only architecture shares, so that a model file only wires layers.
+
+A model is embeddings → decoder layers → final norm → LM head, on one flat varlen batch
+of tokens (interfaces.CausalLM). `DecoderForCausalLM` holds that frame: the tied or
+untied vocab-parallel head, the rotary table, the layer loop (each layer maps
+(x, residual) → (its output, the residual stream before it), so every residual add
+happens inside the next norm), logits gathered over tensor-parallel ranks, and loading
+Hugging Face names through `packed_modules_mapping` and the parameters' weight loaders.
+bf16 on CPU, every Linear and GatedMLP is packed for the measured kernel plan
+(layers.cpu_packing), whatever the architecture.
+
+A subclass builds its layers in `build_layer` and overrides a hook where its family
+differs (Gemma scales the embeddings, soft-caps the logits, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from plugserve.interfaces import AttentionBackend
+from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker.kernel_plan import KernelPlan
+from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
+from plugserve.worker.layers.cpu_packing import CpuPacking, pack_for_cpu
+from plugserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from plugserve.worker.layers.norm import RMSNorm
+from plugserve.worker.layers.rotary import RopeStep, RotaryEmbedding, rope_parameters
+from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+
+logger = logging.getLogger(__name__)
+
+# The fused projections of the shared layers (layers.attention.Attention and
+# layers.mlp.GatedMLP): checkpoint projection → (our module, its shard id there).
+FUSED_QKV_AND_GATE_UP: PackedModulesMapping = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """head_dim from the config where it says (Qwen3, Gemma: not hidden / heads)."""
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+class DecoderModel(nn.Module):
+    """The HF `model.` prefix: embed_tokens, layers, norm."""
+
+    def __init__(
+        self,
+        embed_tokens: VocabParallelEmbedding,
+        layers: Iterable[nn.Module],
+        norm: nn.Module,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class DecoderForCausalLM(nn.Module):
+    """interfaces.CausalLM for a decoder-only family; subclasses give `build_layer`."""
+
+    packed_modules_mapping: ClassVar[PackedModulesMapping] = FUSED_QKV_AND_GATE_UP
+
+    def __init__(
+        self,
+        *,
+        hf_config: Any,
+        attention: AttentionBackend,
+        parallel: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.parallel = parallel or NO_PARALLEL
+        self.model = DecoderModel(
+            VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, self.parallel),
+            (
+                self.build_layer(hf_config, i, attention, self.parallel)
+                for i in range(hf_config.num_hidden_layers)
+            ),
+            self.build_norm(hf_config),
+        )
+        self.rotary = self.build_rotary(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Untied, the head holds the same vocabulary rows as this rank's embedding slice.
+        self.lm_head: ParallelLMHead | None = (
+            None
+            if self.tie_word_embeddings
+            else ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.parallel)
+        )
+        # What forward runs per layer: the modules, or fused replacements standing in.
+        self.layer_fns: list[Any] = list(self.model.layers)
+        self._arena: cpu_linear.WeightArena | None = None
+        # bf16 on CPU: which kernel each row bucket's linears run (kernel_choice.py).
+        self.kernel_plan: KernelPlan | None = None
+        self.kernel_measurement: Any = None  # how it was chosen (kernel_choice.Measurement)
+
+    # ------------------------------------------------------------------ what a family gives
+
+    def build_layer(
+        self, hf_config: Any, layer_idx: int, attention: AttentionBackend, parallel: ParallelContext
+    ) -> nn.Module:
+        """One decoder layer: forward(x, residual, rotary, rope) → (out, residual)."""
+        raise NotImplementedError
+
+    def build_norm(self, hf_config: Any) -> nn.Module:
+        """The final norm (with `add_and_norm(x, residual)`)."""
+        return RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def build_rotary(self, hf_config: Any) -> RotaryEmbedding:
+        theta, scaling = rope_parameters(hf_config)
+        return RotaryEmbedding(
+            head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    # ------------------------------------------------------------------ interfaces.CausalLM
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
+        x = self.embed(input_ids)
+        return self.run_layers(x, self.rotary.prepare(positions, x.dtype))
+
+    def run_layers(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
+        residual = None
+        for layer in self.layer_fns:
+            x, residual = layer(x, residual, self.rotary, rope)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, residual)[0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] → fp32 logits [N, vocab]. With tensor parallelism each rank
+        computes its vocabulary slice and rank 0 gathers them; the others get None."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return self.parallel.gather_last_dim(head.logits(hidden_states), self.config.vocab_size)
+
+    def weight_buffer(self) -> torch.Tensor | None:
+        """The packed weights in one buffer (bf16 on CPU with cpu_gemm), else None."""
+        return None if self._arena is None else self._arena.packed()
+
+    def process_weights_after_loading(self) -> None:
+        """bf16 on CPU: pack every linear weight for the measured kernel plan. Elsewhere
+        the weights stay as loaded, for ATen's ops."""
+        self.pack_linears()
+
+    def pack_linears(self) -> CpuPacking | None:
+        embed = self.model.embed_tokens
+        packing = pack_for_cpu(self, tied_head=embed if self.lm_head is None else None)
+        self._arena = None if packing is None else packing.arena
+        self.kernel_plan = None if packing is None else packing.plan
+        self.kernel_measurement = None if packing is None else packing.measurement
+        return packing
+
+    def log_generic_path(self, reason: str) -> None:
+        """Say, where Llama would run the fused bf16 CPU decoder, that this model does not."""
+        weight = self.model.embed_tokens.weight
+        if cpu_ops.supported(weight.dtype, weight.device):
+            logger.info(
+                "%s runs its layers on the generic path (packed linears, ATen ops "
+                "between them): %s",
+                type(self).__name__,
+                reason,
+            )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown
+        name, a wrong shape, and on parameters the checkpoint left unset."""
+        load_checkpoint(self, weights, self.packed_modules_mapping, self.ignored_weight)
+
+    def ignored_weight(self, name: str) -> bool:
+        """Checkpoint tensors that are not weights of ours."""
+        # RoPE's inverse frequencies are derived state in HF's own model; some tied
+        # checkpoints store the shared matrix twice.
+        return name.endswith("rotary_emb.inv_freq") or (
+            self.lm_head is None and name == "lm_head.weight"
+        )
