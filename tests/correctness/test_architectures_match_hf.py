@@ -7,43 +7,17 @@ and one request at a time (tests/correctness/tiny_checkpoints.py).
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+from correctness.architecture_cases import all_cases
 from correctness.tiny_checkpoints import (
     TinyCase,
     TinyRun,
     hf_references,
-    tiny,
     write_tiny_checkpoint,
 )
 
-CASES = [
-    TinyCase("llama-tied", LlamaConfig(**tiny(tie_word_embeddings=True))),
-    TinyCase(
-        "llama-untied-biases-llama3-rope",
-        LlamaConfig(
-            **tiny(
-                tie_word_embeddings=False,
-                attention_bias=True,
-                mlp_bias=True,
-                rope_parameters={
-                    "rope_type": "llama3",
-                    "rope_theta": 50000.0,
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 32,
-                },
-            )
-        ),
-    ),
-    TinyCase("qwen2-qkv-bias-untied", Qwen2Config(**tiny(tie_word_embeddings=False))),
-    TinyCase("qwen2-qkv-bias-tied", Qwen2Config(**tiny(tie_word_embeddings=True))),
-    # q/k norm; head_dim 32 from the config, not hidden_size / num_heads (16), as
-    # Qwen3's 128 is not; tied as the small Qwen3s, untied as the large ones.
-    TinyCase("qwen3-qk-norm-tied", Qwen3Config(**tiny(head_dim=32, tie_word_embeddings=True))),
-    TinyCase("qwen3-qk-norm-untied", Qwen3Config(**tiny(head_dim=32, tie_word_embeddings=False))),
-]
+# Each family's cases live in its module of correctness/architecture_cases/.
+CASES = all_cases()
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: case.id)

@@ -17,7 +17,8 @@ of a step are typically ~0.2 apart, four orders of magnitude above fp32 summatio
 noise, so equal tokens are the expected outcome and a mismatch reports transformers'
 own margin at that step.
 
-A new architecture's test needs only its config: `TinyCase("qwen3", Qwen3Config(**tiny()))`.
+A new architecture's test needs only its config, in a module of its family under
+architecture_cases/: `CASES = [TinyCase("qwen3", Qwen3Config(**tiny()))]`.
 """
 
 from __future__ import annotations

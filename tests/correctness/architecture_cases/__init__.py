@@ -1,0 +1,17 @@
+"""One module per model family, each with CASES: a list of TinyCase (the family's own
+transformers config at a tiny size, its structural options switched on).
+test_architectures_match_hf.py runs every module's cases; a new family adds a module."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from correctness.tiny_checkpoints import TinyCase
+
+
+def all_cases() -> list[TinyCase]:
+    cases: list[TinyCase] = []
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        cases += importlib.import_module(f"{__name__}.{module.name}").CASES
+    return cases
