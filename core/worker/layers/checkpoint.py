@@ -19,6 +19,10 @@ from plugserve.worker.layers.weight_loader import (
 # A checkpoint module name → (the fused module holding it, its shard id there), as
 # {"q_proj": ("qkv_proj", "q"), "gate_proj": ("gate_up_proj", 0), ...}.
 PackedModulesMapping = Mapping[str, tuple[str, Any]]
+# A model's rule for names the mapping cannot express (a MoE expert's projection into
+# its slice of a stacked weight): a checkpoint name → (our parameter name, its shard id),
+# or None where the mapping decides.
+WeightRoute = Callable[[str], tuple[str, Any] | None]
 
 
 def load_checkpoint(
@@ -26,10 +30,12 @@ def load_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]],
     packed_modules_mapping: PackedModulesMapping,
     ignore: Callable[[str], bool] = lambda name: False,
+    route: WeightRoute | None = None,
 ) -> None:
     """Copy HF-named tensors into `model`'s (partly fused) parameters, each through its
-    weight loader; skip the names `ignore` accepts. Raise on an unknown name, a wrong
-    shape, and on parameters (or shards of a fused one) the checkpoint left unset."""
+    weight loader; skip the names `ignore` accepts, and place a name by `route` where it
+    says, else by the mapping. Raise on an unknown name, a wrong shape, and on
+    parameters (or shards of a fused one) the checkpoint left unset."""
     if any(isinstance(m, Linear) and m.packed is not None for m in model.modules()):
         raise RuntimeError(
             "the linear weights were packed (process_weights_after_loading) and their "
@@ -40,7 +46,8 @@ def load_checkpoint(
     for name, tensor in weights:
         if ignore(name):
             continue
-        target, shard_id = _fused_target(name, packed_modules_mapping)
+        routed = None if route is None else route(name)
+        target, shard_id = routed or _fused_target(name, packed_modules_mapping)
         param = params.get(target)
         if param is None or shard_id not in (shard_ids_of(param) or (None,)):
             raise CheckpointError(

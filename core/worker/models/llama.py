@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from plugserve.interfaces import AttentionBackend
 from plugserve.worker import cpu_ops
@@ -58,9 +59,11 @@ def llama_layer(
     *,
     qkv_bias: bool,
     qk_norm: bool = False,
+    mlp: nn.Module | None = None,
 ) -> PreNormDecoderLayer:
     """The Llama layer with the options its relatives switch: q/k/v biases (Qwen2), a
-    q/k norm (Qwen3). Llama's own attention_bias covers q, k, v and o."""
+    q/k norm (Qwen3), another MLP in place of the dense GatedMLP (a mixture of experts:
+    Mixtral, Qwen3-MoE). Llama's own attention_bias covers q, k, v and o."""
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     eps = hf_config.rms_norm_eps
     return PreNormDecoderLayer(
@@ -76,7 +79,9 @@ def llama_layer(
             parallel=parallel,
             qk_norm_eps=eps if qk_norm else None,
         ),
-        GatedMLP(
+        mlp
+        if mlp is not None
+        else GatedMLP(
             hf_config.hidden_size,
             hf_config.intermediate_size,
             bias=bool(getattr(hf_config, "mlp_bias", False)),

@@ -1,0 +1,42 @@
+"""What the mixture-of-experts families (Mixtral, Qwen3-MoE) add to the decoder frame:
+loading each expert's checkpoint tensors into the stacked weights of FusedMoE
+(layers/moe.py), and saying at start that the experts run on the generic path.
+
+bf16 on CPU the router and the attention linears are packed like any Linear
+(layers/cpu_packing.py); the experts' stacked weights are not Linears and stay as
+loaded, for ATen's matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+
+from plugserve.worker.layers.checkpoint import load_checkpoint
+from plugserve.worker.layers.moe import ExpertCheckpointNames
+from plugserve.worker.models.decoder import DecoderForCausalLM
+
+
+class MoeDecoderForCausalLM(DecoderForCausalLM):
+    """A decoder whose layers' MLPs are (some or all) FusedMoE, named in checkpoints as
+    `expert_names` says."""
+
+    expert_names: ClassVar[ExpertCheckpointNames]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_checkpoint(
+            self,
+            self.expert_names.unstack(weights),
+            self.packed_modules_mapping,
+            self.ignored_weight,
+            route=self.expert_names.route,
+        )
+
+    def process_weights_after_loading(self) -> None:
+        self.pack_linears()
+        self.log_generic_path(
+            "the fused bf16 CPU decoder has no mixture of experts (the experts run "
+            "ATen's matmuls on the tokens routed to them)"
+        )
