@@ -118,6 +118,13 @@ def _no_param_init(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
             setattr(torch.nn.init, name, fn)
 
 
+def accepts_parallel(model_cls: type[torch.nn.Module]) -> bool:
+    """Whether `model_cls` can be built for a tensor-parallel rank: it takes `parallel=`,
+    itself or through **kwargs passed on to its base (DecoderForCausalLM's subclasses)."""
+    parameters = inspect.signature(model_cls).parameters.values()
+    return any(p.name == "parallel" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def load_model(
     model_path: str | os.PathLike[str],
     model_cls: type[torch.nn.Module],
@@ -134,7 +141,7 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(str(model_path))
     # Only passed when given, so architectures without tensor parallelism still load.
     extra = {} if parallel is None else {"parallel": parallel}
-    if extra and "parallel" not in inspect.signature(model_cls).parameters:
+    if extra and not accepts_parallel(model_cls):
         raise ValueError(
             f"{model_cls.__name__} does not support tensor parallelism (no `parallel=` "
             "argument); use tensor_parallel_size=1"
