@@ -6,8 +6,9 @@ declared and documented here, once (as vLLM's models/interfaces.py):
 
 - any registered class: ReportsUnavailability (`reports_unavailability`);
 - executors: HasTensorParallelLimit, SupportsWeightReadProbe;
-- attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes;
-- models: SupportsWeightPostProcessing, SupportsWeightBuffer.
+- attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes,
+  HonoursLayerAttention;
+- models: SupportsWeightPostProcessing, SupportsWeightBuffer, HasLayerAttention.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 if TYPE_CHECKING:
+    from typing import Any
+
     import torch
 
-    from plugserve.interfaces import AttentionBatch
+    from plugserve.interfaces import AttentionBatch, LayerAttention
 
 
 # --------------------------------------------------------------------------- any registered class
@@ -122,6 +125,20 @@ def has_dtypes(cls: object) -> TypeGuard[type[HasDtypes]]:
     return isinstance(cls, HasDtypes)
 
 
+@runtime_checkable
+class HonoursLayerAttention(Protocol):
+    """An attention backend class that applies these per-layer options of
+    AttentionSpec.layers (interfaces.LayerAttention field names: "sliding_window",
+    "logit_softcap", "scale"). Without it a backend computes full causal attention at
+    1/sqrt(head_dim) only, and a model whose layers need more fails to start with it."""
+
+    layer_attention_options: frozenset[str]
+
+
+def honours_layer_attention(cls: object) -> TypeGuard[type[HonoursLayerAttention]]:
+    return isinstance(cls, HonoursLayerAttention)
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -151,3 +168,21 @@ class SupportsWeightBuffer(Protocol):
 
 def supports_weight_buffer(model: object) -> TypeGuard[SupportsWeightBuffer]:
     return isinstance(model, SupportsWeightBuffer)
+
+
+@runtime_checkable
+class HasLayerAttention(Protocol):
+    """A model class whose layers attend other than full causal at 1/sqrt(head_dim)
+    (sliding windows, soft-capping, another scale); the model runner asks it before the
+    attention backend is built and hands the answer over in AttentionSpec.layers. The
+    family decides: a config's `sliding_window` alone means nothing (Qwen2's configs carry
+    one with use_sliding_window false)."""
+
+    @classmethod
+    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
+        """One interfaces.LayerAttention per decoder layer."""
+        ...
+
+
+def has_layer_attention(cls: object) -> TypeGuard[type[HasLayerAttention]]:
+    return isinstance(cls, HasLayerAttention)

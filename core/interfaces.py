@@ -14,6 +14,7 @@ plugserve.datatypes; this module imports no engine, worker or frontend module.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -400,6 +401,44 @@ class StructuredOutputBackend(Protocol):
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes beyond full causal softmax(q.k / sqrt(head_dim)) v.
+
+    The model class says it per layer (capabilities.HasLayerAttention); a backend applies
+    them in this order: scores = q.k * scale, then soft-capping, then the causal (and
+    window) mask, then softmax in fp32.
+    """
+
+    # Each query attends to the last `sliding_window` positions, itself included: key
+    # position j is seen from query position i when i - sliding_window < j <= i
+    # (transformers' sliding_window_overlay). None: the whole context.
+    sliding_window: int | None = None
+    # scores → logit_softcap * tanh(scores / logit_softcap), after scaling (Gemma 2).
+    logit_softcap: float | None = None
+    # The softmax scale; None: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5).
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"scale must be positive, got {self.scale}")
+
+    @property
+    def is_full(self) -> bool:
+        """Plain full causal attention with the default scale."""
+        return self == FULL_ATTENTION
+
+    def softmax_scale(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+FULL_ATTENTION = LayerAttention()
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     num_layers: int
     num_heads: int
@@ -408,6 +447,18 @@ class AttentionSpec:
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    # One entry per layer, or empty: every layer full causal attention at the default scale.
+    layers: tuple[LayerAttention, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layers and len(self.layers) != self.num_layers:
+            raise ValueError(
+                f"AttentionSpec.layers has {len(self.layers)} entries for {self.num_layers} layers"
+            )
+
+    def layer(self, layer_idx: int) -> LayerAttention:
+        """What layer `layer_idx` computes (FULL_ATTENTION where `layers` is empty)."""
+        return self.layers[layer_idx] if self.layers else FULL_ATTENTION
 
 
 @dataclass

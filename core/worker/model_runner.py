@@ -22,11 +22,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from plugserve.capabilities import supports_weight_buffer
+from plugserve.capabilities import (
+    has_layer_attention,
+    honours_layer_attention,
+    supports_weight_buffer,
+)
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -38,7 +43,7 @@ from plugserve.device import (  # noqa: F401 (resolve_dtype: the re-export)
     resolve_device,
     resolve_dtype,
 )
-from plugserve.interfaces import AttentionSpec, KVCacheInfo
+from plugserve.interfaces import AttentionSpec, KVCacheInfo, LayerAttention
 from plugserve.model_files import check_architecture, resolve_model_path
 from plugserve.plugins import get_registry
 from plugserve.worker import cpu_linear
@@ -72,6 +77,31 @@ class _ParkedLogits:
     req_ids: list[str]
     # prompt_logprobs computed by this step's prefill chunks (driver rank), by request
     prompt_logprobs: dict[str, list[Logprobs]] | None = None
+
+
+def attention_layers(model_cls: type, hf_config: Any) -> tuple[LayerAttention, ...]:
+    """What each layer's attention computes, as the model class says (empty: all full)."""
+    if not has_layer_attention(model_cls):
+        return ()
+    layers = tuple(model_cls.attention_layers(hf_config))
+    return () if all(layer.is_full for layer in layers) else layers
+
+
+def check_layer_attention(backend_cls: type, name: str, layers: tuple[LayerAttention, ...]) -> None:
+    """Refuse a backend that would ignore an option the model's layers need."""
+    needed = {
+        option
+        for layer in layers
+        for option in ("sliding_window", "logit_softcap", "scale")
+        if getattr(layer, option) is not None
+    }
+    honoured = backend_cls.layer_attention_options if honours_layer_attention(backend_cls) else ()
+    missing = sorted(needed - set(honoured))
+    if missing:
+        raise ValueError(
+            f"attention {name!r} does not support {', '.join(missing)}, which this model's "
+            "layers need"
+        )
 
 
 class ModelRunner:
@@ -127,8 +157,10 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.dtype,
             device=self.device,
+            layers=attention_layers(model_cls, hf_config),
         )
         name = self.config.stack.attention
+        check_layer_attention(registry.get("attention", name), name, spec.layers)
         self.attention = registry.build(
             "attention", name, self.config.plugin_options(name), spec=spec
         )

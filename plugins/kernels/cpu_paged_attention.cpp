@@ -1,7 +1,9 @@
 // Paged attention for CPUs, one query token per row: each row attends to the first
 // seq_len tokens of its request, read straight from the block-paged KV cache (no gathered
 // copy of the context), GQA by KV head. A decode step has one row per request; a prefill
-// chunk has one row per token, whose seq_len is its position + 1 (causal).
+// chunk has one row per token, whose seq_len is its position + 1 (causal). Per layer: the
+// softmax scale, a sliding window (a row then reads only its last `window` tokens, itself
+// included) and logit soft-capping (scores -> cap * tanh(scores / cap), after scaling).
 //
 // Registered as torch.classes.plugserve_cpu.PagedAttentionStep, which holds a step's plan
 // and the layers' caches, attends one layer from Python (forward) and offers the kernel as
@@ -58,6 +60,14 @@ constexpr int64_t kAheadTokens = 512;
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// s[t] = cap * tanh(s[t] / cap) over n scores, in place (Gemma 2's logit soft-capping);
+// nothing where cap is 0.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0.0f) return;
+  const float inv = 1.0f / cap;
+  for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] * inv);
 }
 
 // s[t] = exp(s[t] - max s) over n scores, in place: the unnormalized softmax. Returns its
@@ -258,7 +268,10 @@ struct SliceArgs {
   const void* k;   // the layer's cache, [blocks, block_size, kv_heads, head_dim]
   const void* v;
   const int64_t* blocks;  // the row's block table
-  int64_t len, slice_tokens, kv_heads, group, head_dim, block_size, token_stride, block_stride;
+  // The row reads tokens first .. first + len - 1 of its context (first > 0: a window).
+  int64_t first, len, slice_tokens, kv_heads, group, head_dim, block_size, token_stride,
+      block_stride;
+  float softcap;  // 0: none
 };
 
 // What an item writes: the group's weighted sums of V [group, head_dim], then each query
@@ -278,7 +291,7 @@ void attend_slice(const void* args, int64_t item, void* out) {
   const T* k_base = static_cast<const T*>(a.k) + j * head_dim;
   const T* v_base = static_cast<const T*>(a.v) + j * head_dim;
   auto token_of = [&](const T* base, int64_t t) {
-    const int64_t p = t0 + t;
+    const int64_t p = a.first + t0 + t;
     return base + a.blocks[p / block_size] * a.block_stride + (p % block_size) * a.token_stride;
   };
   const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(T));
@@ -301,6 +314,7 @@ void attend_slice(const void* args, int64_t item, void* out) {
   const float* q = a.q + j * group * head_dim;
   if (!scores_fast<T>(group, head_dim, q, n, k_of, no_run, s))
     for (int64_t t = 0; t < n; ++t) dots(q, k_of(t), group, head_dim, s + t, n);
+  soft_cap(s, group * n, a.softcap);
   for (int64_t g = 0; g < group; ++g) total[g] = exp_from_peak(s + g * n, n, peak + g);
   if (!weighted_sum_fast<T>(group, head_dim, s, n, v_of, no_run, acc)) {
     std::fill(acc, acc + group * head_dim, 0.0f);
@@ -312,9 +326,10 @@ void attend_slice(const void* args, int64_t item, void* out) {
 // the pool is not there or the row is too short to be worth splitting.
 template <typename T, int BS>
 bool attend_row_split(T* out, const T* q_row, int64_t q_head, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t len, int64_t block_size,
+                      int64_t head_dim, int64_t first, int64_t len, int64_t block_size,
                       const int64_t* row_blocks, const at::Tensor& k_blocks,
-                      const at::Tensor& v_blocks, const at::Tensor& block_table, float scale) {
+                      const at::Tensor& v_blocks, const at::Tensor& block_table, float scale,
+                      float softcap) {
   const int64_t group = heads / kv_heads;
   const int64_t item_floats = slice_floats(group, head_dim);
   const int64_t item_bytes = item_floats * static_cast<int64_t>(sizeof(float));
@@ -332,9 +347,10 @@ bool attend_row_split(T* out, const T* q_row, int64_t q_head, int64_t heads, int
   const int64_t half = (len + kSlices - 1) / kSlices;
   const int64_t slice_tokens = (half + kRunTokens - 1) / kRunTokens * kRunTokens;
   const int64_t token_stride = kv_heads * head_dim;
-  const SliceArgs args{qp, k_blocks.data_ptr(), v_blocks.data_ptr(), row_blocks, len,
-                       slice_tokens, kv_heads, group, head_dim, block_size, token_stride,
-                       block_size * token_stride};
+  const SliceArgs args{qp,         k_blocks.data_ptr(), v_blocks.data_ptr(), row_blocks,
+                       first,      len,                 slice_tokens,        kv_heads,
+                       group,      head_dim,            block_size,          token_stride,
+                       block_size * token_stride,       softcap};
   const int64_t items = kv_heads * kSlices;  // item i: KV head i % kv_heads, slice i / kv_heads
   thread_local std::vector<float> parts;
   if (parts.size() < static_cast<size_t>(items * item_floats)) parts.resize(items * item_floats);
@@ -372,11 +388,12 @@ bool attend_row_split(T* out, const T* q_row, int64_t q_head, int64_t heads, int
 // BS is the cache's block size where it is a common one, 0 for any other (read at run
 // time): with BS known, finding a token's block and offset is a shift and a mask instead of
 // a division per token, which was ~10 % of the kernel with the context in cache.
+// softcap 0: none; window 0: the whole context.
 template <typename T, int BS>
 void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                           const at::Tensor& v_blocks, const at::Tensor& block_table,
                           const at::Tensor& table_index, const at::Tensor& seq_lens,
-                          double scale) {
+                          double scale, double softcap, int64_t window) {
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = BS != 0 ? BS : k_blocks.size(1), kv_heads = k_blocks.size(2);
   const int64_t group = heads / kv_heads;
@@ -392,7 +409,11 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
   // [blocks, block_size, kv_heads, D] contiguous.
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
+  // A row whose context ends at token `end` (exclusive) reads from here.
+  auto first_of = [&](int64_t end) {
+    return window > 0 ? std::max<int64_t>(0, end - window) : int64_t{0};
+  };
 
   // A work item is a row and a range of its KV heads: all of them when there are
   // enough rows to share among the threads (each token's K/V row of every head is then
@@ -403,7 +424,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
   const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
 
   struct Item {
-    int64_t row, first_kvh, len;
+    int64_t row, first_kvh;
+    int64_t first, len;  // the context tokens it reads: first .. first + len - 1
     const int64_t* blocks;  // the row's block table
   };
   auto item_at = [&](int64_t item) {
@@ -411,12 +433,14 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
     // ranges of items then get equal work even when a prefill's rows grow in length.
     const int64_t order = item / split;
     const int64_t row = order % 2 == 0 ? order / 2 : rows - 1 - order / 2;
-    return Item{row, (item % split) * heads_per_item, lens[row],
+    const int64_t first = first_of(lens[row]);
+    return Item{row, (item % split) * heads_per_item, first, lens[row] - first,
                 table + table_of[row] * max_blocks};
   };
   // Token t of an item's context in `base` (the K or V cache), at its first KV head.
   auto token_of = [&](const T* base, const Item& it, int64_t t) {
-    return base + it.blocks[t / block_size] * block_stride + (t % block_size) * token_stride +
+    const int64_t p = it.first + t;
+    return base + it.blocks[p / block_size] * block_stride + (p % block_size) * token_stride +
            it.first_kvh * head_dim;
   };
 
@@ -477,7 +501,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
           dots(qj, k_of(t), group, head_dim, sj + t, len);
         }
       }
-      // Softmax per query head, in fp32.
+      // Softmax per query head, in fp32 (soft-capped first where the layer caps).
+      soft_cap(scores.data(), num_heads * len, fsoftcap);
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * len;
         float peak;
@@ -509,9 +534,10 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
   // helper runs next.
   if (rows == 1) {
 #ifdef PLUGSERVE_SPLIT_DECODE
-    if (attend_row_split<T, BS>(out_ptr, q_ptr, q_head, heads, kv_heads, head_dim, lens[0],
-                                block_size, table + table_of[0] * max_blocks, k_blocks,
-                                v_blocks, block_table, fscale))
+    const int64_t first = first_of(lens[0]);
+    if (attend_row_split<T, BS>(out_ptr, q_ptr, q_head, heads, kv_heads, head_dim, first,
+                                lens[0] - first, block_size, table + table_of[0] * max_blocks,
+                                k_blocks, v_blocks, block_table, fscale, fsoftcap))
       return;
 #endif
     attend_items(0, 1);
@@ -524,17 +550,17 @@ template <typename T>
 void paged_attention_rows(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                           const at::Tensor& v_blocks, const at::Tensor& block_table,
                           const at::Tensor& table_index, const at::Tensor& seq_lens,
-                          double scale) {
+                          double scale, double softcap, int64_t window) {
   switch (k_blocks.size(1)) {
     case 16:
       return paged_attention_impl<T, 16>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                         seq_lens, scale);
+                                         seq_lens, scale, softcap, window);
     case 32:
       return paged_attention_impl<T, 32>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                         seq_lens, scale);
+                                         seq_lens, scale, softcap, window);
     default:
       return paged_attention_impl<T, 0>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                        seq_lens, scale);
+                                        seq_lens, scale, softcap, window);
   }
 }
 
@@ -574,7 +600,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& slots, at::Tensor k_blocks, at::Tensor v_blocks,
                            const at::Tensor& block_table, const at::Tensor& table_index,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, double softcap,
+                           int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_blocks.is_contiguous() && v_blocks.is_contiguous(), "KV blocks must be contiguous");
   TORCH_CHECK(k_blocks.scalar_type() == q.scalar_type() && v_blocks.scalar_type() == q.scalar_type(),
@@ -592,21 +619,33 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
     paged_attention_rows<c10::BFloat16>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                        seq_lens, scale);
+                                        seq_lens, scale, softcap, window);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
     paged_attention_rows<float>(out, q, k_blocks, v_blocks, block_table, table_index, seq_lens,
-                                scale);
+                                scale, softcap, window);
   }
   return out;
 }
 
 // A step's plan and every layer's cache, for calls from C++ (plugserve::LayerAttentionFn).
+// Per layer: its softmax scale, soft-cap (0: none) and sliding window (0: none).
 struct PagedAttentionStep : torch::CustomClassHolder {
   PagedAttentionStep(std::vector<at::Tensor> k_blocks, std::vector<at::Tensor> v_blocks,
-                     double scale)
-      : k_blocks(std::move(k_blocks)), v_blocks(std::move(v_blocks)), scale(scale) {
-    TORCH_CHECK(this->k_blocks.size() == this->v_blocks.size(), "one K and one V per layer");
+                     std::vector<double> scales, std::vector<double> softcaps,
+                     std::vector<int64_t> windows)
+      : k_blocks(std::move(k_blocks)),
+        v_blocks(std::move(v_blocks)),
+        scales(std::move(scales)),
+        softcaps(std::move(softcaps)),
+        windows(std::move(windows)) {
+    const size_t layers = this->k_blocks.size();
+    TORCH_CHECK(this->v_blocks.size() == layers && this->scales.size() == layers &&
+                    this->softcaps.size() == layers && this->windows.size() == layers,
+                "one K, V, scale, soft-cap and window per layer");
+    for (size_t i = 0; i < layers; ++i)
+      TORCH_CHECK(this->softcaps[i] >= 0 && this->windows[i] >= 0, "layer ", i,
+                  ": soft-cap and window must be 0 (none) or positive");
   }
 
   // A step as the engine builds it (interfaces.AttentionBatch: query_start [R + 1], seq_lens
@@ -677,11 +716,13 @@ struct PagedAttentionStep : torch::CustomClassHolder {
                 layer, " is outside the cache");
     TORCH_CHECK(step.slots.defined(), "plan() must run before the layer call");
     return paged_attention(q, k, v, step.slots, step.k_blocks[layer], step.v_blocks[layer],
-                           step.block_table, step.table_index, step.seq_lens, step.scale);
+                           step.block_table, step.table_index, step.seq_lens, step.scales[layer],
+                           step.softcaps[layer], step.windows[layer]);
   }
 
   std::vector<at::Tensor> k_blocks, v_blocks;
-  double scale;
+  std::vector<double> scales, softcaps;
+  std::vector<int64_t> windows;
   at::Tensor slots, block_table, table_index, seq_lens;
 };
 
@@ -689,7 +730,8 @@ struct PagedAttentionStep : torch::CustomClassHolder {
 
 TORCH_LIBRARY(plugserve_cpu, m) {
   m.class_<PagedAttentionStep>("PagedAttentionStep")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>,
+                       std::vector<double>, std::vector<int64_t>>())
       .def("plan", &PagedAttentionStep::plan)
       .def("forward", &PagedAttentionStep::forward)
       .def("layer_call", &PagedAttentionStep::layer_call);

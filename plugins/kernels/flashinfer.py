@@ -15,6 +15,12 @@ the device once; every layer's `forward` then writes its K/V at the step's slots
 prefill kernel packs a GQA group's heads into its query tile, which is what FlashInfer's
 decode wrapper does with use_tensor_cores=True.
 
+Layers that attend differently (interfaces.LayerAttention: a sliding window, logit
+soft-capping, another softmax scale) get one wrapper per distinct option set, each
+planned every step with its window_left (window - 1: FlashInfer's left bound is
+inclusive of the query's own position), logits_soft_cap and sm_scale; a layer runs the
+wrapper of its set. Gemma 2 plans two (its sliding and its global layers), Llama one.
+
 flashinfer is imported only when the backend is built, so this module imports anywhere;
 `unavailable_reason()` says why it cannot run on this machine.
 """
@@ -22,7 +28,6 @@ flashinfer is imported only when the backend is built, so this module imports an
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
-from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve.interfaces import AttentionBatch, AttentionSpec, LayerAttention
 
 NAME = "flashinfer"
 INSTALL_HINT = "flashinfer-python is not installed (pip install -e .[gpu])"
@@ -106,9 +111,22 @@ def pad_decode_rows(meta: PagedMetadata, rows: int, scratch_page: int) -> PagedM
 
 @dataclass(frozen=True)
 class _Step:
-    wrapper: Any  # a planned flashinfer.BatchPrefillWithPagedKVCacheWrapper
+    # Planned flashinfer.BatchPrefillWithPagedKVCacheWrappers, one per option set
+    # (FlashInferAttention.option_sets), in that order.
+    wrappers: tuple[Any, ...]
     slots: torch.Tensor  # [num_tokens] int64: where each token's K/V goes
     num_tokens: int
+
+
+def plan_options(layer: LayerAttention, head_dim: int) -> dict[str, Any]:
+    """A layer's options as FlashInfer's plan() takes them. window_left counts the keys
+    left of the query's own position (-1: no window), so a window of W tokens, the query
+    included, is W - 1."""
+    return {
+        "sm_scale": layer.softmax_scale(head_dim),
+        "window_left": -1 if layer.sliding_window is None else layer.sliding_window - 1,
+        "logits_soft_cap": layer.logit_softcap,
+    }
 
 
 class FlashInferAttention:
@@ -116,6 +134,8 @@ class FlashInferAttention:
     the optional CUDA-graph hooks of plugserve.worker.cuda_graphs."""
 
     Options = FlashInferOptions
+    # capabilities.HonoursLayerAttention: plan() takes all three.
+    layer_attention_options = frozenset({"sliding_window", "logit_softcap", "scale"})
     # The model dtypes its kernels compute in (float32 is refused at start).
     dtypes = ("bfloat16", "float16")
 
@@ -156,11 +176,17 @@ class FlashInferAttention:
         self.spec = spec
         self.device = device
         self.options = options
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        # The distinct option sets of the layers, and each layer's index among them.
+        layers = [spec.layer(i) for i in range(spec.num_layers)]
+        self.option_sets: tuple[LayerAttention, ...] = tuple(dict.fromkeys(layers))
+        self._set_of_layer = [self.option_sets.index(layer) for layer in layers]
         # One workspace for every wrapper: they run one at a time on one stream.
         self._workspace = torch.empty(options.workspace_mib << 20, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=options.backend
+        self._wrappers = tuple(
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend=options.backend
+            )
+            for _ in self.option_sets
         )
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
@@ -169,7 +195,7 @@ class FlashInferAttention:
         # waiting for the previous step's copies first keeps the host at most one step
         # ahead of the device (steps where nobody samples do not synchronize otherwise).
         self._planned = torch.cuda.Event()
-        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_wrappers: dict[int, tuple[Any, ...]] = {}
         self._graph_slots: torch.Tensor | None = None
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -193,33 +219,35 @@ class FlashInferAttention:
     def prepare(self, batch: AttentionBatch) -> None:
         self._planned.synchronize()
         meta = paged_metadata(batch, self.spec.block_size)
-        self._plan(self._wrapper, meta)
+        self._plan(self._wrappers, meta)
         slots = torch.from_numpy(np.ascontiguousarray(batch.slot_mapping, dtype=np.int64))
         # From pageable memory the copy is staged before it returns: the array may change.
         self._step = _Step(
-            self._wrapper, slots.to(self.device, non_blocking=True), int(meta.qo_indptr[-1])
+            self._wrappers, slots.to(self.device, non_blocking=True), int(meta.qo_indptr[-1])
         )
         self._planned.record()
 
-    def _plan(self, wrapper: Any, meta: PagedMetadata) -> None:
+    def _plan(self, wrappers: tuple[Any, ...], meta: PagedMetadata) -> None:
+        """Plan each option set's wrapper over the same page table."""
         s = self.spec
-        # Host tensors: plan() reads them on the host and copies them to the device.
-        wrapper.plan(
-            torch.from_numpy(meta.qo_indptr),
-            torch.from_numpy(meta.kv_indptr),
-            torch.from_numpy(meta.kv_indices),
-            torch.from_numpy(meta.last_page_len),
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.block_size,
-            causal=True,
-            sm_scale=self.scale,
-            q_data_type=s.dtype,
-            kv_data_type=s.dtype,
-            # Known here; spares plan() a Python loop over the rows.
-            max_token_per_sequence=int(np.diff(meta.qo_indptr).max(initial=1)),
-        )
+        for wrapper, layer in zip(wrappers, self.option_sets, strict=True):
+            # Host tensors: plan() reads them on the host and copies them to the device.
+            wrapper.plan(
+                torch.from_numpy(meta.qo_indptr),
+                torch.from_numpy(meta.kv_indptr),
+                torch.from_numpy(meta.kv_indices),
+                torch.from_numpy(meta.last_page_len),
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                s.block_size,
+                causal=True,
+                q_data_type=s.dtype,
+                kv_data_type=s.dtype,
+                # Known here; spares plan() a Python loop over the rows.
+                max_token_per_sequence=int(np.diff(meta.qo_indptr).max(initial=1)),
+                **plan_options(layer, s.head_dim),
+            )
 
     # ------------------------------------------------------------------ per layer
 
@@ -238,7 +266,7 @@ class FlashInferAttention:
         v_cache.view(-1, s.num_kv_heads, s.head_dim).index_copy_(0, step.slots, v.to(s.dtype))
         q = q.contiguous()  # q may be a strided view of the fused QKV output
         out = torch.empty_like(q)
-        step.wrapper.run(q, (k_cache, v_cache), out=out)
+        step.wrappers[self._set_of_layer[layer_idx]].run(q, (k_cache, v_cache), out=out)
         return out
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -259,24 +287,28 @@ class FlashInferAttention:
         last_page_len = torch.zeros(largest, dtype=i32, device=device)
         for size in sizes:
             # fa2 whatever the eager backend: its graph-mode plan keeps the launch
-            # shape fixed for a batch size, which a captured launch needs.
-            self._graph_wrappers[size] = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace,
-                "NHD",
-                use_cuda_graph=True,
-                qo_indptr_buf=qo_indptr[: size + 1],
-                paged_kv_indptr_buf=kv_indptr[: size + 1],
-                paged_kv_indices_buf=kv_indices,
-                paged_kv_last_page_len_buf=last_page_len[:size],
-                backend="fa2",
+            # shape fixed for a batch size, which a captured launch needs. One per
+            # option set, all reading the same table buffers.
+            self._graph_wrappers[size] = tuple(
+                self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    qo_indptr_buf=qo_indptr[: size + 1],
+                    paged_kv_indptr_buf=kv_indptr[: size + 1],
+                    paged_kv_indices_buf=kv_indices,
+                    paged_kv_last_page_len_buf=last_page_len[:size],
+                    backend="fa2",
+                )
+                for _ in self.option_sets
             )
 
     def prepare_graph(self, batch: AttentionBatch, padded_size: int) -> None:
         """Like prepare() for a batch of one-token rows, padded to `padded_size` rows
         that write and read the scratch page; fills the fixed buffers a captured
         graph of that size reads. An empty batch is all padding (used to capture)."""
-        wrapper = self._graph_wrappers.get(padded_size)
-        if wrapper is None or self._graph_slots is None:
+        wrappers = self._graph_wrappers.get(padded_size)
+        if wrappers is None or self._graph_slots is None:
             raise ValueError(f"no CUDA-graph wrapper for batch size {padded_size}")
         self._planned.synchronize()
         meta = pad_decode_rows(
@@ -286,8 +318,8 @@ class FlashInferAttention:
         slots[: batch.num_reqs] = batch.slot_mapping
         graph_slots = self._graph_slots[:padded_size]
         graph_slots.copy_(torch.from_numpy(slots), non_blocking=True)
-        self._plan(wrapper, meta)
-        self._step = _Step(wrapper, graph_slots, padded_size)
+        self._plan(wrappers, meta)
+        self._step = _Step(wrappers, graph_slots, padded_size)
         self._planned.record()
 
 

@@ -22,6 +22,12 @@ SmolLM2 bf16 on a 2-core Xeon with AMX, one prompt's prefill: equal at 16-64 tok
 69 → 65 ms at 128, 220 → 165 ms at 512, 539 → 303 ms at 1024.
 Option `kernel`: auto (the C++ kernel on CPU when it builds, SDPA for long prefills),
 native, sdpa.
+
+Each layer attends as AttentionSpec.layers says (interfaces.LayerAttention): its softmax
+scale, a sliding window and logit soft-capping, on every path. The C++ kernel takes them
+per layer; SDPA gets the window as a mask (one per distinct window, built once a step)
+and the scale as its argument, and a soft-capped layer computes its scores explicitly
+(SDPA cannot cap them).
 """
 
 from __future__ import annotations
@@ -37,12 +43,16 @@ import torch.nn.functional as F
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
-from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve.interfaces import AttentionBatch, AttentionSpec, LayerAttention
 from plugserve.ops import huge_page_buffer
 from plugserve_plugins.kernels import cpu_paged_attention
 
 # From this many query tokens in one row, a step's attention runs SDPA (see above).
 SDPA_MIN_QUERY_TOKENS = 64
+
+
+# A layer's sliding window (None: the whole context); the plans hold a mask per window.
+Window = int | None
 
 
 @dataclass(frozen=True)
@@ -51,10 +61,14 @@ class _Prefill:
 
     start: int  # first token of the row in the flat batch
     end: int
-    # With context: the blocks holding all seq_len tokens and the [query_len, seq_len]
-    # causal mask shifted by context_len. Without: None, the chunk attends to its own k/v.
+    seq_len: int
+    # With context: the blocks holding all seq_len tokens. Without: None, the chunk
+    # attends to its own k/v.
     block_ids: torch.Tensor | None
-    mask: torch.Tensor | None
+    # Per window, the [query_len, keys] bool mask (True: attended): causal, shifted by
+    # context_len, within the window. None: plain causal over the chunk's own keys
+    # (no context, no window), which lets SDPA pick a fused kernel.
+    masks: dict[Window, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,9 @@ class _Decodes:
 
     token_index: torch.Tensor | None  # [B] flat token of each row; None: all tokens, in order
     block_table: torch.Tensor  # [B, max_blocks] int64, padded with valid ids
-    bias: torch.Tensor  # [B, 1, 1, max_blocks * block_size]: 0 in the context, -inf past it
+    # Per window, [B, 1, 1, max_blocks * block_size]: 0 for the tokens a row attends to
+    # (its context, or its window's last tokens of it), -inf elsewhere.
+    biases: dict[Window, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,9 @@ class _StepPlan:
 class TorchPagedAttention:
     """interfaces.AttentionBackend with paged KV in torch tensors and SDPA."""
 
+    # capabilities.HonoursLayerAttention: every path applies all three.
+    layer_attention_options = frozenset({"sliding_window", "logit_softcap", "scale"})
+
     class Options(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
         kernel: Literal["auto", "native", "sdpa"] = "auto"
@@ -105,7 +124,12 @@ class TorchPagedAttention:
         choice = (options or self.Options()).kernel
         self.native = self._use_native_kernel(choice)
         self._sdpa_min_query_tokens = SDPA_MIN_QUERY_TOKENS if choice == "auto" else None
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.layers: list[LayerAttention] = [spec.layer(i) for i in range(spec.num_layers)]
+        self.scales = [layer.softmax_scale(spec.head_dim) for layer in self.layers]
+        # The distinct windows: the SDPA plans build one mask per window a step.
+        self.windows: tuple[Window, ...] = tuple(
+            sorted({layer.sliding_window for layer in self.layers}, key=lambda w: w or 0)
+        )
         self.kv_cache: torch.Tensor | None = None
         self._plan: _StepPlan | None = None
         self._native_step: Any = None  # the plan in C++ (native kernel only)
@@ -161,7 +185,8 @@ class TorchPagedAttention:
             cpu_paged_attention.paged_attention_step(
                 [c.k_blocks for c in self._layer_caches],
                 [c.v_blocks for c in self._layer_caches],
-                self.scale,
+                self.layers,
+                s.head_dim,
             )
             if self.native
             else None
@@ -229,22 +254,40 @@ class TorchPagedAttention:
     ) -> _Decodes:
         blocks = self._used_blocks(block_table, seq_lens)
         positions = np.arange(blocks.shape[1] * self.spec.block_size)[None, :]
-        mask = np.where(positions < seq_lens[:, None], 0.0, -np.inf).astype(np.float32)
+        ends = seq_lens[:, None]
+
+        def bias(window: Window) -> torch.Tensor:
+            seen = positions < ends
+            if window is not None:
+                seen &= positions >= ends - window
+            mask = np.where(seen, 0.0, -np.inf).astype(np.float32)
+            return self._to_device(mask).to(self.spec.dtype)[:, None, None, :]
+
         return _Decodes(
             token_index=None if all_rows else self._to_device(token_index),
             block_table=self._to_device(blocks),
-            bias=self._to_device(mask).to(self.spec.dtype)[:, None, None, :],
+            biases={window: bias(window) for window in self.windows},
         )
 
     def _plan_prefill(self, start: int, end: int, seq_len: int, block_row: np.ndarray) -> _Prefill:
         context_len = seq_len - (end - start)
-        if context_len == 0:
-            return _Prefill(start, end, None, None)
-        num_blocks = -(-seq_len // self.spec.block_size)
-        block_ids = self._to_device(block_row[:num_blocks].astype(np.int64))
+        block_ids = None
+        if context_len:
+            num_blocks = -(-seq_len // self.spec.block_size)
+            block_ids = self._to_device(block_row[:num_blocks].astype(np.int64))
         query_pos = torch.arange(context_len, seq_len, device=self.device)[:, None]
-        mask = torch.arange(seq_len, device=self.device)[None, :] <= query_pos
-        return _Prefill(start, end, block_ids, mask)
+        # Keys: the whole context with context, else the chunk's own (positions 0..).
+        key_pos = torch.arange(seq_len if context_len else end - start, device=self.device)
+
+        def mask(window: Window) -> torch.Tensor | None:
+            if context_len == 0 and window is None:
+                return None
+            seen = key_pos[None, :] <= query_pos
+            if window is not None:
+                seen &= key_pos[None, :] > query_pos - window
+            return seen
+
+        return _Prefill(start, end, seq_len, block_ids, {w: mask(w) for w in self.windows})
 
     def cpu_layer_call(self) -> tuple[int, int] | None:
         """The C++ kernel as a plugserve::LayerAttentionFn and its context (see
@@ -266,33 +309,36 @@ class TorchPagedAttention:
         if plan.native:  # the kernel writes k and v itself, then reads
             return self._native_step.forward(layer_idx, q, k, v)
         cache = self._layer_caches[layer_idx]
+        layer = self.layers[layer_idx]
         # Written before any read, so a row sees the tokens every row adds this step.
         assert plan.slots is not None
         cache.k_slots.index_copy_(0, plan.slots, k)
         cache.v_slots.index_copy_(0, plan.slots, v)
         if plan.decodes is not None and plan.decodes.token_index is None:
-            return self._decode(cache, q, plan.decodes)
+            return self._decode(layer_idx, cache, q, plan.decodes)
         out = torch.empty_like(q)
         if plan.decodes is not None:
             d = plan.decodes
-            out[d.token_index] = self._decode(cache, q[d.token_index], d)
+            out[d.token_index] = self._decode(layer_idx, cache, q[d.token_index], d)
         for p in plan.prefills:
             if p.block_ids is None:
                 keys, values = k[p.start : p.end], v[p.start : p.end]
             else:
-                seq_len = p.mask.shape[1]
-                keys = self._gather(cache.k_blocks, p.block_ids)[:seq_len]
-                values = self._gather(cache.v_blocks, p.block_ids)[:seq_len]
-            o = self._sdpa(
+                keys = self._gather(cache.k_blocks, p.block_ids)[: p.seq_len]
+                values = self._gather(cache.v_blocks, p.block_ids)[: p.seq_len]
+            o = self._attend(
+                layer_idx,
                 q[p.start : p.end].transpose(0, 1)[None],
                 keys.transpose(0, 1)[None],
                 values.transpose(0, 1)[None],
-                mask=p.mask,
+                mask=p.masks[layer.sliding_window],
             )
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, cache: _LayerCache, q: torch.Tensor, d: _Decodes) -> torch.Tensor:
+    def _decode(
+        self, layer_idx: int, cache: _LayerCache, q: torch.Tensor, d: _Decodes
+    ) -> torch.Tensor:
         """q [B, H, D], one query per row → [B, H, D]."""
         s = self.spec
         rows, num_blocks = d.block_table.shape
@@ -303,12 +349,13 @@ class TorchPagedAttention:
             tokens = self._gather(blocks, block_ids)
             return tokens.view(rows, context, s.num_kv_heads, s.head_dim).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(
+        # Each KV head's group of query heads as the query-length dimension.
+        o = self._attend(
+            layer_idx,
             q.view(rows, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim),
             gather(cache.k_blocks),
             gather(cache.v_blocks),
-            attn_mask=d.bias,
-            scale=self.scale,
+            mask=d.biases[self.layers[layer_idx].sliding_window],
         )
         return o.reshape(rows, s.num_heads, s.head_dim)
 
@@ -317,19 +364,38 @@ class TorchPagedAttention:
         s = self.spec
         return blocks.index_select(0, block_ids).view(-1, s.num_kv_heads, s.head_dim)
 
-    def _sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    def _attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        # No mask means a fresh prefill: plain causal, which lets SDPA pick a fused kernel.
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
-        )
+        """q [B, H, Lq, D], k/v [B, KVH, Lk, D] (H a multiple of KVH) → [B, H, Lq, D].
+        mask: bool (True: attended) or additive, broadcast to [B, H, Lq, Lk]; None: plain
+        causal with Lq == Lk (a fresh prefill), which lets SDPA pick a fused kernel."""
+        scale, softcap = self.scales[layer_idx], self.layers[layer_idx].logit_softcap
+        gqa = q.shape[1] != k.shape[1]
+        if softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+            )
+        # Soft-capped: the scores explicitly, in transformers' order (scale, cap, mask,
+        # softmax in fp32).
+        if gqa:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is None:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
 
 @hookimpl

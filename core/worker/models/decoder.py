@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from plugserve.interfaces import AttentionBackend
+from plugserve.interfaces import FULL_ATTENTION, AttentionBackend, LayerAttention
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.kernel_plan import KernelPlan
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
@@ -116,6 +116,13 @@ class DecoderForCausalLM(nn.Module):
     ) -> nn.Module:
         """One decoder layer: forward(x, residual, rotary, rope) → (out, residual)."""
         raise NotImplementedError
+
+    @classmethod
+    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
+        """What each layer's attention computes (capabilities.HasLayerAttention): full
+        causal at 1/sqrt(head_dim) unless the family says otherwise (sliding windows,
+        soft-capping, another scale)."""
+        return [FULL_ATTENTION] * hf_config.num_hidden_layers
 
     def build_norm(self, hf_config: Any) -> nn.Module:
         """The final norm (with `add_and_norm(x, residual)`)."""

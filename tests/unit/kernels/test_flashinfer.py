@@ -17,13 +17,14 @@ import torch
 
 from plugserve.cli import main
 from plugserve.config import load_config
-from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve.interfaces import FULL_ATTENTION, AttentionBatch, AttentionSpec, LayerAttention
 from plugserve.plugins import PluginError, get_registry
 from plugserve_plugins.kernels import flashinfer as fi_module
 from plugserve_plugins.kernels.flashinfer import (
     FlashInferAttention,
     pad_decode_rows,
     paged_metadata,
+    plan_options,
 )
 
 REASON = FlashInferAttention.unavailable_reason()
@@ -232,3 +233,50 @@ def test_graph_wrappers_match_the_eager_plan():
     kpad = torch.zeros(3, *k.shape[1:], device="cuda", dtype=k.dtype)
     padded = fi.forward(0, torch.cat([q, pad]), torch.cat([k, kpad]), torch.cat([v, kpad]))
     torch.testing.assert_close(padded[:5], eager, atol=2e-2, rtol=2e-2)
+
+
+def test_layer_options_become_flashinfer_plan_arguments():
+    """window_left counts the keys left of the query (inclusive bound): a window of W
+    tokens with the query is W - 1; -1 is no window."""
+    assert plan_options(FULL_ATTENTION, 64) == {
+        "sm_scale": 1 / math.sqrt(64),
+        "window_left": -1,
+        "logits_soft_cap": None,
+    }
+    layer = LayerAttention(sliding_window=4096, logit_softcap=50.0, scale=256**-0.5)
+    assert plan_options(layer, 128) == {
+        "sm_scale": 256**-0.5,
+        "window_left": 4095,
+        "logits_soft_cap": 50.0,
+    }
+
+
+@needs_flashinfer
+def test_layer_options_match_the_torch_backend():
+    """Layer 0 windowed (7 tokens), soft-capped and rescaled, layer 1 plain: each against
+    the torch backend, which the CPU tests hold to the dense reference."""
+    from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
+
+    torch.manual_seed(0)
+    bs, num_blocks, head_dim = 16, 64, 128
+    batch = _batch(MIXED, bs)
+    layers = (LayerAttention(sliding_window=7, logit_softcap=2.0, scale=0.05), FULL_ATTENTION)
+    spec = _spec(num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=bs)
+    spec = AttentionSpec(**{**vars(spec), "num_layers": 2, "layers": layers})
+    tokens = int(batch.query_start_loc[-1])
+    context = torch.randn(2, 2, num_blocks, bs, 2, head_dim, device="cuda")
+    reference = TorchPagedAttention(spec=AttentionSpec(**{**vars(spec), "dtype": torch.float32}))
+    reference.allocate_kv_cache(num_blocks)
+    reference.kv_cache.copy_(context)
+    fi = FlashInferAttention(spec=spec)
+    fi.allocate_kv_cache(num_blocks)
+    fi.kv_cache[:, :, :num_blocks].copy_(context.to(torch.bfloat16))
+    reference.prepare(batch)
+    fi.prepare(batch)
+    for layer in range(2):
+        q = torch.randn(tokens, 8, head_dim, device="cuda")
+        k, v = torch.randn(2, tokens, 2, head_dim, device="cuda")
+        expected = reference.forward(layer, q, k, v)
+        got = fi.forward(layer, q.bfloat16(), k.bfloat16(), v.bfloat16()).float()
+        error = (got - expected).norm() / expected.norm()
+        assert error < 1e-2, f"layer {layer}: relative error {error:.2e}"

@@ -2,7 +2,9 @@
 
 Two steps over a paged cache with scattered blocks: the first prefills some requests,
 the second mixes every row kind the backend distinguishes (a decode, a one-token prompt,
-a fresh prefill, a prefill chunk after cached context), in no particular order.
+a fresh prefill, a prefill chunk after cached context), in no particular order. Each
+layer's options (interfaces.LayerAttention: sliding window, logit soft-capping, softmax
+scale) are held to the same dense reference with the option applied, on both paths.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from plugserve.interfaces import AttentionBackend, AttentionBatch, AttentionSpec
+from plugserve.capabilities import honours_layer_attention
+from plugserve.interfaces import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionBatch,
+    AttentionSpec,
+    LayerAttention,
+)
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention, register_attention_backends
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 2, 16, 4, 48
@@ -47,13 +56,24 @@ class Sequence:
         )
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Dense causal attention over one whole sequence: [S, H, D] with GQA expanded."""
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention = FULL_ATTENTION
+) -> torch.Tensor:
+    """Dense causal attention over one whole sequence: [S, H, D] with GQA expanded, as
+    transformers' eager attention computes it: scores scaled, soft-capped, masked
+    (causal, and within the window: key j seen from query i when i - window < j <= i)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    scale = layer.scale if layer.scale is not None else 1 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if layer.logit_softcap is not None:
+        scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
+    i = torch.arange(q.shape[0])[:, None]
+    j = torch.arange(q.shape[0])[None, :]
+    seen = j <= i
+    if layer.sliding_window is not None:
+        seen &= j > i - layer.sliding_window
+    probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -99,7 +119,10 @@ def run_step(
         for name, start, end in rows:
             seq = sequences[name]
             expected = reference_attention(
-                seq.q[layer, :end], seq.k[layer, :end], seq.v[layer, :end]
+                seq.q[layer, :end],
+                seq.k[layer, :end],
+                seq.v[layer, :end],
+                backend.spec.layer(layer),
             )
             torch.testing.assert_close(
                 out[offset : offset + end - start], expected[start:end], atol=1e-5, rtol=1e-5
@@ -137,13 +160,19 @@ def backend(request: pytest.FixtureRequest) -> TorchPagedAttention:
 )
 # The kernel is compiled for block sizes 16 and 32, and reads any other at run time.
 @pytest.mark.parametrize("block_size", [16, 32, 5])
+# Plain, and with every option: the window (40) cuts the long rows' context mid-block.
+@pytest.mark.parametrize(
+    "layer",
+    [FULL_ATTENTION, LayerAttention(sliding_window=40, logit_softcap=3.0, scale=0.2)],
+    ids=["full", "window-softcap-scale"],
+)
 def test_native_kernel_matches_sdpa_at_model_shapes(
-    dtype: torch.dtype, rows: list[tuple[int, int]], block_size: int
+    dtype: torch.dtype, rows: list[tuple[int, int]], block_size: int, layer: LayerAttention
 ) -> None:
     # SmolLM2's heads: 9 query, 3 KV, dim 64, the shapes the kernel's fast paths serve.
     spec = AttentionSpec(
         num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size,
-        dtype=dtype, device=torch.device("cpu"),
+        dtype=dtype, device=torch.device("cpu"), layers=(layer,),
     )  # fmt: skip
     generator = torch.Generator().manual_seed(len(rows))
     seq_lens = np.array([c + n for c, n in rows])
@@ -182,12 +211,78 @@ def test_native_kernel_matches_sdpa_at_model_shapes(
 
 
 def test_mixed_batch_matches_dense_attention(backend: TorchPagedAttention) -> None:
+    run_mixed_steps(backend)
+
+
+def run_mixed_steps(backend: TorchPagedAttention) -> None:
     sequences = make_sequences({"a": 8, "b": 5, "c": 13, "d": 1, "e": 9})
     # Step 1: fresh prefills that leave context behind in the cache.
     run_step(backend, sequences, [("a", 0, 7), ("c", 0, 6), ("e", 0, 8)])
     # Step 2: a chunk after 6 cached tokens (crossing blocks), a decode mid-block, a fresh
     # prefill, a one-token prompt, a decode opening a new block.
     run_step(backend, sequences, [("c", 6, 13), ("a", 7, 8), ("b", 0, 5), ("d", 0, 1), ("e", 8, 9)])
+
+
+# Options that bite at these sizes: a window of 3 tokens slides within every row longer
+# than 3 (and across the cache's 4-token blocks); the random scores spread ~1 at the
+# default scale, so a cap of 1.0 flattens them; a scale of 0.5 doubles them.
+LAYER_OPTIONS = {
+    "window": LayerAttention(sliding_window=3),
+    "softcap": LayerAttention(logit_softcap=1.0),
+    "scale": LayerAttention(scale=0.5),
+    "all": LayerAttention(sliding_window=5, logit_softcap=1.5, scale=0.4),
+}
+
+
+@pytest.mark.parametrize("kernel", ["native", "sdpa"])
+@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
+def test_each_layer_attends_as_its_options_say(kernel: str, option: str) -> None:
+    """Layer 0 with the option, layer 1 plain: fresh prefills, a chunk after cached
+    context, decodes and one-token prompts, each against the dense reference with the
+    option applied (the reference is the option's definition)."""
+    spec = AttentionSpec(**{**SPEC.__dict__, "layers": (LAYER_OPTIONS[option], FULL_ATTENTION)})
+    backend = TorchPagedAttention(spec=spec, options=TorchPagedAttention.Options(kernel=kernel))
+    backend.allocate_kv_cache(NUM_BLOCKS)
+    run_mixed_steps(backend)
+
+
+def test_options_change_the_output() -> None:
+    """The reference really applies each option (else the tests above prove nothing)."""
+    seq = make_sequences({"a": 13})["a"]
+    plain = reference_attention(seq.q[0], seq.k[0], seq.v[0])
+    for layer in LAYER_OPTIONS.values():
+        changed = reference_attention(seq.q[0], seq.k[0], seq.v[0], layer)
+        assert (changed - plain).abs().max() > 0.05, layer
+
+
+def test_the_window_includes_the_query_itself() -> None:
+    """A window of 1 attends to the query's own position only: the output is its v."""
+    seq = make_sequences({"a": 9})["a"]
+    out = reference_attention(seq.q[0], seq.k[0], seq.v[0], LayerAttention(sliding_window=1))
+    torch.testing.assert_close(out, seq.v[0].repeat_interleave(HEADS // KV_HEADS, dim=1))
+    backend = TorchPagedAttention(
+        spec=AttentionSpec(**{**SPEC.__dict__, "layers": (LayerAttention(sliding_window=1),) * 2})
+    )
+    backend.allocate_kv_cache(NUM_BLOCKS)
+    run_step(backend, {"a": seq}, [("a", 0, 9)])
+
+
+def test_declares_every_layer_option_it_honours() -> None:
+    assert honours_layer_attention(TorchPagedAttention)
+    assert TorchPagedAttention.layer_attention_options == {
+        "sliding_window",
+        "logit_softcap",
+        "scale",
+    }
+
+
+def test_a_layer_option_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
+        LayerAttention(sliding_window=0)
+    with pytest.raises(ValueError, match="logit_softcap must be positive"):
+        LayerAttention(logit_softcap=0.0)
+    with pytest.raises(ValueError, match="has 1 entries for 2 layers"):
+        AttentionSpec(**{**SPEC.__dict__, "layers": (FULL_ATTENTION,)})
 
 
 def test_rows_see_blocks_another_row_fills_in_the_same_step(
@@ -311,10 +406,16 @@ class DecodeRow:
         return backend
 
 
-def one_decode_row(seq_len: int, block_size: int, dtype: torch.dtype, seed: int) -> DecodeRow:
+def one_decode_row(
+    seq_len: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    layer: LayerAttention = FULL_ATTENTION,
+) -> DecodeRow:
     spec = AttentionSpec(
         num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size,
-        dtype=dtype, device=torch.device("cpu"),
+        dtype=dtype, device=torch.device("cpu"), layers=(layer,),
     )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     used = -(-seq_len // block_size)
@@ -339,13 +440,20 @@ def one_decode_row(seq_len: int, block_size: int, dtype: torch.dtype, seed: int)
 # second shorter (65, 100) or one run of 16 tokens (80).
 @pytest.mark.parametrize("seq_len", [63, 64, 65, 80, 100, 299, 1000])
 @pytest.mark.parametrize("block_size", [16, 5])
+# With a window of 70 the row reads its last 70 tokens (split from 64 on, as without):
+# the slices then start mid-context.
+@pytest.mark.parametrize(
+    "layer",
+    [FULL_ATTENTION, LayerAttention(sliding_window=70, logit_softcap=3.0, scale=0.2)],
+    ids=["full", "window-softcap-scale"],
+)
 def test_a_decode_row_shared_with_the_matmul_helper_matches_one_thread(
-    dtype: torch.dtype, seq_len: int, block_size: int
+    dtype: torch.dtype, seq_len: int, block_size: int, layer: LayerAttention
 ) -> None:
     """At batch 1 the row's context is split between the caller and the one-row matmuls'
     helper thread (row_pool.h), each slice's softmax merged after: the same attention as
     the one thread computes, up to fp32 rounding (and one bf16 rounding of the output)."""
-    row = one_decode_row(seq_len, block_size, dtype, seed=seq_len)
+    row = one_decode_row(seq_len, block_size, dtype, seed=seq_len, layer=layer)
     native = row.backend("native")
     set_row_pool(False)
     alone = native.forward(0, *row.qkv).float()
