@@ -1,7 +1,8 @@
 """Every registered architecture, on a tiny checkpoint of its transformers family saved
 with `save_pretrained`, gives transformers' greedy tokens in fp32 (logprobs within
 FP32_LOGPROB_TOLERANCE), with prefix caching and chunked prefill on, in a mixed batch
-and one request at a time (tests/correctness/tiny_checkpoints.py).
+and one request at a time, and in a mixed batch over TP_SIZE tensor-parallel worker
+processes wherever its layers can shard its shapes (tests/correctness/tiny_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ import pytest
 
 from correctness.architecture_cases import all_cases
 from correctness.tiny_checkpoints import (
+    FP32_TP_LOGPROB_TOLERANCE,
+    TP_SIZE,
     TinyCase,
     TinyRun,
     hf_references,
+    tensor_parallel_refusal,
+    tiny,
     write_tiny_checkpoint,
 )
 
@@ -40,3 +45,24 @@ def test_one_request_at_a_time_matches_transformers_with_prefix_cache_hits(
         tiny_run.check(llm, batched=False)
         # The last prompt's first 32 tokens (two blocks) came from the longest one's.
         assert llm.engine.scheduler.kv.stats().prefix_cache_hits >= 2 * 16
+
+
+def test_tensor_parallel_worker_processes_match_transformers(tiny_run: TinyRun) -> None:
+    refusal = tensor_parallel_refusal(tiny_run.model)
+    if refusal is not None:
+        pytest.skip(f"its shapes do not shard over {TP_SIZE} ranks: {refusal}")
+    # One engine of TP_SIZE worker processes per case (~4 s, most of it starting them).
+    with tiny_run.tensor_parallel_llm() as llm:
+        largest = tiny_run.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
+    print(f"TP={TP_SIZE}: largest logprob difference {largest:.1e}")
+
+
+def test_shapes_the_layers_cannot_shard_are_refused_with_the_reason(tmp_path) -> None:
+    from transformers import LlamaConfig
+
+    # One query head cannot be split over two ranks; four over two KV heads can.
+    LlamaConfig(**tiny(num_attention_heads=1, num_key_value_heads=1)).save_pretrained(tmp_path)
+    refusal = tensor_parallel_refusal(str(tmp_path), 2)
+    assert refusal is not None and "cannot shard 1 query heads" in refusal
+    LlamaConfig(**tiny()).save_pretrained(tmp_path)
+    assert tensor_parallel_refusal(str(tmp_path), 2) is None

@@ -11,7 +11,9 @@ reference is transformers loading that folder itself, never plugserve's loading.
 
 `TinyRun.check` then holds plugserve's greedy continuation, served through `LLM` in fp32
 with prefix caching and chunked prefill on, to the reference: the tokens equal, and the
-logprob of every token within FP32_LOGPROB_TOLERANCE of transformers'. Weights are drawn
+logprob of every token within FP32_LOGPROB_TOLERANCE of transformers'. The same holds
+at TP_SIZE ranks (the mp executor's worker processes) for every checkpoint whose shapes
+the model's layers can shard (`tensor_parallel_refusal` asks them). Weights are drawn
 with WEIGHT_STD so that logits spread (std ~0.8 at hidden size 64): the two best tokens
 of a step are typically ~0.2 apart, four orders of magnitude above fp32 summation-order
 noise, so equal tokens are the expected outcome and a mismatch reports transformers'
@@ -44,8 +46,17 @@ NEW_TOKENS = 24
 # fp32 end to end; what differs is summation order (fused q/k/v and gate/up matmuls,
 # paged attention over chunks). Measured over the Llama and Qwen2 cases of
 # test_architectures_match_hf.py, batched and alone: largest difference 7.4e-5 nats
-# (transformers' smallest margin between its two best tokens there: 5.4e-4).
+# (transformers' smallest margin between its two best tokens there: 5.4e-4); over the 13
+# cases of Llama, Mistral, Mixtral, Phi-3, Qwen2/3 and Qwen3-MoE: 2.7e-4 (Mistral's
+# head_dim 32).
 FP32_LOGPROB_TOLERANCE = 1e-3
+# Tensor parallelism changes the order of the sums once more: each row-parallel
+# projection (o_proj, down_proj, the experts') adds the ranks' partial products, and
+# the vocab-parallel embedding is an all-reduce of each row and zeros. Measured at TP=2
+# over the same 13 cases, batched: largest difference 2.7e-4 nats, each case within
+# 1e-5 of its single-process figure, so the single-process tolerance holds.
+TP_SIZE = 2
+FP32_TP_LOGPROB_TOLERANCE = FP32_LOGPROB_TOLERANCE
 # Small enough that prompts of more than this many tokens are prefilled in chunks, and
 # a mixed batch shares each step between decodes and a chunk.
 CHUNK_TOKENS = 32
@@ -133,18 +144,27 @@ def hf_references(
 
 
 def assert_matches(
-    label: str, reference: Reference, token_ids: Sequence[int], logprobs: Sequence[float]
-) -> None:
-    """Tokens equal to transformers', each token's logprob within the fp32 tolerance."""
+    label: str,
+    reference: Reference,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    tolerance: float = FP32_LOGPROB_TOLERANCE,
+) -> float:
+    """Tokens equal to transformers', each token's logprob within `tolerance` of its;
+    returns the largest logprob difference (what the tolerances are measured by)."""
+    largest = 0.0
     for step, (theirs, mine) in enumerate(zip(reference.token_ids, token_ids, strict=True)):
         assert mine == theirs, (
             f"{label}, step {step}: token {mine}, transformers {theirs} "
             f"(its margin over the runner-up there: {reference.margin(step):.2e})"
         )
         expected = reference.logprobs[step, mine].item()
-        assert abs(logprobs[step] - expected) <= FP32_LOGPROB_TOLERANCE, (
+        difference = abs(logprobs[step] - expected)
+        assert difference <= tolerance, (
             f"{label}, step {step}: logprob {logprobs[step]:.6f}, transformers {expected:.6f}"
         )
+        largest = max(largest, difference)
+    return largest
 
 
 @dataclass
@@ -158,7 +178,8 @@ class TinyRun:
     @contextmanager
     def llm(self, **overrides: Any) -> Iterator[LLM]:
         """plugserve on this checkpoint in fp32, prefix caching on, prefill chunked at
-        CHUNK_TOKENS; freed on exit, so each test holds one engine at a time."""
+        CHUNK_TOKENS; shut down (worker processes and all) and freed on exit, so each test
+        holds one engine at a time."""
         settings: dict[str, Any] = {
             "dtype": "float32",
             "enable_prefix_caching": True,
@@ -173,24 +194,67 @@ class TinyRun:
         try:
             yield llm
         finally:
+            llm.engine.shutdown()
             del llm
             gc.collect()
 
-    def check(self, llm: LLM, *, batched: bool) -> None:
+    @contextmanager
+    def tensor_parallel_llm(self, **overrides: Any) -> Iterator[LLM]:
+        """`llm` over TP_SIZE worker processes (the mp executor), one torch thread each:
+        the ranks share the machine's cores and would only oversubscribe them."""
+        with self.llm(
+            executor="mp", tensor_parallel_size=TP_SIZE, num_threads=1, **overrides
+        ) as llm:
+            yield llm
+
+    def check(self, llm: LLM, *, batched: bool, tolerance: float = FP32_LOGPROB_TOLERANCE) -> float:
         """Generate every prompt (in one call, or one call per prompt) and hold each
-        continuation to its reference."""
+        continuation to its reference; returns the largest logprob difference."""
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
         requests = [{"prompt_token_ids": p} for p in self.prompts]
         if batched:
             outputs = llm.generate(requests, params)
         else:
             outputs = [llm.generate([r], params)[0] for r in requests]
+        largest = 0.0
         for prompt, reference, result in zip(self.prompts, self.references, outputs, strict=True):
             ours = result.outputs[0]
             assert ours.logprobs is not None
             chosen = [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs, strict=True)]
             label = f"{'batched' if batched else 'alone'}, {len(prompt)}-token prompt"
-            assert_matches(label, reference, ours.token_ids, chosen)
+            difference = assert_matches(label, reference, ours.token_ids, chosen, tolerance)
+            largest = max(largest, difference)
+        return largest
+
+
+def tensor_parallel_refusal(model: str, world_size: int = TP_SIZE) -> str | None:
+    """Why the checkpoint at `model` cannot run over `world_size` tensor-parallel ranks,
+    or None where it can. Asked of the model, not of a list of sizes: its registered
+    class is built for every rank as an mp worker builds it (after load_model's own
+    check that it takes `parallel=`), and its layers refuse the shapes they cannot shard
+    (parallel.shard_heads, the MoE layer, ...) with a ValueError saying why. Building
+    only computes the shards: nothing is loaded, no collective and no attention runs
+    (hence no attention backend)."""
+    from transformers import AutoConfig
+
+    from plugserve.model_files import check_architecture
+    from plugserve.plugins import get_registry
+    from plugserve.worker.model_loader import accepts_parallel
+    from plugserve.worker.parallel import ParallelContext
+
+    registry = get_registry()
+    model_cls = registry.get("model", check_architecture(model, registry.implementations("model")))
+    if not accepts_parallel(model_cls):
+        return f"{model_cls.__name__} takes no parallel= argument (no tensor parallelism)"
+    hf_config = AutoConfig.from_pretrained(model)
+    for rank in range(world_size):
+        parallel = ParallelContext(rank=rank, world_size=world_size)
+        try:
+            model_cls(hf_config=hf_config, attention=None, parallel=parallel)
+        except ValueError as error:
+            return f"rank {rank} of {world_size}: {error}"
+    gc.collect()
+    return None
 
 
 def put_in_hub_cache(folder: Path, cache_dir: Path, repo_id: str) -> Path:
