@@ -13,6 +13,7 @@ from plugserve.worker.layers.linear import Linear
 from plugserve.worker.layers.weight_loader import (
     WeightShapeError,
     shard_ids_of,
+    shard_sizes_of,
     weight_loader_of,
 )
 
@@ -49,17 +50,18 @@ def load_checkpoint(
         routed = None if route is None else route(name)
         target, shard_id = routed or _fused_target(name, packed_modules_mapping)
         param = params.get(target)
-        if param is None or shard_id not in (shard_ids_of(param) or (None,)):
-            raise CheckpointError(
-                f"checkpoint tensor {name!r} has no place in {type(model).__name__}"
-            )
-        try:
-            weight_loader_of(param)(param, tensor, shard_id)
-        except WeightShapeError as error:
-            raise CheckpointError(
-                f"checkpoint tensor {name!r} has shape {error.got}, expected {error.expected}"
-            ) from None
-        loaded.add((target, shard_id))
+        for part_id, part in _stacked_shards(name, tensor, param, shard_id):
+            if param is None or part_id not in (shard_ids_of(param) or (None,)):
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} has no place in {type(model).__name__}"
+                )
+            try:
+                weight_loader_of(param)(param, part, part_id)
+            except WeightShapeError as error:
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} has shape {error.got}, expected {error.expected}"
+                ) from None
+            loaded.add((target, part_id))
     expected = {
         (name, shard_id)
         for name, param in params.items()
@@ -70,6 +72,26 @@ def load_checkpoint(
     )
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _stacked_shards(
+    name: str, tensor: torch.Tensor, param: nn.Parameter | None, shard_id: Any
+) -> list[tuple[Any, torch.Tensor]]:
+    """The (shard id, tensor) pairs one checkpoint tensor loads as: itself, or, where it
+    holds a fused parameter's shards already stacked (Phi-3's qkv_proj: q, k, v rows;
+    its gate_up_proj: gate, up), each shard's rows, so every rank slices each shard."""
+    sizes = None if param is None or shard_id is not None else shard_sizes_of(param)
+    if sizes is None:
+        return [(shard_id, tensor)]
+    ids = shard_ids_of(param)
+    assert ids is not None  # set_weight_loader gives sizes only with ids
+    if tensor.shape[0] != sum(sizes):
+        stacked = " + ".join(f"{shard} {size}" for shard, size in zip(ids, sizes, strict=True))
+        raise CheckpointError(
+            f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected "
+            f"{sum(sizes)} ({stacked}, stacked)"
+        )
+    return list(zip(ids, tensor.split(list(sizes), dim=0), strict=True))
 
 
 def _fused_target(name: str, packed_modules_mapping: PackedModulesMapping) -> tuple[str, Any]:

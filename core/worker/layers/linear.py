@@ -43,16 +43,19 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool,
         shard_ids: Sequence[Any] | None = None,
+        shard_sizes: Sequence[int] | None = None,
     ) -> None:
-        """`shard_ids`: for a fused layer, the checkpoint tensors stacked in its weight."""
+        """`shard_ids`: for a fused layer, the checkpoint tensors stacked in its weight;
+        `shard_sizes`: their full row counts, so that a checkpoint holding them already
+        stacked in one tensor (Phi-3's qkv_proj) loads too (weight_loader.py)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # Every weight is overwritten by the checkpoint: torch.empty skips initialization.
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        set_weight_loader(self.weight, self.weight_loader, shard_ids)
+        set_weight_loader(self.weight, self.weight_loader, shard_ids, shard_sizes)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.empty(out_features))
-            set_weight_loader(self.bias, self.weight_loader, shard_ids)
+            set_weight_loader(self.bias, self.weight_loader, shard_ids, shard_sizes)
         else:
             self.register_parameter("bias", None)
 
@@ -119,7 +122,9 @@ class MergedColumnParallelLinear(Linear):
     ) -> None:
         ranges = [parallel.shard(size) for size in output_sizes]
         local_sizes = [end - start for start, end in ranges]
-        super().__init__(in_features, sum(local_sizes), bias, range(len(output_sizes)))
+        super().__init__(
+            in_features, sum(local_sizes), bias, range(len(output_sizes)), output_sizes
+        )
         self.output_ranges = ranges  # this rank's rows [start, end) of each checkpoint tensor
         self.output_sizes = local_sizes  # their row counts, in the order they are stacked
         self.parallel = parallel
@@ -150,7 +155,14 @@ class QKVParallelLinear(Linear):
     ) -> None:
         heads = parallel.head_shard(num_heads, num_kv_heads)
         q_size, kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
-        super().__init__(hidden_size, q_size + 2 * kv_size, bias, self.SHARD_IDS)
+        full_kv = num_kv_heads * head_dim
+        super().__init__(
+            hidden_size,
+            q_size + 2 * kv_size,
+            bias,
+            self.SHARD_IDS,
+            (num_heads * head_dim, full_kv, full_kv),
+        )
         self.heads, self.head_dim = heads, head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.parallel = parallel

@@ -25,11 +25,25 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
     return float(theta), params
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies for the "default", "linear" and "llama3" RoPE types, computed
-    exactly as transformers does so logits match it bit for bit in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int | None = None
+) -> torch.Tensor:
+    """Inverse frequencies for the "default", "linear", "llama3" and "longrope" RoPE types,
+    computed exactly as transformers does so logits match it bit for bit in fp32.
+    `head_dim`: the rotated dimensions (all of a head's, or its first part with a partial
+    rotary factor). `max_positions`: the table's length, which picks longrope's factors
+    (longrope_uses_long_factors)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = scaling["rope_type"]
+    if rope_type == "longrope":
+        use_long = max_positions is not None and longrope_uses_long_factors(scaling, max_positions)
+        factors = scaling["long_factor" if use_long else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(
+                f"longrope needs {head_dim // 2} factors (one per rotated pair), got {len(factors)}"
+            )
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -44,7 +58,36 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, longrope)"
+    )
+
+
+def longrope_uses_long_factors(scaling: dict[str, Any], max_positions: int) -> bool:
+    """Whether a longrope model rotates by its long factors: here, for every sequence,
+    when the table reaches past original_max_position_embeddings.
+
+    transformers decides per forward pass instead: long factors when the pass's largest
+    position + 1 exceeds original_max_position_embeddings, and Phi-3's generate drops its
+    KV cache and recomputes the whole sequence when it grows past that length. A server's
+    KV cache keeps keys rotated once, for the sequence's life, so plugserve (as vLLM) picks
+    one table per model: the two agree on sequences longer than
+    original_max_position_embeddings, and on every sequence where the model's
+    max_position_embeddings does not exceed it."""
+    return max_positions > int(scaling["original_max_position_embeddings"])
+
+
+def rope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
+    """The factor transformers multiplies cos and sin by: longrope's attention factor
+    (given, or sqrt(1 + ln(factor) / ln(original length)) with factor the extension
+    max_positions / original_max_position_embeddings where not given); 1 otherwise."""
+    if scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 @dataclass
@@ -67,25 +110,46 @@ class RotaryEmbedding(nn.Module):
     cpu_ops in FusedCpuDecoderLayer, with `cos_sin`; `prepare` then gathers nothing.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any],
+        rotary_dim: int | None = None,
+    ):
+        """`rotary_dim`: rotate only each head's first rotary_dim dimensions and pass the
+        rest through (a partial rotary factor: Phi-4-mini's 0.75); all by default."""
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < self.rotary_dim <= head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, {head_dim}]")
+        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        # longrope scales cos and sin (in fp32, before the cast, as transformers).
+        attention_factor = rope_attention_factor(scaling, max_positions)
         # fp32 whatever the model dtype: cast per step, as HF does, to keep precision.
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        sin = emb.sin().float()
-        sin[:, : head_dim // 2] *= -1
+        self.register_buffer("cos", emb.cos().float() * attention_factor, persistent=False)
+        sin = emb.sin().float() * attention_factor
+        sin[:, : self.rotary_dim // 2] *= -1
         self.register_buffer("sin", sin, persistent=False)
         self.head_dim = head_dim
-        self.half = head_dim // 2
+        self.half = self.rotary_dim // 2
         self.cos_sin: torch.Tensor | None = None  # the fused op's table, once switched on
+
+    @property
+    def partial(self) -> bool:
+        """Whether each head keeps dimensions unrotated (the fused op rotates them all)."""
+        return self.rotary_dim != self.head_dim
 
     def use_fused_op(self) -> None:
         """Build cpu_ops' table: each position's D/2 cosines, then its D/2 unsigned sines
         (the second half of `sin`)."""
+        if self.partial:
+            raise ValueError("the fused rotary op rotates whole heads (no partial rotary)")
         self.cos_sin = torch.cat((self.cos[:, : self.half], self.sin[:, self.half :]), dim=-1)
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
@@ -102,4 +166,8 @@ class RotaryEmbedding(nn.Module):
         token's position → [T, num_heads, D]."""
         assert step.cos is not None and step.sin is not None, "prepared for the fused op"
         x = qkv[:, : num_heads * self.head_dim].view(-1, num_heads, self.head_dim)
-        return x * step.cos + torch.roll(x, self.half, dims=-1) * step.sin
+        if not self.partial:
+            return x * step.cos + torch.roll(x, self.half, dims=-1) * step.sin
+        rotated, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        rotated = rotated * step.cos + torch.roll(rotated, self.half, dims=-1) * step.sin
+        return torch.cat((rotated, passed), dim=-1)

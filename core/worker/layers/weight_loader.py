@@ -7,6 +7,12 @@ checkpoint tensors stacked, as q/k/v in one qkv_proj) also declares the shard id
 made of, and takes each tensor with its shard id; every other parameter takes one tensor,
 with shard id None. A parameter without a loader of its own (a norm's weight, replicated
 on every rank) is copied whole (default_weight_loader).
+
+Some checkpoints store a fused parameter's tensors already stacked in one (Phi-3's
+qkv_proj and gate_up_proj). A fused parameter that declares its shards' full row counts
+(`shard_sizes`) takes such a tensor too: the loading splits it into its shards and gives
+each to the loader with its shard id, so each rank still takes its own part of every
+shard (its heads' rows of q, of k and of v), not a slice of the stack.
 """
 
 from __future__ import annotations
@@ -41,12 +47,19 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: A
 
 
 def set_weight_loader(
-    param: nn.Parameter, loader: WeightLoader, shard_ids: Sequence[Any] | None = None
+    param: nn.Parameter,
+    loader: WeightLoader,
+    shard_ids: Sequence[Any] | None = None,
+    shard_sizes: Sequence[int] | None = None,
 ) -> None:
     """Attach `loader` to `param`; `shard_ids`, for a fused parameter, names the checkpoint
-    tensors it is made of, in their order inside it."""
+    tensors it is made of, in their order inside it, and `shard_sizes` their full
+    (unsharded) row counts, where a checkpoint may hold them stacked in one tensor."""
+    if shard_sizes is not None and (shard_ids is None or len(shard_sizes) != len(shard_ids)):
+        raise ValueError("shard_sizes needs one row count per shard id")
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.shard_ids = None if shard_ids is None else tuple(shard_ids)  # type: ignore[attr-defined]
+    param.shard_sizes = None if shard_sizes is None else tuple(shard_sizes)  # type: ignore[attr-defined]
 
 
 def weight_loader_of(param: nn.Parameter) -> WeightLoader:
@@ -56,3 +69,9 @@ def weight_loader_of(param: nn.Parameter) -> WeightLoader:
 def shard_ids_of(param: nn.Parameter) -> tuple[Any, ...] | None:
     """The shard ids a fused parameter is loaded from; None for a parameter loaded whole."""
     return getattr(param, "shard_ids", None)
+
+
+def shard_sizes_of(param: nn.Parameter) -> tuple[int, ...] | None:
+    """A fused parameter's shards' full row counts, in shard_ids_of's order; None where
+    the checkpoint must give each shard apart."""
+    return getattr(param, "shard_sizes", None)

@@ -1,0 +1,22 @@
+"""Mistral: Llama's layer, with no biases, head_dim from the config (Mistral-Nemo: 128,
+not hidden_size / num_heads) and, where the config sets `sliding_window` (Mistral 7B
+v0.1: 4096; later versions None), every layer attending over that many positions.
+
+It is LlamaForCausalLM otherwise, the fused bf16 CPU decoder included: the window is
+the attention backend's to apply (AttentionSpec.layers), inside the one call each layer
+already makes to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plugserve.worker.models.llama import LlamaForCausalLM
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """interfaces.CausalLM for Mistral checkpoints (HF names), tied or untied head."""
+
+    @staticmethod
+    def qkv_bias(hf_config: Any) -> bool:
+        return False
