@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from plugserve.interfaces import LayerAttention
 from plugserve.worker.models.llama import LlamaForCausalLM
+
+
+def sliding_window_layers(hf_config: Any) -> list[LayerAttention]:
+    """Every layer over the last `sliding_window` positions where the config sets one
+    (Mistral, Phi-3: one window for all layers), else over the whole context."""
+    window = getattr(hf_config, "sliding_window", None)
+    return [LayerAttention(sliding_window=window)] * hf_config.num_hidden_layers
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -20,3 +28,7 @@ class MistralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def qkv_bias(hf_config: Any) -> bool:
         return False
+
+    @classmethod
+    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
+        return sliding_window_layers(hf_config)

@@ -8,6 +8,7 @@
   attention factor; which factors: rotary.longrope_uses_long_factors), and a partial
   rotary factor (Phi-4-mini: 0.75, the rest of each head passes unrotated).
 - No biases; the MLP's activation is the config's hidden_act (SiLU in every release).
+- Where the config sets `sliding_window`, every layer attends over that many positions.
 
 Bf16 on CPU it runs Llama's fused decoder where every head rotates whole; with a partial
 rotary factor (which the fused op lacks) its layers run the generic path, and the
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from plugserve.interfaces import LayerAttention
 from plugserve.worker.layers.rotary import RotaryEmbedding, rope_parameters
 from plugserve.worker.models.decoder import head_dim_of
 from plugserve.worker.models.llama import LlamaForCausalLM
+from plugserve.worker.models.mistral import sliding_window_layers
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -29,6 +32,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def qkv_bias(hf_config: Any) -> bool:
         return False
+
+    @classmethod
+    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
+        """The config's sliding_window on every layer (Phi-3-mini-4k: 2047), else none."""
+        return sliding_window_layers(hf_config)
 
     def build_rotary(self, hf_config: Any) -> RotaryEmbedding:
         theta, scaling = rope_parameters(hf_config)

@@ -1,5 +1,6 @@
 """Phi3ForCausalLM: q/k/v and gate/up stored fused, longrope-scaled RoPE with factors
-far from 1, partial rotary (Phi-4-mini's 0.75), tied and untied.
+far from 1, partial rotary (Phi-4-mini's 0.75), a 16-token sliding window (Phi-3-mini-4k's
+2047, scaled to the tiny prompts), tied and untied.
 
 Which longrope factors rotate is decided once per model (rotary.longrope_uses_long_factors:
 long where max_position_embeddings exceeds original_max_position_embeddings); transformers
@@ -37,10 +38,11 @@ CASES = [
         ),
     ),
     TinyCase(
-        "phi3-longrope-short-untied",
+        "phi3-longrope-short-sliding-window-16-untied",
         Phi3Config(
             **tiny(
                 tie_word_embeddings=False,
+                sliding_window=16,
                 original_max_position_embeddings=512,
                 rope_parameters={
                     "rope_type": "longrope",
