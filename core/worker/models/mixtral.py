@@ -1,5 +1,6 @@
-"""Mixtral: Llama's attention (GQA, RoPE, no biases) with a mixture of experts as every
-layer's MLP.
+"""Mixtral: Llama's attention (GQA, RoPE, no biases; every layer over the last
+`sliding_window` positions where the config sets one, None in the released models) with
+a mixture of experts as every layer's MLP.
 
 Routing: softmax over all experts in fp32, the top `num_experts_per_tok`, always
 renormalized over them; the fp32 weights scale the experts' outputs and the products
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.interfaces import AttentionBackend
-from plugserve.model_files import CheckpointError
+from plugserve.interfaces import AttentionBackend, LayerAttention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.moe import MIXTRAL_NAMES, FusedMoE
 from plugserve.worker.models.llama import llama_layer
@@ -27,14 +27,10 @@ class MixtralForCausalLM(MoeDecoderForCausalLM):
 
     expert_names = MIXTRAL_NAMES
 
-    def __init__(self, *, hf_config: Any, **kwargs: Any) -> None:
+    @classmethod
+    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
         window = getattr(hf_config, "sliding_window", None)
-        if window is not None:
-            raise CheckpointError(
-                f"MixtralForCausalLM with sliding_window={window} is not supported (the "
-                "released Mixtral models attend over the whole context: sliding_window null)"
-            )
-        super().__init__(hf_config=hf_config, **kwargs)
+        return [LayerAttention(sliding_window=window)] * hf_config.num_hidden_layers
 
     def build_layer(
         self, hf_config: Any, layer_idx: int, attention: AttentionBackend, parallel: ParallelContext

@@ -1,5 +1,6 @@
 """Qwen3-MoE: Qwen3's layer (q/k RMSNorm per head before RoPE, no q/k/v bias, head_dim
-from the config) with a mixture of experts as the MLP of every `decoder_sparse_step`-th
+from the config; with `use_sliding_window`, every layer over the last `sliding_window`
+positions, as transformers' Qwen3-MoE does) with a mixture of experts as the MLP of every `decoder_sparse_step`-th
 layer not listed in `mlp_only_layers` (a dense GatedMLP of `intermediate_size` there).
 
 Routing: softmax over all experts in fp32, the top `num_experts_per_tok`, renormalized
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.interfaces import AttentionBackend
-from plugserve.model_files import CheckpointError
+from plugserve.interfaces import AttentionBackend, LayerAttention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.moe import QWEN_MOE_NAMES, FusedMoE
 from plugserve.worker.models.llama import llama_layer
@@ -34,13 +34,13 @@ class Qwen3MoeForCausalLM(MoeDecoderForCausalLM):
 
     expert_names = QWEN_MOE_NAMES
 
-    def __init__(self, *, hf_config: Any, **kwargs: Any) -> None:
-        if getattr(hf_config, "use_sliding_window", False):
-            raise CheckpointError(
-                "Qwen3MoeForCausalLM with use_sliding_window is not supported (the released "
-                "Qwen3-MoE models attend over the whole context)"
-            )
-        super().__init__(hf_config=hf_config, **kwargs)
+    @classmethod
+    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
+        # The released models leave use_sliding_window off, and sliding_window (4096 in
+        # their configs) then means nothing.
+        sliding = getattr(hf_config, "use_sliding_window", False)
+        window = hf_config.sliding_window if sliding else None
+        return [LayerAttention(sliding_window=window)] * hf_config.num_hidden_layers
 
     def build_layer(
         self, hf_config: Any, layer_idx: int, attention: AttentionBackend, parallel: ParallelContext

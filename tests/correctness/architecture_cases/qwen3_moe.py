@@ -1,5 +1,6 @@
 """Qwen3MoeForCausalLM: experts on every layer or every other one, a dense layer through
-mlp_only_layers, top-k weights renormalized (norm_topk_prob) and not."""
+mlp_only_layers, top-k weights renormalized (norm_topk_prob) and not, and every layer
+over a 12-token window (use_sliding_window, off in the released models)."""
 
 from transformers import Qwen3MoeConfig
 
@@ -17,15 +18,18 @@ CASES = [
         ),
     ),
     # Three layers, experts on every other one (decoder_sparse_step 2: layer 1 only),
-    # the top-k probabilities used as they are; untied head.
+    # the top-k probabilities used as they are, a window the longer prompts slide past;
+    # untied head.
     TinyCase(
-        "qwen3-moe-unnormalized-sparse-step-untied",
+        "qwen3-moe-unnormalized-sparse-step-window-untied",
         Qwen3MoeConfig(
             **tiny(
                 **MOE,
                 num_hidden_layers=3,
                 norm_topk_prob=False,
                 decoder_sparse_step=2,
+                use_sliding_window=True,
+                sliding_window=12,
                 tie_word_embeddings=False,
             )
         ),
