@@ -15,6 +15,8 @@ def register_models(register):
     register("LlamaForCausalLM", "plugserve.worker.models.llama:LlamaForCausalLM")
     register("Qwen2ForCausalLM", "plugserve.worker.models.llama:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "plugserve.worker.models.qwen3:Qwen3ForCausalLM")
+    register("Gemma2ForCausalLM", "plugserve.worker.models.gemma:Gemma2ForCausalLM")
+    register("Gemma3ForCausalLM", "plugserve.worker.models.gemma:Gemma3ForCausalLM")
     register("MistralForCausalLM", "plugserve.worker.models.mistral:MistralForCausalLM")
     register("Phi3ForCausalLM", "plugserve.worker.models.phi3:Phi3ForCausalLM")
     register("Qwen3MoeForCausalLM", "plugserve.worker.models.qwen3_moe:Qwen3MoeForCausalLM")

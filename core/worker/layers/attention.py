@@ -1,12 +1,14 @@
 """Self-attention over the paged KV cache, around the AttentionBackend.
 
 One fused QKV projection (column-parallel by heads), optionally an RMSNorm over each q
-and each k head (Qwen3's q/k norm, before RoPE), q and k rotated together, the backend's
-paged attention over this rank's heads, the output projection (row-parallel over the
-same heads' columns, summed over ranks).
+and each k head (Qwen3's q/k norm; Gemma 3's in Gemma's form), before RoPE; q and k
+rotated together, the backend's paged attention over this rank's heads, the output
+projection (row-parallel over the same heads' columns, summed over ranks).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,10 +39,14 @@ class Attention(nn.Module):
         o_bias: bool,
         parallel: ParallelContext = NO_PARALLEL,
         qk_norm_eps: float | None = None,
+        qk_norm: Callable[[int, float], nn.Module] = RMSNorm,
     ):
         """num_heads, num_kv_heads: the model's (all ranks'); this rank keeps its shard.
         qk_norm_eps: give each q and k head an RMSNorm over head_dim (weights shared by
-        the heads, so every rank holds them whole) with this epsilon."""
+        the heads, so every rank holds them whole) with this epsilon; `qk_norm` builds it
+        from (head_dim, eps) (norm.GemmaRMSNorm for Gemma 3).
+        How the backend attends this layer (scale, window, soft-cap) is the backend's, by
+        layer_idx (interfaces.AttentionSpec.layers)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, parallel
@@ -59,8 +65,8 @@ class Attention(nn.Module):
             parallel,
             input_range=(self.shard.q_start * head_dim, self.shard.q_end * head_dim),
         )
-        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
-        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.q_norm = None if qk_norm_eps is None else qk_norm(head_dim, qk_norm_eps)
+        self.k_norm = None if qk_norm_eps is None else qk_norm(head_dim, qk_norm_eps)
         self.layer_idx = layer_idx
         self.attention = attention  # not a submodule: one backend serves every layer
 

@@ -1,6 +1,13 @@
-"""The gated MLP: down(act(gate(x)) * up(x)), gate and up in one matmul."""
+"""The gated MLP: down(act(gate(x)) * up(x)), gate and up in one matmul.
+
+Activations by their transformers names: SiLU (Llama, Qwen, Mistral, ...) and GELU with
+the tanh approximation (Gemma's gelu_pytorch_tanh).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +19,12 @@ from plugserve.worker.layers.direct_call import direct_call
 from plugserve.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 
-SUPPORTED_ACTIVATIONS = ("silu",)
+# transformers' ACT2FN name → the function, exactly as transformers computes it.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+SUPPORTED_ACTIVATIONS = tuple(ACTIVATIONS)
 
 
 @direct_call
@@ -40,6 +52,8 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel)
         self.inter = self.inter_end - self.inter_start
+        self.hidden_act = hidden_act
+        self.act = ACTIVATIONS[hidden_act]
         self.fused: cpu_linear.FusedMLP | None = None
         self.plan: KernelPlan | None = None  # where packed: which row counts run `fused`
 
@@ -55,6 +69,7 @@ class GatedMLP(nn.Module):
         self.plan = plan or cpu_linear.default_plan()
         if (
             self.plan.fused_mlp
+            and self.hidden_act == "silu"  # oneDNN's post-op is SiLU
             and self.down_proj.parallel.world_size == 1
             and self.gate_up_proj.bias is None
         ):
@@ -65,7 +80,7 @@ class GatedMLP(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x))."""
+        """down(act(gate(x)) * up(x))."""
         if (
             self.fused is not None
             and self.plan is not None
@@ -73,4 +88,4 @@ class GatedMLP(nn.Module):
         ):
             return self.fused(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

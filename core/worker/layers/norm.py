@@ -1,4 +1,4 @@
-"""RMSNorm, with the residual add folded in for the fused bf16 CPU op."""
+"""RMSNorm, with the residual add folded in for the fused bf16 CPU op; Gemma's variant."""
 
 from __future__ import annotations
 
@@ -42,3 +42,27 @@ class RMSNorm(nn.Module):
         # Half precision: one fused op (fp32 inside, one rounding at the end) instead of
         # HF's cast, normalize, cast back and multiply: four passes, two roundings.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@direct_call
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in fp32 and rounded once to x's
+    dtype at the end (transformers' Gemma2RMSNorm/Gemma3RMSNorm exactly; Llama's instead
+    rounds before multiplying by the weight, which is stored as is)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        residual = residual + x
+        return self(residual), residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)

@@ -128,7 +128,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         Elsewhere the model keeps ATen's ops and the weights as loaded."""
         packing = self.pack_linears()
         embed = self.model.embed_tokens
-        if cpu_ops.supported(embed.weight.dtype, embed.weight.device):
+        if cpu_ops.supported(embed.weight.dtype, embed.weight.device) and self._silu_mlps():
             self.rotary.use_fused_op()
             assert self.rotary.cos_sin is not None
             self.model.norm.fused = True
@@ -138,6 +138,15 @@ class LlamaForCausalLM(DecoderForCausalLM):
             self.layer_fns = list(fused)
             if packing is not None and FusedCpuDecoder.supported(fused):
                 self.decoder = FusedCpuDecoder(fused, self.model.norm.weight, packing.plan)
+
+    def _silu_mlps(self) -> bool:
+        """Whether every MLP computes SiLU, the fused CPU layers' only activation (the
+        shared GatedMLP takes others); where not, says so and keeps the modules."""
+        acts = {layer.mlp.hidden_act for layer in self.model.layers}
+        if acts <= {"silu"}:
+            return True
+        self.log_generic_path(f"the fused bf16 CPU decoder computes SiLU, not {sorted(acts)}")
+        return False
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
