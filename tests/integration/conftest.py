@@ -350,12 +350,18 @@ class GreedyCompletion:
 
 
 async def greedy_completion(
-    client: openai.AsyncOpenAI, prompt: str | list[int], max_tokens: int, *, stream: bool
+    client: openai.AsyncOpenAI,
+    prompt: str | list[int],
+    max_tokens: int,
+    *,
+    stream: bool,
+    model: str = MODEL,
 ) -> GreedyCompletion:
     """A greedy completion of exactly `max_tokens` tokens, with each token's id (vLLM's
-    return_tokens_as_token_ids) and logprob: what bf16 runs are compared by."""
+    return_tokens_as_token_ids) and logprob: what bf16 runs are compared by. `model`: the
+    name the server serves (its --model, unless --served-model-name)."""
     kwargs: dict[str, Any] = dict(
-        model=MODEL,
+        model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,

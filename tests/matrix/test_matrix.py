@@ -16,6 +16,14 @@ skipped with that reason. An attention backend that computes only in some dtypes
 them in an optional `dtypes` class attribute (capabilities.HasDtypes, torch dtype names);
 the others get float32 and bfloat16 cells.
 
+Architectures besides the embedded Llama (SmolLM2) serve the same scenario too: each a
+tiny checkpoint of its transformers family (tests/correctness/tiny_checkpoints.py) over
+a covering set of float32 cells per attention backend, in which every scheduler,
+transport and executor appears, held to transformers on that checkpoint (tokens equal,
+logprobs within the harness's fp32 tolerance). The stack's plugins meet the model only
+through the model runner, and tests/correctness proves each architecture in depth; the
+covering set proves the stacks serve it, at a few cells' cost instead of the product's.
+
 Every structured-output backend and every tool parser (the `structured_output` and
 `tool_parser` slots) serves too, over a covering set of default-stack float32 cells rather
 than across the product: the grammar is applied in the model runner between the engine's
@@ -36,7 +44,16 @@ from typing import Any
 import pytest
 import torch
 from correctness.agreement import Reference, assert_agrees, assert_clear_first_tokens
+from correctness.tiny_checkpoints import (
+    TinyCase,
+    assert_matches,
+    hf_references,
+    tiny,
+    tokenizer_folder,
+    write_tiny_checkpoint,
+)
 from integration.conftest import GreedyCompletion, greedy_completion, running_server
+from transformers import Qwen3Config
 
 from plugserve.capabilities import has_dtypes, has_tensor_parallel_limit, reports_unavailability
 from plugserve.plugins import get_registry
@@ -50,6 +67,11 @@ PROMPTS = [
 ]
 MAX_TOKENS = 16
 DTYPES = ("float32", "bfloat16")
+# The non-Llama architectures the stacks serve: Qwen3's q/k norm and a head_dim that is
+# not hidden / heads, untied head.
+ARCHITECTURES = [
+    TinyCase("qwen3", Qwen3Config(**tiny(head_dim=32, tie_word_embeddings=False))),
+]
 
 
 @dataclass(frozen=True)
@@ -105,21 +127,44 @@ def matrix_cells() -> list:
         combos += [(c, dtype) for dtype in dtypes[1:] for c in covering]
     params = []
     for names_, dtype in combos:
-        chosen = dict(zip(SLOTS, names_, strict=True))
-        executor_cls = impls["executor"][chosen["executor"]].cls
-        # An executor that spans processes is exercised with two ranks.
-        tp = 2
-        if has_tensor_parallel_limit(executor_cls):
-            tp = min(tp, executor_cls.max_tensor_parallel_size or tp)
-        reasons = [
-            reason
-            for slot in SLOTS
-            if (reason := _unavailable(impls[slot][chosen[slot]].cls)) is not None
-        ]
-        marks = [pytest.mark.skip(reason="; ".join(reasons))] if reasons else []
-        cell = Cell(tensor_parallel_size=tp, dtype=dtype, **chosen)
+        cell, marks = _cell(impls, names_, dtype)
         params.append(pytest.param(cell, id=cell.id, marks=marks))
     return params
+
+
+def architecture_cells() -> list:
+    """(architecture, cell) for each of ARCHITECTURES: per attention backend that computes
+    in float32, a covering set of the other slots' names."""
+    registry = get_registry()
+    impls = {slot: registry.implementations(slot) for slot in SLOTS}
+    others = {slot: sorted(impls[slot]) for slot in SLOTS[:-1]}
+    params = []
+    for attention in sorted(impls["attention"]):
+        cls = impls["attention"][attention].cls
+        if has_dtypes(cls) and "float32" not in cls.dtypes:
+            continue  # the references are fp32
+        for names_ in _covering({**others, "attention": [attention]}):
+            cell, marks = _cell(impls, names_, "float32")
+            for case in ARCHITECTURES:
+                params.append(pytest.param(case, cell, id=f"{case.id}-{cell.id}", marks=marks))
+    return params
+
+
+def _cell(impls: dict[str, Any], names_: tuple[str, ...], dtype: str) -> tuple[Cell, list]:
+    """The cell of these slot names, and its skip mark where a component cannot run here."""
+    chosen = dict(zip(SLOTS, names_, strict=True))
+    executor_cls = impls["executor"][chosen["executor"]].cls
+    # An executor that spans processes is exercised with two ranks.
+    tp = 2
+    if has_tensor_parallel_limit(executor_cls):
+        tp = min(tp, executor_cls.max_tensor_parallel_size or tp)
+    reasons = [
+        reason
+        for slot in SLOTS
+        if (reason := _unavailable(impls[slot][chosen[slot]].cls)) is not None
+    ]
+    marks = [pytest.mark.skip(reason="; ".join(reasons))] if reasons else []
+    return Cell(tensor_parallel_size=tp, dtype=dtype, **chosen), marks
 
 
 def _unavailable(cls: type) -> str | None:
@@ -153,11 +198,12 @@ def hf_bf16(prompt_ids, hf_greedy_references) -> list[Reference]:
     return references
 
 
-async def _scenario(server) -> list[GreedyCompletion]:
-    """Half the prompts streamed, half not, all at once; each token with its logprob."""
+async def _scenario(server, **model: str) -> list[GreedyCompletion]:
+    """Half the prompts streamed, half not, all at once; each token with its logprob.
+    `model=`: the served model's name, where not the embedded model's."""
     async with server.async_openai_client() as client:
         answers = (
-            greedy_completion(client, p, MAX_TOKENS, stream=bool(i % 2))
+            greedy_completion(client, p, MAX_TOKENS, stream=bool(i % 2), **model)
             for i, p in enumerate(PROMPTS)
         )
         return list(await asyncio.gather(*answers))
@@ -176,6 +222,39 @@ def test_cell_matches_hf(cell: Cell, request: pytest.FixtureRequest, tmp_path) -
         references = request.getfixturevalue("hf_bf16")
         for prompt, reference, c in zip(PROMPTS, references, completions, strict=True):
             assert_agrees(repr(prompt), reference, c.token_ids, c.logprobs)
+    assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(smollm2_path, tmp_path_factory, prompt_ids):
+    """checkpoint(case) → (its folder, transformers' references for PROMPTS), each written
+    and computed once."""
+    tokenizer_files = tokenizer_folder(smollm2_path, tmp_path_factory.mktemp("tokenizer"))
+    written: dict[str, tuple[str, list[Reference]]] = {}
+
+    def checkpoint(case: TinyCase) -> tuple[str, list[Reference]]:
+        if case.id not in written:
+            folder = write_tiny_checkpoint(
+                case.config, tmp_path_factory.mktemp(case.id), tokenizer_files
+            )
+            written[case.id] = (str(folder), hf_references(folder, prompt_ids, MAX_TOKENS))
+        return written[case.id]
+
+    return checkpoint
+
+
+@pytest.mark.parametrize(("architecture", "cell"), architecture_cells())
+def test_architecture_cell_matches_hf(
+    architecture: TinyCase, cell: Cell, tiny_checkpoints, tokenizer, tmp_path
+) -> None:
+    model, references = tiny_checkpoints(architecture)
+    settings = [*cell.settings(), "--model", model]
+    with running_server(cell.transport, tmp_path, settings=settings) as server:
+        completions = asyncio.run(_scenario(server, model=model))
+        idle = server.wait_idle()
+    for prompt, reference, c in zip(PROMPTS, references, completions, strict=True):
+        assert_matches(repr(prompt), reference, c.token_ids, c.logprobs)
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
 
 
