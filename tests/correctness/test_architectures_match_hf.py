@@ -66,3 +66,17 @@ def test_shapes_the_layers_cannot_shard_are_refused_with_the_reason(tmp_path) ->
     assert refusal is not None and "cannot shard 1 query heads" in refusal
     LlamaConfig(**tiny()).save_pretrained(tmp_path)
     assert tensor_parallel_refusal(str(tmp_path), 2) is None
+
+
+def test_every_architecture_plugserve_ships_has_a_case() -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from plugserve.plugins import BUILTIN_DISTRIBUTION, get_registry
+
+    shipped = {
+        name
+        for name, impl in get_registry().implementations("model").items()
+        if impl.distribution == BUILTIN_DISTRIBUTION
+    }
+    proven = {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[case.config.model_type] for case in CASES}
+    assert sorted(shipped - proven) == []
