@@ -485,9 +485,11 @@ class AttentionBatch:
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Paged KV cache layout and varlen attention; one instance serves every layer.
+    """Paged KV cache layout and varlen attention; one instance serves every layer, each
+    as spec.layer(layer_idx) says (window, soft-cap, scale).
 
-    Optional: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes."""
+    Optional: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes, HonoursLayerAttention
+    (without it, only models whose layers are all full causal attention run on it)."""
 
     def __init__(self, *, spec: AttentionSpec) -> None: ...
 
