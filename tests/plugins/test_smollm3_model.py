@@ -2,9 +2,9 @@
 party's would be (`pip install --no-deps -e`, Makefile): plugserve lists its architecture
 with its distribution, and a tiny SmolLM3 checkpoint built from transformers' own
 SmolLM3Config and saved with `save_pretrained` serves transformers' greedy tokens, its
-NoPE layer included, in one process and over two tensor-parallel worker processes;
-without a line of plugserve changed, and with the package importing only what
-docs/models.md offers a model author.
+NoPE layer included, in one process and over two tensor-parallel worker processes, and
+with a sliding window on that layer; without a line of plugserve changed, and with the
+package importing only what docs/models.md offers a model author.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from correctness.tiny_checkpoints import (
 )
 from transformers import AutoTokenizer, SmolLM3Config
 
-from plugserve import LLM
-from plugserve.model_files import CheckpointError, model_architecture
+from plugserve.model_files import model_architecture
 
 PLUGSERVE = str(Path(sys.executable).with_name("plugserve"))
 PACKAGE = Path(__file__).parent / "plugserve-smollm3" / "plugserve_smollm3"
@@ -120,13 +119,16 @@ def test_it_serves_transformers_tokens_over_two_tensor_parallel_worker_processes
         smollm3.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
 
 
-def test_a_sliding_window_it_does_not_implement_fails_at_start_naming_it(
-    tmp_path: Path, tokenizer_files: Path
+def test_with_a_sliding_window_on_its_nope_layer_it_serves_transformers_tokens(
+    tmp_path: Path, tokenizer_files: Path, prompts: list[list[int]]
 ) -> None:
-    config = smollm3_config(use_sliding_window=True, sliding_window=16)
+    # A 12-token window that the 40- and 75-token prompts slide past, on layer 1.
+    config = smollm3_config(use_sliding_window=True, sliding_window=12)
+    assert config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
     folder = write_tiny_checkpoint(config, tmp_path, tokenizer_files)
-    with pytest.raises(CheckpointError, match="SmolLM3ForCausalLM with use_sliding_window"):
-        LLM(model=str(folder), dtype="float32", kv_cache_memory="16MiB")
+    windowed = TinyRun(str(folder), prompts, hf_references(folder, prompts))
+    with windowed.llm() as llm:
+        windowed.check(llm, batched=True)
 
 
 def test_the_package_imports_only_the_model_authors_surface() -> None:

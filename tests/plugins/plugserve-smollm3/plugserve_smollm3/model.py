@@ -1,7 +1,10 @@
 """SmolLM3: Llama's decoder layer, except that some layers attend without rotary position
 embeddings ("NoPE": q and k enter attention as projected). The config says which:
 `no_rope_layers[i]` is 1 where layer i rotates and 0 where it does not (every fourth
-layer in SmolLM3-3B).
+layer in SmolLM3-3B). With `use_sliding_window`, the layers `layer_types` marks
+"sliding_attention" (the NoPE ones) attend over the last `sliding_window` tokens only
+(off in SmolLM3-3B): the model says so per layer in `attention_layers`, and the
+attention backend applies it.
 
 A model file only wires plugserve's shared layers (plugserve.worker.layers) onto its
 decoder frame (plugserve.worker.models.decoder.DecoderForCausalLM), which brings the
@@ -17,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plugserve.interfaces import AttentionBackend
-from plugserve.model_files import CheckpointError
+from plugserve.interfaces import FULL_ATTENTION, AttentionBackend, LayerAttention
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.direct_call import direct_call
@@ -66,13 +68,17 @@ class SmolLM3ForCausalLM(DecoderForCausalLM):
     The checkpoint's q/k/v and gate/up projections load into the fused layers through
     DecoderForCausalLM's packed_modules_mapping (q_proj → qkv_proj shard "q", ...)."""
 
-    def __init__(self, *, hf_config: Any, **kwargs: Any) -> None:
-        if getattr(hf_config, "use_sliding_window", False):
-            raise CheckpointError(
-                "SmolLM3ForCausalLM with use_sliding_window is not supported by "
-                "plugserve-smollm3 (SmolLM3-3B attends over the whole context)"
-            )
-        super().__init__(hf_config=hf_config, **kwargs)
+    @classmethod
+    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
+        """A window on the layers layer_types marks sliding, where use_sliding_window
+        (transformers' SmolLM3Attention reads the same two settings)."""
+        window = hf_config.sliding_window if hf_config.use_sliding_window else None
+        return [
+            LayerAttention(sliding_window=window)
+            if window is not None and kind == "sliding_attention"
+            else FULL_ATTENTION
+            for kind in hf_config.layer_types
+        ]
 
     def build_layer(
         self, hf_config: Any, layer_idx: int, attention: AttentionBackend, parallel: ParallelContext
