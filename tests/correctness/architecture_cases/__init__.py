@@ -1,6 +1,8 @@
 """One module per model family, each with CASES: a list of TinyCase (the family's own
 transformers config at a tiny size, its structural options switched on).
-test_architectures_match_hf.py runs every module's cases; a new family adds a module."""
+test_architectures_match_hf.py runs every module's cases (in one process and at TP=2)
+and fails for an architecture the core registers that no case builds; a new family adds
+a module."""
 
 from __future__ import annotations
 
