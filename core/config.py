@@ -61,6 +61,8 @@ class StackSelection(_Section):
     structured_output: str = "xgrammar"
     executor: str = "uni"
     attention: str = "torch"
+    # Weight quantization (register_quantization_methods); None: the weights as loaded.
+    quantization: str | None = None
 
 
 class EngineConfig(_Section):
@@ -163,6 +165,8 @@ class StackConfig(_Section):
         registry = get_registry(self.disabled_plugins)
         for slot in slots or STACK_SLOTS:
             name = getattr(self.stack, slot)
+            if name is None:  # an optional slot left off (quantization)
+                continue
             cls = registry.get(slot, name)
             # A component that cannot run on this machine (no CUDA, a missing package)
             # says why, so the error comes now rather than from a dying engine.
@@ -176,7 +180,7 @@ class StackConfig(_Section):
                     options_model.model_validate(options or {})
                 except ValidationError as exc:
                     raise PluginError(f"plugins.{name}: {_first_error(exc)}") from exc
-        selected = {getattr(self.stack, slot) for slot in STACK_SLOTS}
+        selected = {getattr(self.stack, slot) for slot in STACK_SLOTS} - {None}
         for name in self.plugins:
             if name != "disable" and name not in selected:
                 raise PluginError(

@@ -109,6 +109,14 @@ def register_attention_backends(register: Register) -> None:
 
 
 @hookspec
+def register_quantization_methods(register: Register) -> None:
+    """Register WeightQuantization classes (interfaces.WeightQuantization) that replace
+    every linear weight of a loaded model (the LM head included, tied or not; the
+    embedding lookup keeps its rows) by a quantized callable. Selected by
+    `stack.quantization`; None (the default) keeps the weights as loaded."""
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model classes (interfaces.CausalLM) under the Hugging Face architecture
     names they implement, e.g. `register("LlamaForCausalLM", LlamaForCausalLM)`, or by

@@ -15,7 +15,7 @@ plugserve.datatypes; this module imports no engine, worker or frontend module.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -511,6 +511,26 @@ class AttentionBackend(Protocol):
         cache at the step's slots, attend causally over each request's cached context, and
         return [tokens, heads, head_dim]. The inputs may be strided views (slices of the
         fused QKV projection); a kernel that needs contiguous memory copies."""
+        ...
+
+
+@runtime_checkable
+class WeightQuantization(Protocol):
+    """Quantized linear weights, selected by `stack.quantization` (None: off). Built once per
+    worker with no arguments (or `options=`); the model's weight post-processing then
+    calls `quantize` for every linear weight after loading, instead of packing it, and
+    runs the layer through what it returns.
+
+    Optional: ReportsUnavailability (a kernel this machine cannot build or run), so that
+    selecting it fails at start with one line."""
+
+    def quantize(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Callable[..., torch.Tensor]:
+        """weight [N, K] (as loaded, this rank's shard), bias [N] or None → a callable
+        `(x [M, K], out_dtype=None) -> x @ weight.T + bias` [M, N] in out_dtype (default
+        x's dtype); the LM head asks for fp32 logits. It must not keep `weight`: the
+        loaded copy is freed after."""
         ...
 
 

@@ -40,6 +40,7 @@ SLOT_HOOKS: dict[str, str] = {
     "structured_output": "register_structured_output_backends",
     "executor": "register_executors",
     "attention": "register_attention_backends",
+    "quantization": "register_quantization_methods",
     "model": "register_models",
 }
 

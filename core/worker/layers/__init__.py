@@ -10,5 +10,7 @@ takes a full Hugging Face tensor and copies this rank's part of it into place; a
 parameter (q/k/v into qkv_proj, gate/up into gate_up_proj) takes each of its tensors by
 shard id. A model file declares which checkpoint names feed which fused layer
 (`packed_modules_mapping`) and calls checkpoint.load_checkpoint; after loading,
-cpu_packing.pack_for_cpu packs every linear weight for the bf16 CPU kernels.
+cpu_packing.pack_for_cpu packs every linear weight for the bf16 CPU kernels, or, with a
+weight quantization selected (stack.quantization), quantized.quantize_linears replaces
+each by the method's quantized callable.
 """

@@ -25,6 +25,7 @@ from torch import nn
 from plugserve.interfaces import FULL_ATTENTION, AttentionBackend, LayerAttention
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.kernel_plan import KernelPlan
+from plugserve.worker.layers import quantized
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
 from plugserve.worker.layers.cpu_packing import CpuPacking, pack_for_cpu
 from plugserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -168,8 +169,16 @@ class DecoderForCausalLM(nn.Module):
         self.pack_linears()
 
     def pack_linears(self) -> CpuPacking | None:
+        """bf16 on CPU: every linear packed for the measured kernel plan (None elsewhere).
+        With a weight quantization selected (stack.quantization), every linear is
+        quantized instead, whatever the dtype or device, and nothing is packed (None)."""
         embed = self.model.embed_tokens
-        packing = pack_for_cpu(self, tied_head=embed if self.lm_head is None else None)
+        tied_head = embed if self.lm_head is None else None
+        quantization = quantized.current_method()
+        if quantization is not None:
+            quantized.quantize_linears(self, quantization, tied_head)
+            return None
+        packing = pack_for_cpu(self, tied_head=tied_head)
         self._arena = None if packing is None else packing.arena
         self.kernel_plan = None if packing is None else packing.plan
         self.kernel_measurement = None if packing is None else packing.measurement
