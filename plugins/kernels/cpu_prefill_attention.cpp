@@ -1,0 +1,332 @@
+// Causal prefill attention for CPUs with AVX-512 BF16, flash-attention style: for each
+// (KV head, block of query tokens) the query rows of the head's whole GQA group attend
+// together, key block by key block up to the causal limit (from the sliding window's
+// start), with an online softmax in fp32. Both products (Q·Kᵀ and P·V) run on
+// _mm512_dpbf16_ps, which multiplies pairs of bf16 and accumulates in fp32; K and V are
+// packed once per call into the pair-interleaved layouts it reads.
+//
+// Registered as torch.ops.plugserve_prefill.attention(q, k, v, scale, softcap, window):
+// q [Tq, H, D], k/v [Tk, KVH, D] (bf16, H a multiple of KVH, D 64 or 128); query i sits
+// at position Tk - Tq + i (the keys before the chunk are its context) and attends to the
+// keys up to its own position, the last `window` of them when window > 0. Scores are
+// scaled, then soft-capped (cap * tanh(s / cap)) when softcap > 0. Built and loaded by
+// cpu_prefill_attention.py, which checks the CPU has avx512_bf16 first.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+constexpr int64_t kKeyBlock = 64;      // keys per step of the online softmax (4 vectors)
+constexpr int64_t kQueryTokens = 32;   // query tokens per work item (times G heads)
+// A masked score: finite, as the library is built with -ffast-math.
+constexpr float kMasked = -1e30f;
+
+// exp(x) for 16 lanes: 2^n * poly(r), x = n ln2 + r; about 1 ulp over the softmax's
+// range, 0 below -87 (masked scores).
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(~zero, p, n);
+}
+
+// cap * tanh(s / cap), through tanh|y| = (1 - e^-2|y|) / (1 + e^-2|y|).
+inline __m512 soft_cap16(__m512 s, float cap) {
+  __m512 y = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / cap));
+  __m512 a = _mm512_abs_ps(y);
+  __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+  __m512 one = _mm512_set1_ps(1.0f);
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  // tanh's sign is y's: copy y's sign bit onto t.
+  __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x80000000));
+  t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+
+inline __m512bh pair(const uint16_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+}
+
+// Scores of R query rows against one key block: s[r][0..64) = q[r] · k[0..64).
+// kp: the block's keys packed as 4 groups of 16 keys, each [D/2 pairs][16 keys][2].
+template <int R>
+inline void scores_tile(const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t group = 16 * D;  // bf16 per 16-key group
+  for (int64_t j = 0; j < D / 2; ++j) {
+    __m512bh kv[4];
+    for (int c = 0; c < 4; ++c)
+      kv[c] = (__m512bh)_mm512_loadu_si512(kp + c * group + j * 32);
+    for (int r = 0; r < R; ++r) {
+      __m512bh qq = pair(q + r * D + 2 * j);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qq, kv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyBlock + c * 16, acc[r][c]);
+}
+
+// o[r][0..D) += p[r] · v over one key block, D = 16 * ND. vp: the block's values packed
+// as [32 key pairs][D][2]; p: R rows of 64 bf16 probabilities.
+template <int R, int ND>
+inline void values_tile(const uint16_t* p, const uint16_t* vp, float* o, int64_t D) {
+  __m512 acc[R][ND];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c * 16);
+  for (int64_t t = 0; t < kKeyBlock / 2; ++t) {
+    __m512bh vv[ND];
+    for (int c = 0; c < ND; ++c)
+      vv[c] = (__m512bh)_mm512_loadu_si512(vp + t * 2 * D + c * 32);
+    for (int r = 0; r < R; ++r) {
+      __m512bh pp = pair(p + r * kKeyBlock + 2 * t);
+      for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + r * D + c * 16, acc[r][c]);
+}
+
+// Rows in tiles of kRows (the last tile shorter): R * 4 score accumulators, R * ND output
+// ones, within the 32 vector registers.
+template <int ND>
+constexpr int kRows = ND == 4 ? 6 : 3;
+
+template <int R>
+void scores_rows(int rows, const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
+  if constexpr (R > 0) {
+    for (; rows >= R; rows -= R, q += R * D, s += R * kKeyBlock) scores_tile<R>(q, D, kp, s);
+    if (rows) scores_rows<R - 1>(rows, q, D, kp, s);
+  }
+}
+
+template <int R, int ND>
+void values_rows(int rows, const uint16_t* p, const uint16_t* vp, float* o, int64_t D) {
+  if constexpr (R > 0) {
+    for (; rows >= R; rows -= R, p += R * kKeyBlock, o += R * D) values_tile<R, ND>(p, vp, o, D);
+    if (rows) values_rows<R - 1, ND>(rows, p, vp, o, D);
+  }
+}
+
+struct Problem {
+  const uint16_t* q;  // [Tq, H, D], token stride q_stride
+  int64_t q_stride;
+  uint16_t* out;  // [Tq, H, D] contiguous
+  const uint16_t* kp;  // per KV head: keys packed by 16 (see scores_tile), padded to blocks
+  const uint16_t* vp;  // per KV head: values packed by key pair (see values_tile)
+  int64_t head_packed;  // bf16 per KV head in kp / vp
+  int64_t Tq, Tk, H, KVH, D;
+  float scale, softcap;
+  int64_t window;
+};
+
+// One work item: query tokens [t0, t0 + n) of KV head h, with all G heads of its group.
+template <int ND>
+void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* qt, float* s,
+                  uint16_t* pb, float* o, float* m, float* l) {
+  const int64_t D = P.D, G = P.H / P.KVH, rows = n * G, offset = P.Tk - P.Tq;
+  // The tile's queries, row (token i, head g) at i * G + g.
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(qt + i * G * D, P.q + (t0 + i) * P.q_stride + h * G * D, G * D * 2);
+  std::fill(o, o + rows * D, 0.0f);
+  std::fill(m, m + rows, kMasked);
+  std::fill(l, l + rows, 0.0f);
+
+  const int64_t first_pos = offset + t0, last_pos = offset + t0 + n - 1;
+  int64_t k_begin = P.window > 0 ? std::max<int64_t>(0, first_pos - P.window + 1) : 0;
+  k_begin -= k_begin % kKeyBlock;
+  const int64_t k_end = last_pos + 1;
+  const uint16_t* kp = P.kp + h * P.head_packed;
+  const uint16_t* vp = P.vp + h * P.head_packed;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyBlock) {
+    scores_rows<kRows<ND>>(static_cast<int>(rows), qt, D, kp + k0 * D, s);
+    // Every row sees every key of the block: no masks to build.
+    const bool whole = k0 + kKeyBlock - 1 <= first_pos &&
+                       (P.window <= 0 || k0 > last_pos - P.window);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * kKeyBlock;
+      const int64_t pos = first_pos + r / G;
+      __m512 v[4];
+      __m512 peak = _mm512_set1_ps(m[r]);
+      for (int c = 0; c < 4; ++c) {
+        v[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(P.scale));
+        if (P.softcap > 0) v[c] = soft_cap16(v[c], P.softcap);
+        if (!whole) {
+          __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + c * 16)));
+          __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)),
+                                                 _MM_CMPINT_LE);
+          if (P.window > 0)
+            seen &= _mm512_cmp_epi32_mask(
+                key, _mm512_set1_epi32(static_cast<int>(pos - P.window)), _MM_CMPINT_GT);
+          v[c] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kMasked), v[c]);
+        }
+        peak = _mm512_max_ps(peak, v[c]);
+      }
+      const float m_new = _mm512_reduce_max_ps(peak);
+      uint16_t* pr = pb + r * kKeyBlock;
+      if (m_new <= kMasked * 0.5f) {  // nothing seen yet: no probabilities
+        std::memset(pr, 0, kKeyBlock * 2);
+        continue;
+      }
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        __m512 e = exp16(_mm512_sub_ps(v[c], mv));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c * 16),
+                            (__m256i)_mm512_cvtneps_pbh(e));
+      }
+      if (m_new > m[r]) {  // rescale what the earlier blocks summed
+        const float alpha = m[r] <= kMasked * 0.5f ? 0.0f : std::exp(m[r] - m_new);
+        l[r] *= alpha;
+        float* orow = o + r * D;
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d),
+                                                   _mm512_set1_ps(alpha)));
+        m[r] = m_new;
+      }
+      l[r] += _mm512_reduce_add_ps(sum);
+    }
+    values_rows<kRows<ND>, ND>(static_cast<int>(rows), pb, vp + k0 * D, o, D);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / G, g = r % G;
+    uint16_t* dst = P.out + (t0 + i) * P.H * D + (h * G + g) * D;
+    const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          (__m256i)_mm512_cvtneps_pbh(
+                              _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
+  }
+}
+
+// Packs KV head h's keys [Tk, D] (token stride) into groups of 16 keys, each
+// [D/2 pairs][16 keys][2], and its values into [key pairs][D][2]; zero past Tk.
+void pack_head(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_stride,
+               int64_t Tk, int64_t D, int64_t padded, uint16_t* kp, uint16_t* vp) {
+  for (int64_t g = 0; g < padded / 16; ++g) {
+    uint16_t* dst = kp + g * 16 * D;
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t key = g * 16 + t;
+      for (int64_t j = 0; j < D / 2; ++j) {
+        dst[j * 32 + 2 * t] = key < Tk ? k[key * k_stride + 2 * j] : 0;
+        dst[j * 32 + 2 * t + 1] = key < Tk ? k[key * k_stride + 2 * j + 1] : 0;
+      }
+    }
+  }
+  for (int64_t t = 0; t < padded / 2; ++t) {
+    uint16_t* dst = vp + t * 2 * D;
+    for (int64_t e = 0; e < 2; ++e) {
+      const int64_t key = 2 * t + e;
+      for (int64_t d = 0; d < D; ++d) dst[2 * d + e] = key < Tk ? v[key * v_stride + d] : 0;
+    }
+  }
+}
+
+at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in,
+                             const at::Tensor& v_in, double scale, double softcap,
+                             int64_t window) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3,
+              "q, k, v must be [tokens, heads, head_dim]");
+  TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_in.scalar_type() == at::kBFloat16 &&
+                  v_in.scalar_type() == at::kBFloat16,
+              "prefill attention takes bfloat16 q, k, v");
+  // Heads and head_dim contiguous; tokens may be strided (q, k, v split from one projection).
+  auto rows_contiguous = [](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in),
+                   v = rows_contiguous(v_in);
+  const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), Tk = k.size(0), KVH = k.size(1);
+  TORCH_CHECK(D == 64 || D == 128, "prefill attention takes head_dim 64 or 128, got ", D);
+  TORCH_CHECK(H % KVH == 0 && k.size(2) == D && v.sizes() == k.sizes() && Tq <= Tk,
+              "prefill attention: mismatched q, k, v shapes");
+  at::Tensor out = at::empty({Tq, H, D}, q.options());
+  if (Tq == 0) return out;
+
+  const int64_t padded = (Tk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const int64_t head_packed = padded * D;
+  std::vector<uint16_t> kp(KVH * head_packed), vp(KVH * head_packed);
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  at::parallel_for(0, KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      pack_head(kd + h * D, vd + h * D, k.stride(0), v.stride(0), Tk, D, padded,
+                kp.data() + h * head_packed, vp.data() + h * head_packed);
+  });
+
+  const Problem P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                  q.stride(0),
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                  kp.data(),
+                  vp.data(),
+                  head_packed,
+                  Tq, Tk, H, KVH, D,
+                  static_cast<float>(scale), static_cast<float>(softcap), window};
+
+  // Work items handed out latest query block first (the most keys), through a shared
+  // counter: the causal triangle's uneven items balance over the threads.
+  const int64_t blocks = (Tq + kQueryTokens - 1) / kQueryTokens, items = blocks * KVH;
+  const int64_t G = H / KVH, max_rows = kQueryTokens * G;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<uint16_t> qt(max_rows * D), pb(max_rows * kKeyBlock);
+    std::vector<float> s(max_rows * kKeyBlock), o(max_rows * D), m(max_rows), l(max_rows);
+    for (int64_t item; (item = next.fetch_add(1)) < items;) {
+      const int64_t block = blocks - 1 - item / KVH, h = item % KVH;
+      const int64_t t0 = block * kQueryTokens, n = std::min(kQueryTokens, Tq - t0);
+      if (D == 64)
+        attend_block<4>(P, h, t0, n, qt.data(), s.data(), pb.data(), o.data(), m.data(), l.data());
+      else
+        attend_block<8>(P, h, t0, n, qt.data(), s.data(), pb.data(), o.data(), m.data(), l.data());
+    }
+  });
+  return out;
+}
+
+#else  // no AVX-512 BF16: the Python side never calls this build
+
+at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                             double, int64_t) {
+  TORCH_CHECK(false, "prefill attention was built without AVX-512 BF16");
+}
+
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY(plugserve_prefill, m) {
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, float scale, float softcap, int window) -> "
+      "Tensor",
+      &prefill_attention);
+}

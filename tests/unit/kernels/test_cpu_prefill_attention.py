@@ -1,0 +1,113 @@
+"""cpu_prefill_attention against dense fp32 causal attention.
+
+The kernel takes bf16 q/k/v and rounds the softmax probabilities to bf16 before the
+value product (as SDPA's bf16 CPU kernel does) and its output to bf16; the reference
+attends the same bf16 inputs in fp32. Tolerance: 2e-2 absolute plus 2e-2 relative on
+outputs of unit-normal values (the measured error is under 1e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve_plugins.kernels import cpu_prefill_attention
+
+pytestmark = pytest.mark.skipif(
+    not cpu_prefill_attention.load(), reason="needs avx512_bf16 and a C++ compiler"
+)
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Dense fp32 softmax attention; query i at position Tk - Tq + i (see the kernel)."""
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    query_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+    key_pos = torch.arange(k.shape[0])[None, :]
+    seen = key_pos <= query_pos
+    if window:
+        seen &= key_pos > query_pos - window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def random_qkv(
+    query_len: int, context_len: int, heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(query_len * 1000 + context_len)
+    keys = query_len + context_len
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    return (
+        rand(query_len, heads, head_dim),
+        rand(keys, kv_heads, head_dim),
+        rand(keys, kv_heads, head_dim),
+    )
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("query_len", [1, 37, 64, 130, 300])
+@pytest.mark.parametrize("context_len", [0, 5, 100])
+def test_causal_with_and_without_context(query_len: int, context_len: int) -> None:
+    q, k, v = random_qkv(query_len, context_len, heads=9, kv_heads=3, head_dim=64)
+    out = cpu_prefill_attention.prefill_attention(q, k, v, 0.125)
+    assert_matches(out, reference(q, k, v, 0.125))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (5, 1, 64), (3, 3, 128)]
+)
+def test_head_groups_and_sizes(heads: int, kv_heads: int, head_dim: int) -> None:
+    q, k, v = random_qkv(77, 20, heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    out = cpu_prefill_attention.prefill_attention(q, k, v, scale)
+    assert_matches(out, reference(q, k, v, scale))
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 100, 1000])
+@pytest.mark.parametrize("context_len", [0, 90])
+def test_sliding_window(window: int, context_len: int) -> None:
+    q, k, v = random_qkv(150, context_len, heads=6, kv_heads=2, head_dim=64)
+    out = cpu_prefill_attention.prefill_attention(q, k, v, 0.125, window=window)
+    assert_matches(out, reference(q, k, v, 0.125, window=window))
+
+
+@pytest.mark.parametrize(("scale", "softcap"), [(0.5, 2.0), (0.125, 50.0), (1.0, None)])
+def test_scale_and_soft_cap(scale: float, softcap: float | None) -> None:
+    q, k, v = random_qkv(100, 30, heads=6, kv_heads=3, head_dim=64)
+    out = cpu_prefill_attention.prefill_attention(q, k, v, scale, softcap=softcap)
+    assert_matches(out, reference(q, k, v, scale, softcap=softcap))
+
+
+def test_strided_token_rows_from_one_projection() -> None:
+    """q, k, v split from one [T, (H + 2 KVH) * D] projection, as the models hand them."""
+    heads, kv_heads, head_dim, tokens = 6, 2, 64, 90
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q = q.view(tokens, heads, head_dim)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    out = cpu_prefill_attention.prefill_attention(q, k, v, 0.125)
+    assert_matches(out, reference(q, k, v, 0.125))
+
+
+def test_unsupported_head_dim_is_refused() -> None:
+    q, k, v = random_qkv(10, 0, heads=2, kv_heads=1, head_dim=32)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        cpu_prefill_attention.prefill_attention(q, k, v, 0.125)
