@@ -21,7 +21,9 @@ kernel runs the prefill as blocked matmuls (oneDNN: AMX tiles where the CPU has 
 SmolLM2 bf16 on a 2-core Xeon with AMX, one prompt's prefill: equal at 16-64 tokens,
 69 → 65 ms at 128, 220 → 165 ms at 512, 539 → 303 ms at 1024.
 Option `kernel`: auto (the C++ kernel on CPU when it builds, SDPA for long prefills),
-native, sdpa.
+native, sdpa. Option `prefill_kernel` (long prefill rows, under kernel auto): auto (the
+C++ prefill kernel where it runs and times faster than SDPA), on (where it runs, else an
+error), off (SDPA).
 
 Each layer attends as AttentionSpec.layers says (interfaces.LayerAttention): its softmax
 scale, a sliding window and logit soft-capping, on every path. The C++ kernel takes them
@@ -116,6 +118,7 @@ class TorchPagedAttention:
     class Options(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
         kernel: Literal["auto", "native", "sdpa"] = "auto"
+        prefill_kernel: Literal["auto", "on", "off"] = "auto"
 
     # Under "auto" only: long prefills through SDPA (the module docstring says why).
     _sdpa_min_query_tokens: int | None
@@ -128,7 +131,8 @@ class TorchPagedAttention:
             )
         self.spec = spec
         self.device = torch.device(spec.device)
-        choice = (options or self.Options()).kernel
+        options = options or self.Options()
+        choice = options.kernel
         self.native = self._use_native_kernel(choice)
         self._sdpa_min_query_tokens = SDPA_MIN_QUERY_TOKENS if choice == "auto" else None
         self.layers: list[LayerAttention] = [spec.layer(i) for i in range(spec.num_layers)]
@@ -143,7 +147,7 @@ class TorchPagedAttention:
         self._native_call: tuple[int, int] | None = None
         # Long prefill rows through cpu_prefill_attention (decided at allocate_kv_cache).
         self._prefill_kernel = False
-        self._prefill_kernel_allowed = choice != "sdpa"
+        self._prefill_choice = "off" if choice == "sdpa" else options.prefill_kernel
 
     def _use_native_kernel(self, choice: str) -> bool:
         if choice == "sdpa":
@@ -204,11 +208,13 @@ class TorchPagedAttention:
         self._native_call = (
             None if self._native_step is None else tuple(self._native_step.layer_call())
         )
-        self._prefill_kernel = self._prefill_kernel_allowed and self._prefill_kernel_wins()
+        self._prefill_kernel = self._use_prefill_kernel(self._prefill_choice)
 
-    def _prefill_kernel_wins(self) -> bool:
+    def _use_prefill_kernel(self, choice: str) -> bool:
         """Whether long prefill rows go through cpu_prefill_attention: where it runs here
-        (CPU, bf16, its head sizes, avx512_bf16) and timed faster than SDPA."""
+        (CPU, bf16, its head sizes, avx512_bf16) and, under auto, timed faster than SDPA."""
+        if choice == "off":
+            return False
         s = self.spec
         usable = (
             self.device.type == "cpu"
@@ -216,6 +222,13 @@ class TorchPagedAttention:
             and s.head_dim in cpu_prefill_attention.HEAD_DIMS
             and cpu_prefill_attention.load()
         )
+        if choice == "on":
+            if not usable:
+                raise ValueError(
+                    "prefill_kernel 'on' needs a CPU with avx512_bf16, bfloat16 and head_dim "
+                    f"in {cpu_prefill_attention.HEAD_DIMS}"
+                )
+            return True
         return usable and cpu_prefill_attention.faster_than_sdpa(
             s.num_heads, s.num_kv_heads, s.head_dim
         )

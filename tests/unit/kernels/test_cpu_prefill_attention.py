@@ -8,10 +8,13 @@ outputs of unit-normal values (the measured error is under 1e-2).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from plugserve.interfaces import FULL_ATTENTION, AttentionBatch, AttentionSpec, LayerAttention
 from plugserve_plugins.kernels import cpu_prefill_attention
+from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 
 pytestmark = pytest.mark.skipif(
     not cpu_prefill_attention.load(), reason="needs avx512_bf16 and a C++ compiler"
@@ -111,3 +114,89 @@ def test_unsupported_head_dim_is_refused() -> None:
     q, k, v = random_qkv(10, 0, heads=2, kv_heads=1, head_dim=32)
     with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
         cpu_prefill_attention.prefill_attention(q, k, v, 0.125)
+
+
+# Through the backend: long prefill rows (fresh, and a chunk after cached context) in a
+# bf16 paged cache, per layer options included, with the kernel on and with SDPA.
+BLOCK = 16
+LAYERS = (FULL_ATTENTION, LayerAttention(sliding_window=40, logit_softcap=30.0, scale=0.1))
+
+
+@pytest.mark.parametrize("prefill_kernel", ["on", "off"])
+def test_backend_prefill_rows_match_dense_attention(prefill_kernel: str) -> None:
+    heads, kv_heads, head_dim = 9, 3, 64
+    spec = AttentionSpec(
+        num_layers=len(LAYERS),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=BLOCK,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        layers=LAYERS,
+    )
+    options = TorchPagedAttention.Options(prefill_kernel=prefill_kernel)
+    backend = TorchPagedAttention(spec=spec, options=options)
+    backend.allocate_kv_cache(32)
+    g = torch.Generator().manual_seed(0)
+    lengths = {"fresh": 100, "chunked": 110}
+    qkv = {
+        name: [
+            torch.randn(n, h, head_dim, generator=g).to(torch.bfloat16)
+            for h in (heads, kv_heads, kv_heads)
+        ]
+        for name, n in lengths.items()
+    }
+    blocks = {"fresh": list(range(0, 7)), "chunked": list(range(31, 23, -1))}
+
+    def step(rows: list[tuple[str, int, int]]) -> None:
+        table = np.zeros((len(rows), 8), dtype=np.int32)
+        slots = []
+        for i, (name, start, end) in enumerate(rows):
+            table[i, : len(blocks[name])] = blocks[name]
+            pos = np.arange(start, end)
+            slots.append(np.asarray(blocks[name])[pos // BLOCK] * BLOCK + pos % BLOCK)
+        backend.prepare(
+            AttentionBatch(
+                query_start_loc=np.cumsum([0] + [e - s for _, s, e in rows], dtype=np.int32),
+                seq_lens=np.array([e for _, _, e in rows], dtype=np.int32),
+                block_table=table,
+                slot_mapping=np.concatenate(slots),
+            )
+        )
+        for index, layer in enumerate(LAYERS):
+            q, k, v = (torch.cat([qkv[n][part][s:e] for n, s, e in rows]) for part in range(3))
+            out = backend.forward(index, q, k, v)
+            offset = 0
+            for name, start, end in rows:
+                full_q, full_k, full_v = (t[:end] for t in qkv[name])
+                expected = reference(
+                    full_q[start:],
+                    full_k,
+                    full_v,
+                    layer.softmax_scale(head_dim),
+                    layer.logit_softcap,
+                    layer.sliding_window,
+                )
+                assert_matches(out[offset : offset + end - start], expected)
+                offset += end - start
+
+    step([("chunked", 0, 30), ("fresh", 0, 100)])
+    step([("chunked", 30, 110)])  # 80 tokens after 30 cached: the context is read back
+
+
+def test_prefill_kernel_on_where_it_cannot_run_is_refused() -> None:
+    spec = AttentionSpec(
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=BLOCK,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    backend = TorchPagedAttention(
+        spec=spec, options=TorchPagedAttention.Options(prefill_kernel="on")
+    )
+    with pytest.raises(ValueError, match="prefill_kernel 'on' needs"):
+        backend.allocate_kv_cache(4)
