@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,8 +75,7 @@ def faster_than_sdpa(num_heads: int, num_kv_heads: int, head_dim: int, tokens: i
     def kernel() -> None:
         prefill_attention(q, k, v, scale)
 
-    def median_ms(run: object, repeats: int = 7) -> float:
-        assert callable(run)
+    def median_ms(run: Callable[[], None], repeats: int = 7) -> float:
         run()  # warm-up
         times = []
         for _ in range(repeats):
