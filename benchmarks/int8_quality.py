@@ -1,0 +1,111 @@
+"""int8 weight-only against bf16 on SmolLM2-135M: perplexity on a fixed text and greedy
+agreement (docs/benchmarks.md, "int8 weight-only (issue 24)").
+
+- perplexity: exp of the mean negative logprob of every token of
+  benchmarks/data/pride_and_prejudice_ch1.txt (public domain) given the tokens before
+  it, through prompt_logprobs;
+- greedy agreement: 8 fixed prompts x 64 new tokens (EOS ignored) under int8 against
+  bf16: the fraction of positions holding the same token, and how many tokens each
+  continuation keeps before its first difference.
+
+    .venv/bin/python benchmarks/int8_quality.py [--model smollm2-135m-instruct] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from plugserve import LLM, SamplingParams
+
+TEXT = Path(__file__).parent / "data" / "pride_and_prejudice_ch1.txt"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "Once upon a time, in a small village,",
+    "The three laws of motion state that",
+    "To make a cup of tea, first",
+    "In 1969, the first humans",
+    "The main difference between a list and a tuple in Python is",
+]
+NEW_TOKENS = 64
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    [out] = llm.generate(
+        {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )
+    assert out.prompt_logprobs is not None
+    logprobs = [
+        entry[token].logprob
+        for token, entry in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)
+        if entry is not None
+    ]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params)]
+
+
+def run(model: str, quantization: str | None) -> tuple[float, list[list[int]]]:
+    settings: dict[str, Any] = {"dtype": "bfloat16", "kv_cache_memory": "64MiB"}
+    if quantization is not None:
+        settings["quantization"] = quantization
+    llm = LLM(model=model, **settings)
+    try:
+        token_ids = llm.tokenizer.encode(TEXT.read_text())
+        return perplexity(llm, token_ids), greedy(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--quantization", default="int8")
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+
+    ppl_bf16, tokens_bf16 = run(args.model, None)
+    ppl_q, tokens_q = run(args.model, args.quantization)
+    same = sum(
+        a == b
+        for r, q in zip(tokens_bf16, tokens_q, strict=True)
+        for a, b in zip(r, q, strict=True)
+    )
+    total = sum(len(r) for r in tokens_bf16)
+    prefixes = [
+        next((i for i, (a, b) in enumerate(zip(r, q, strict=True)) if a != b), len(r))
+        for r, q in zip(tokens_bf16, tokens_q, strict=True)
+    ]
+    result = {
+        "model": args.model,
+        "quantization": args.quantization,
+        "perplexity_bf16": ppl_bf16,
+        "perplexity_quantized": ppl_q,
+        "perplexity_delta": ppl_q - ppl_bf16,
+        "greedy_agreement": same / total,
+        "tokens_before_first_difference": prefixes,
+    }
+    print(
+        f"perplexity bf16 {ppl_bf16:.4f}, {args.quantization} {ppl_q:.4f} "
+        f"(delta {ppl_q - ppl_bf16:+.4f}, {100 * (ppl_q / ppl_bf16 - 1):+.2f} %)\n"
+        f"greedy agreement {same}/{total} = {same / total:.3f}; "
+        f"tokens before the first difference: {prefixes}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
