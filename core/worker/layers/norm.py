@@ -45,22 +45,11 @@ class RMSNorm(nn.Module):
 
 
 @direct_call
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in fp32 and rounded once to x's
     dtype at the end (transformers' Gemma2RMSNorm/Gemma3RMSNorm exactly; Llama's instead
-    rounds before multiplying by the weight, which is stored as is)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size))
-        self.eps = eps
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
-        residual = residual + x
-        return self(residual), residual
+    rounds before multiplying by the weight, which is stored as is). The residual add is
+    RMSNorm's; never the fused CPU op, which multiplies by the weight itself."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -19,24 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.interfaces import LayerAttention
 from plugserve.worker.layers.rotary import RotaryEmbedding, rope_parameters
 from plugserve.worker.models.decoder import head_dim_of
-from plugserve.worker.models.llama import LlamaForCausalLM
-from plugserve.worker.models.mistral import sliding_window_layers
+from plugserve.worker.models.mistral import MistralForCausalLM
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """interfaces.CausalLM for Phi-3 checkpoints (HF names), tied or untied head."""
-
-    @staticmethod
-    def qkv_bias(hf_config: Any) -> bool:
-        return False
-
-    @classmethod
-    def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
-        """The config's sliding_window on every layer (Phi-3-mini-4k: 2047), else none."""
-        return sliding_window_layers(hf_config)
+class Phi3ForCausalLM(MistralForCausalLM):
+    """interfaces.CausalLM for Phi-3 checkpoints (HF names), tied or untied head: Mistral's
+    layer (no biases, the config's sliding_window on every layer: Phi-3-mini-4k 2047) with
+    longrope and partial rotary, and q/k/v and gate/up stored fused in the checkpoint."""
 
     def build_rotary(self, hf_config: Any) -> RotaryEmbedding:
         theta, scaling = rope_parameters(hf_config)
