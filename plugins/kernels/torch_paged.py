@@ -147,7 +147,11 @@ class TorchPagedAttention:
         self._native_call: tuple[int, int] | None = None
         # Long prefill rows through cpu_prefill_attention (decided at allocate_kv_cache).
         self._prefill_kernel = False
-        self._prefill_choice = "off" if choice == "sdpa" else options.prefill_kernel
+        if choice != "auto" and options.prefill_kernel == "on":
+            # Only kernel auto routes long prefill rows apart (native keeps them in the
+            # token-at-a-time kernel, sdpa in SDPA): "on" would be dropped there.
+            raise ValueError(f"prefill_kernel 'on' needs kernel 'auto' (kernel is {choice!r})")
+        self._prefill_choice = options.prefill_kernel if choice == "auto" else "off"
 
     def _use_native_kernel(self, choice: str) -> bool:
         if choice == "sdpa":

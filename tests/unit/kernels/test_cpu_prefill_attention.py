@@ -200,3 +200,21 @@ def test_prefill_kernel_on_where_it_cannot_run_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="prefill_kernel 'on' needs"):
         backend.allocate_kv_cache(4)
+
+
+@pytest.mark.parametrize("kernel", ["native", "sdpa"])
+def test_prefill_kernel_on_beside_a_kernel_that_never_routes_long_rows_is_refused(
+    kernel: str,
+) -> None:
+    spec = AttentionSpec(
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=BLOCK,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    options = TorchPagedAttention.Options(kernel=kernel, prefill_kernel="on")
+    with pytest.raises(ValueError, match="prefill_kernel 'on' needs kernel 'auto'"):
+        TorchPagedAttention(spec=spec, options=options)
