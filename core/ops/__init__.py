@@ -18,6 +18,8 @@ The public C++ ABI is the headers in `include_dir()`, included with quotes
 
 - cpu_bf16.h: `to_float` and `store`, bf16 <-> fp32 conversions written so that loops
   over them vectorize.
+- cpu_vec_math.h (AVX-512F): `load16`/`store16` (16 bf16 or fp32 elements as fp32 lanes,
+  stored rounded as `store` does), `exp16` and `silu_mul16`.
 - layer_attention.h: `LayerAttentionFn`, one layer's attention as a plain C++ call; an
   attention backend that offers one (AttentionBackend.cpu_layer_call) hands its address
   and context to the fused CPU decoder, which calls it for every layer.

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_bf16.h"
+#include "cpu_vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -107,7 +108,13 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
       const T* gate = in + r * in_stride;
       const T* up = gate + n;
       T* dst = op + r * out_stride;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#ifdef PLUGSERVE_HAS_VEC_MATH
+      // 16 at a time: the scalar loop's std::exp held a 128-token prefill step's SiLU at
+      // ~90 us a layer on a 2-core Zen 5 (SmolLM2, 1536 features).
+      for (; i + 16 <= n; i += 16) store16(dst + i, silu_mul16(load16(gate + i), load16(up + i)));
+#endif
+      for (; i < n; ++i) {
         const float g = to_float(gate[i]);
         store(dst + i, g / (1.0f + std::exp(-g)) * to_float(up[i]));
       }

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "cpu_bf16.h"  // plugserve.ops' public headers, on the include path
+#include "cpu_vec_math.h"
 #include "layer_attention.h"
 
 #ifdef __AVX512F__
@@ -42,12 +43,7 @@ namespace {
 using plugserve::to_float;
 
 #ifdef __AVX512F__
-// 16 consecutive elements as fp32 lanes.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using plugserve::load16;  // 16 consecutive elements as fp32 lanes
 #endif
 
 constexpr int64_t kPrefetchTokens = 16;

@@ -17,6 +17,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_vec_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -27,30 +29,12 @@ namespace {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
+using plugserve::exp16;
+
 constexpr int64_t kKeyBlock = 64;      // keys per step of the online softmax (4 vectors)
 constexpr int64_t kQueryTokens = 32;   // query tokens per work item (times G heads)
 // A masked score: finite, as the library is built with -ffast-math.
 constexpr float kMasked = -1e30f;
-
-// exp(x) for 16 lanes: 2^n * poly(r), x = n ln2 + r; about 1 ulp over the softmax's
-// range, 0 below -87 (masked scores).
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(~zero, p, n);
-}
 
 // cap * tanh(s / cap), through tanh|y| = (1 - e^-2|y|) / (1 + e^-2|y|).
 inline __m512 soft_cap16(__m512 s, float cap) {

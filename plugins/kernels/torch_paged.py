@@ -351,42 +351,55 @@ class TorchPagedAttention:
         if plan.native:  # the kernel writes k and v itself, then reads
             return self._native_step.forward(layer_idx, q, k, v)
         cache = self._layer_caches[layer_idx]
-        layer = self.layers[layer_idx]
         # Written before any read, so a row sees the tokens every row adds this step.
         assert plan.slots is not None
         cache.k_slots.index_copy_(0, plan.slots, k)
         cache.v_slots.index_copy_(0, plan.slots, v)
         if plan.decodes is not None and plan.decodes.token_index is None:
             return self._decode(layer_idx, cache, q, plan.decodes)
+        if plan.decodes is None and len(plan.prefills) == 1:  # one prompt: no copy into `out`
+            return self._prefill(layer_idx, cache, q, k, v, plan.prefills[0]).contiguous()
         out = torch.empty_like(q)
         if plan.decodes is not None:
             d = plan.decodes
             out[d.token_index] = self._decode(layer_idx, cache, q[d.token_index], d)
         for p in plan.prefills:
-            if p.block_ids is None:
-                keys, values = k[p.start : p.end], v[p.start : p.end]
-            else:
-                keys = self._gather(cache.k_blocks, p.block_ids)[: p.seq_len]
-                values = self._gather(cache.v_blocks, p.block_ids)[: p.seq_len]
-            if self._prefill_kernel:  # causal from the row's context_len, in the kernel
-                out[p.start : p.end] = cpu_prefill_attention.prefill_attention(
-                    q[p.start : p.end],
-                    keys,
-                    values,
-                    self.scales[layer_idx],
-                    layer.logit_softcap,
-                    layer.sliding_window,
-                )
-                continue
-            o = self._attend(
-                layer_idx,
-                q[p.start : p.end].transpose(0, 1)[None],
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
-                mask=p.masks[layer.sliding_window],
-            )
-            out[p.start : p.end] = o[0].transpose(0, 1)
+            out[p.start : p.end] = self._prefill(layer_idx, cache, q, k, v, p)
         return out
+
+    def _prefill(
+        self,
+        layer_idx: int,
+        cache: _LayerCache,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: _Prefill,
+    ) -> torch.Tensor:
+        """The rows [p.start, p.end) of one request's prefill chunk → [rows, H, D]."""
+        layer = self.layers[layer_idx]
+        if p.block_ids is None:
+            keys, values = k[p.start : p.end], v[p.start : p.end]
+        else:
+            keys = self._gather(cache.k_blocks, p.block_ids)[: p.seq_len]
+            values = self._gather(cache.v_blocks, p.block_ids)[: p.seq_len]
+        if self._prefill_kernel:  # causal from the row's context_len, in the kernel
+            return cpu_prefill_attention.prefill_attention(
+                q[p.start : p.end],
+                keys,
+                values,
+                self.scales[layer_idx],
+                layer.logit_softcap,
+                layer.sliding_window,
+            )
+        o = self._attend(
+            layer_idx,
+            q[p.start : p.end].transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            mask=p.masks[layer.sliding_window],
+        )
+        return o[0].transpose(0, 1)
 
     def _decode(
         self, layer_idx: int, cache: _LayerCache, q: torch.Tensor, d: _Decodes

@@ -20,13 +20,13 @@ def names(headers: list[Path]) -> set[str]:
 
 def test_the_attention_plugin_includes_only_public_headers() -> None:
     headers = build.included_headers(ATTENTION_SOURCE, ops.include_dir())
-    assert names(headers) == {"cpu_bf16.h", "layer_attention.h", "row_pool.h"}
+    assert names(headers) == {"cpu_bf16.h", "cpu_vec_math.h", "layer_attention.h", "row_pool.h"}
     assert all(header.parent == ops.include_dir().resolve() for header in headers)
 
 
 def test_headers_count_through_the_headers_that_include_them() -> None:
     """cpu_decoder.cpp names cpu_gemm.h and cpu_ops.h; they bring cpu_gemm_amx.h beside
-    them, and row_pool.h and cpu_bf16.h from the public folder."""
+    them, and row_pool.h, cpu_bf16.h and cpu_vec_math.h from the public folder."""
     headers = build.included_headers(ops.DECODER_SOURCE, ops.include_dir())
     assert names(headers) == {
         "cpu_gemm.h",
@@ -35,6 +35,7 @@ def test_headers_count_through_the_headers_that_include_them() -> None:
         "layer_attention.h",
         "row_pool.h",
         "cpu_bf16.h",
+        "cpu_vec_math.h",
     }
 
 
