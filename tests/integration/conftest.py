@@ -331,6 +331,14 @@ def running_server(
     """A healthy server for the duration of the block; stopped afterwards. With
     `check_exit`, a server that was still up must exit 0 on SIGTERM."""
     server = ServerProcess(transport, log_dir / f"server-{transport}.log", **kwargs)
+    with serving(server, check_exit=check_exit):
+        yield server
+
+
+@contextlib.contextmanager
+def serving(server: ServerProcess, *, check_exit: bool = True) -> Iterator[ServerProcess]:
+    """`running_server` for a server already launched (ServerProcess only starts the
+    process): waits until it is healthy, then stops it as `running_server` does."""
     try:
         server.wait_healthy()
         yield server

@@ -36,8 +36,10 @@ back as `tool_calls`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +54,7 @@ from correctness.tiny_checkpoints import (
     tokenizer_folder,
     write_tiny_checkpoint,
 )
-from integration.conftest import GreedyCompletion, greedy_completion, running_server
+from integration.conftest import GreedyCompletion, ServerProcess, greedy_completion, serving
 from transformers import Qwen3Config
 
 from plugserve.capabilities import has_dtypes, has_tensor_parallel_limit, reports_unavailability
@@ -209,9 +211,85 @@ async def _scenario(server, **model: str) -> list[GreedyCompletion]:
         return list(await asyncio.gather(*answers))
 
 
+# The default stack the output-slot cells vary only those two slots of.
+OUTPUT_SLOTS_CELL = Cell("fcfs", "zmq", "uni", "torch", 1, "float32")
+
+
+def server_args(item: pytest.Item, checkpoint: Callable[[TinyCase], Any]) -> tuple[str, list[str]]:
+    """The transport and `plugserve serve` settings of a matrix test's server."""
+    params = item.callspec.params
+    if "output_slots" in params:
+        backend, parser = params["output_slots"]
+        cell = OUTPUT_SLOTS_CELL
+        slots = ["--stack.structured_output", backend, "--stack.tool_parser", parser]
+        return cell.transport, [*cell.settings(), *slots]
+    cell = params["cell"]
+    if "architecture" in params:
+        return cell.transport, [*cell.settings(), "--model", checkpoint(params["architecture"])[0]]
+    return cell.transport, cell.settings()
+
+
+class ServerQueue:
+    """Each cell's own fresh server, the next cell's launched as a cell takes its own.
+
+    Most of a cell's time is its server starting (the API server, the engine and any
+    worker processes importing torch and loading the model: ~10 s, mostly one core's
+    work), its scenario ~4 s. Launched one cell ahead, a server starts on the core the
+    cell before it leaves idle and is up, or nearly, when its cell comes; every cell
+    still gets a server of its own, stopped (exit code checked) after it."""
+
+    def __init__(
+        self,
+        request: pytest.FixtureRequest,
+        tmp_path_factory: pytest.TempPathFactory,
+        checkpoint: Callable[[TinyCase], Any],
+    ) -> None:
+        self._items: list[pytest.Item] = request.session.items  # in run order
+        self._module = request.module
+        self._tmp = tmp_path_factory
+        self._checkpoint = checkpoint
+        self._launched: dict[str, ServerProcess] = {}
+
+    def _runs_here(self, item: pytest.Item) -> bool:
+        return (
+            getattr(item, "module", None) is self._module
+            and "servers" in getattr(item, "fixturenames", ())
+            and item.get_closest_marker("skip") is None
+        )
+
+    def _launch(self, item: pytest.Item) -> ServerProcess:
+        transport, settings = server_args(item, self._checkpoint)
+        log_dir = self._tmp.mktemp("server")
+        return ServerProcess(transport, log_dir / f"server-{transport}.log", settings=settings)
+
+    @contextlib.contextmanager
+    def serve(self, item: pytest.Item) -> Iterator[ServerProcess]:
+        """`item`'s server (launched ahead or now) for the block, as running_server's."""
+        server = self._launched.pop(item.nodeid, None) or self._launch(item)
+        later = self._items[self._items.index(item) + 1 :]
+        upcoming = next((i for i in later if self._runs_here(i)), None)
+        if upcoming is not None and upcoming.nodeid not in self._launched:
+            self._launched[upcoming.nodeid] = self._launch(upcoming)
+        with serving(server) as served:
+            yield served
+
+    def close(self) -> None:
+        """Servers launched for cells that did not run (a failure with -x, an interrupt)."""
+        for server in self._launched.values():
+            server.kill_all()
+        self._launched.clear()
+
+
+@pytest.fixture(scope="module")
+def servers(request, tmp_path_factory, tiny_checkpoints) -> Iterator[ServerQueue]:
+    queue = ServerQueue(request, tmp_path_factory, tiny_checkpoints)
+    yield queue
+    queue.close()
+
+
 @pytest.mark.parametrize("cell", matrix_cells())
-def test_cell_matches_hf(cell: Cell, request: pytest.FixtureRequest, tmp_path) -> None:
-    with running_server(cell.transport, tmp_path, settings=cell.settings()) as server:
+def test_cell_matches_hf(cell: Cell, request: pytest.FixtureRequest, servers: ServerQueue) -> None:
+    with servers.serve(request.node) as server:
         completions = asyncio.run(_scenario(server))
         idle = server.wait_idle()
     if cell.dtype == "float32":
@@ -245,11 +323,15 @@ def tiny_checkpoints(smollm2_path, tmp_path_factory, prompt_ids):
 
 @pytest.mark.parametrize(("architecture", "cell"), architecture_cells())
 def test_architecture_cell_matches_hf(
-    architecture: TinyCase, cell: Cell, tiny_checkpoints, tokenizer, tmp_path
+    architecture: TinyCase,
+    cell: Cell,
+    tiny_checkpoints,
+    tokenizer,
+    request: pytest.FixtureRequest,
+    servers: ServerQueue,
 ) -> None:
     model, references = tiny_checkpoints(architecture)
-    settings = [*cell.settings(), "--model", model]
-    with running_server(cell.transport, tmp_path, settings=settings) as server:
+    with servers.serve(request.node) as server:
         completions = asyncio.run(_scenario(server, model=model))
         idle = server.wait_idle()
     for prompt, reference, c in zip(PROMPTS, references, completions, strict=True):
@@ -343,14 +425,10 @@ async def _output_scenario(server, tool_parser: str) -> list[Any]:
 
 @pytest.mark.parametrize("output_slots", output_slot_cells())
 def test_output_slots(
-    output_slots: tuple[str, str], request: pytest.FixtureRequest, tmp_path
+    output_slots: tuple[str, str], request: pytest.FixtureRequest, servers: ServerQueue
 ) -> None:
-    backend, parser = output_slots
-    cell = Cell("fcfs", "zmq", "uni", "torch", 1, "float32")
-    settings = [
-        *cell.settings(), "--stack.structured_output", backend, "--stack.tool_parser", parser
-    ]  # fmt: skip
-    with running_server(cell.transport, tmp_path, settings=settings) as server:
+    _, parser = output_slots
+    with servers.serve(request.node) as server:
         plain, as_json, choice, called = asyncio.run(_output_scenario(server, parser))
         idle = server.wait_idle()
     assert plain.token_ids == request.getfixturevalue("hf_fp32")[0].token_ids
