@@ -111,6 +111,11 @@ def cmd_bench_kernels(args: argparse.Namespace, overrides: dict[str, Any]) -> in
     print(f"plan: {measurement.plan.describe()}")
     if measurement.cache_file is not None:
         print(f"kept in {measurement.cache_file}")
+    elif measurement.contended:
+        print(
+            f"not kept: other processes took {100 * measurement.others_share:.0f}% of the "
+            "CPUs while it was timed; measure again on a quiet machine"
+        )
     return 0
 
 

@@ -94,6 +94,8 @@ def log_plan(measurement: kernel_choice.Measurement) -> None:
         else f"measured now on {measurement.measured_bytes / 2**20:.0f} of "
         f"{measurement.total_bytes / 2**20:.0f} MiB of weights"
     )
+    if measurement.others_share is not None:
+        source += f", other processes using {100 * measurement.others_share:.0f}% of the CPUs"
     logger.info(
         "bf16 linear kernels by rows, ms for a step's matmuls, * chosen (%s):\n%s",
         source,

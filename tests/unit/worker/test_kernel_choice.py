@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,6 +86,8 @@ def test_the_plan_is_measured_once_per_machine_and_model_shape(
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(kernel_choice.REMEASURE_ENV, raising=False)
     monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    # Kept whatever else runs on this machine meanwhile (the next test is about that).
+    monkeypatch.setattr(kernel_choice, "CONTENDED_SHARE", 1.0)
     first = kernel_choice.plan_for(tiny_step())
     assert not first.from_cache and first.cache_file is not None
     assert first.cache_file.parent == tmp_path / "kernel_plans"
@@ -197,3 +200,65 @@ def test_amx_tiles_compute_the_matmul_over_the_vector_kernels_weights(
     expected = x.float() @ weight.float().T + bias
     torch.testing.assert_close(linear(x, torch.float32), expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(linear(x).float(), expected, atol=1e-2, rtol=1e-2)  # bf16 out
+
+
+def busy_neighbour(seconds: float) -> subprocess.Popen:
+    """Another program spinning on every core for `seconds`, in a session of its own (as a
+    test run or another server beside plugserve would be)."""
+    code = (
+        "import multiprocessing as mp, time\n"
+        "def spin(until):\n"
+        "    while time.monotonic() < until: pass\n"
+        "if __name__ == '__main__':\n"
+        f"    until = time.monotonic() + {seconds}\n"
+        "    ps = [mp.Process(target=spin, args=(until,)) for _ in range(mp.cpu_count())]\n"
+        "    [p.start() for p in ps]; [p.join() for p in ps]\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def test_the_cpu_share_of_other_processes_is_measured() -> None:
+    """Idle neighbours count for little; one spinning on every core for the whole window
+    counts for most of the machine, and this process's own work counts for nothing."""
+    before = kernel_choice.cpu_usage()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:  # this process busy: its own, not another's
+        pass
+    own_only = kernel_choice.others_share(before, kernel_choice.cpu_usage())
+    assert own_only is not None and own_only < 0.25
+
+    neighbour = busy_neighbour(3.0)
+    time.sleep(1.0)  # its workers started
+    before = kernel_choice.cpu_usage()
+    time.sleep(1.5)
+    share = kernel_choice.others_share(before, kernel_choice.cpu_usage())
+    neighbour.wait(timeout=30)
+    assert share is not None and share > 0.6
+
+
+def test_a_plan_timed_beside_a_busy_process_is_used_but_not_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(kernel_choice.REMEASURE_ENV, raising=False)
+    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    if kernel_choice.cpu_usage() is None:
+        pytest.skip("no /proc/stat here")
+    neighbour = busy_neighbour(20.0)
+    try:
+        time.sleep(1.0)
+        contended = kernel_choice.plan_for(tiny_step())
+    finally:
+        os.killpg(neighbour.pid, signal.SIGKILL)  # its spinning workers too
+        neighbour.wait()
+    assert contended.contended and contended.others_share > kernel_choice.CONTENDED_SHARE
+    assert contended.cache_file is None and not (tmp_path / "kernel_plans").exists()
+    assert all(
+        len(bucket) == 1 or contended.times_ms[b] for b, bucket in enumerate(all_candidates())
+    )
+
+    again = kernel_choice.plan_for(tiny_step())  # nothing was kept: measured again
+    assert not again.from_cache
+    assert (again.cache_file is not None) == (not again.contended)
