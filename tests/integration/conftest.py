@@ -403,8 +403,26 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def server(transport: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def zmq_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The shared zmq server, up for the whole session: besides the tests of both
+    transports, the modules that want a default zmq server and leave it as they found it
+    use it rather than starting their own (~14 s each to start and stop)."""
+    if not transport_registered("zmq"):
+        pytest.skip(
+            "the 'zmq' transport plugin is not registered (plugserve plugins lists no 'zmq')"
+        )
+    with running_server("zmq", tmp_path_factory.mktemp("shared-zmq")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def server(
+    transport: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
     """One shared server per transport for the tests that leave it as they found it."""
+    if transport == "zmq":
+        yield request.getfixturevalue("zmq_server")
+        return
     with running_server(transport, tmp_path_factory.mktemp(f"shared-{transport}")) as server:
         yield server
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from .conftest import MODEL, ServerProcess, assert_openai_error, running_server
+from .conftest import MODEL, ServerProcess, assert_openai_error
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -46,9 +46,9 @@ SCHEMAS = {"GetWeather": GetWeather, "GetTime": GetTime}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server("zmq", tmp_path_factory.mktemp("structured")) as server:
-        yield server
+def server(zmq_server: ServerProcess) -> ServerProcess:
+    # Every request here only reads the model: the shared default server serves them.
+    return zmq_server
 
 
 @pytest.fixture(scope="module")
