@@ -360,15 +360,17 @@ def _exponential_race(
     probs: torch.Tensor, generators: Mapping[int, torch.Generator]
 ) -> torch.Tensor:
     """Sample one token per row: argmax(p / q) with q ~ Exponential(1) picks token i with
-    probability p_i, with no cumsum or multinomial (and no host sync)."""
+    probability p_i, with no cumsum or multinomial (and no host sync). q is -log(u) with u
+    uniform: torch's CPU exponential_ took 945 us for one row of a 49K vocabulary where
+    uniform_ and log_ take 200 (2-core EPYC), a tenth of a batch-1 decode step."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        q.uniform_()
     # A seeded row's noise depends only on its own generator, so its tokens don't depend
     # on the batch around it.
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    return probs.div_(q).argmax(dim=-1)
+        q[row].uniform_(generator=generator)
+    return probs.div_(q.log_().neg_()).argmax(dim=-1)
 
 
 def token_logprobs(
