@@ -80,17 +80,23 @@ def test_a_slowed_candidate_never_wins_whichever_it_is() -> None:
                     assert timed[chosen.name] == min(timed.values())
 
 
-def test_the_plan_is_measured_once_per_machine_and_model_shape(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@pytest.fixture
+def plan_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty plugserve cache dir, with nothing set that forces a plan or a measurement."""
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(kernel_choice.REMEASURE_ENV, raising=False)
     monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    return tmp_path
+
+
+def test_the_plan_is_measured_once_per_machine_and_model_shape(
+    monkeypatch: pytest.MonkeyPatch, plan_cache: Path
+) -> None:
     # Kept whatever else runs on this machine meanwhile (the next test is about that).
     monkeypatch.setattr(kernel_choice, "CONTENDED_SHARE", 1.0)
     first = kernel_choice.plan_for(tiny_step())
     assert not first.from_cache and first.cache_file is not None
-    assert first.cache_file.parent == tmp_path / "kernel_plans"
+    assert first.cache_file.parent == plan_cache / "kernel_plans"
     assert all(first.times_ms[b] for b, c in enumerate(all_candidates()) if len(c) > 1)
 
     again = kernel_choice.plan_for(tiny_step(seed=1))  # other weights, the same shapes
@@ -238,12 +244,7 @@ def test_the_cpu_share_of_other_processes_is_measured() -> None:
     assert share is not None and share > 0.6
 
 
-def test_a_plan_timed_beside_a_busy_process_is_used_but_not_kept(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(kernel_choice.REMEASURE_ENV, raising=False)
-    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+def test_a_plan_timed_beside_a_busy_process_is_used_but_not_kept(plan_cache: Path) -> None:
     if kernel_choice.cpu_usage() is None:
         pytest.skip("no /proc/stat here")
     neighbour = busy_neighbour(20.0)
@@ -254,7 +255,7 @@ def test_a_plan_timed_beside_a_busy_process_is_used_but_not_kept(
         os.killpg(neighbour.pid, signal.SIGKILL)  # its spinning workers too
         neighbour.wait()
     assert contended.contended and contended.others_share > kernel_choice.CONTENDED_SHARE
-    assert contended.cache_file is None and not (tmp_path / "kernel_plans").exists()
+    assert contended.cache_file is None and not (plan_cache / "kernel_plans").exists()
     assert all(
         len(bucket) == 1 or contended.times_ms[b] for b, bucket in enumerate(all_candidates())
     )
