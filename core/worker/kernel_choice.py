@@ -6,7 +6,10 @@ decode buckets) over the model's real weights, in step order, so that the weight
 from memory as in serving. Candidates take turns round by round, so that a shift in the
 machine's memory speed (a shared VM's bandwidth changes phase within seconds) reaches all
 of them alike; each one's median wins or loses. A model bigger than MEASURED_BYTES is
-timed on its first layers up to that size.
+timed on its first layers up to that size. A decode bucket's runs repeat its row count, as
+a batch's size recurs step after step; each run in a prefill bucket takes a row count not
+run before, as prompts of varying length do (kernels that build code per shape pay for it
+there, as they do in serving).
 
 The plan is kept per machine and model shape (CPU model and flags, threads, torch and
 kernel sources, the matmul shapes) under the plugserve cache dir, so an engine measures
@@ -19,13 +22,14 @@ timings are the other process's as much as the kernels'.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +63,7 @@ DECODE_ROUNDS, PREFILL_ROUNDS = 7, 3
 # measuring time. Decode buckets time every candidate: oneDNN, 1.6x behind at 8 rows, led
 # at 32 before cpu_gemm had AMX tiles.
 LOSER_FACTOR = 2.5
-_PLAN_FORMAT = 2
+_PLAN_FORMAT = 3  # 3: prefill buckets timed on fresh row counts
 # Above this share of the machine's CPU time taken by processes outside this server's
 # process group while the candidates ran, a plan is not kept. On a 2-core EPYC beside a
 # test run the 9-64-row bucket measured 69.6 ms for cpu_gemm against 26.1 alone, and the
@@ -110,20 +114,20 @@ class Measurement:
         return self.others_share is not None and self.others_share > CONTENDED_SHARE
 
     def table(self) -> str:
-        """A markdown table: buckets down, candidates across, the chosen time starred."""
+        """A markdown table: buckets down, candidates across, the chosen time starred. A
+        prefill bucket is measured "from" its row count: a new count each run (run_rows)."""
         names = [k.name for k in KERNELS if any(k.name in t for t in self.times_ms)]
         lines = [
             "| rows | measured at | chosen | " + " | ".join(names) + " |",
             "|---|---|---|" + "---|" * len(names),
         ]
-        for bucket, times, chosen in zip(
-            ROW_BUCKETS, self.times_ms, self.plan.by_bucket, strict=True
+        for b, (bucket, times, chosen) in enumerate(
+            zip(ROW_BUCKETS, self.times_ms, self.plan.by_bucket, strict=True)
         ):
             cells = [_cell(times, n, chosen.name) for n in names]
+            measured = f"from {bucket.measured_rows}" if is_prefill(b) else bucket.measured_rows
             lines.append(
-                f"| {bucket.name} | {bucket.measured_rows} | {chosen.name} | "
-                + " | ".join(cells)
-                + " |"
+                f"| {bucket.name} | {measured} | {chosen.name} | " + " | ".join(cells) + " |"
             )
         return "\n".join(lines)
 
@@ -278,22 +282,23 @@ def time_candidates(
     lost the bucket below by LOSER_FACTOR holds its survivor, untimed (None)."""
     times: list[dict[str, float | None]] = []
     losers: set[str] = set()  # far behind in the bucket below: not timed in this one
-    for b, (bucket, kernels) in enumerate(zip(ROW_BUCKETS, candidates, strict=True)):
+    for b, kernels in enumerate(candidates):
         if is_prefill(b):
             kernels = [k for k in kernels if k.name not in losers] or kernels
         if len(kernels) < 2:
             times.append({kernels[0].name: None} if losers else {})  # left alone, untimed
             continue
-        rows = bucket.measured_rows
+        rows = run_rows(b)
         for kernel in kernels:
-            run(kernel, rows, b)
+            run(kernel, next(rows), b)
         samples: dict[str, list[float]] = {k.name: [] for k in kernels}
         for round_index in range(_rounds(b)):
             # Each round starts with another candidate: none always follows the same one.
             shift = round_index % len(kernels)
             for kernel in kernels[shift:] + kernels[:shift]:
+                count = next(rows)
                 start = time.perf_counter()
-                run(kernel, rows, b)
+                run(kernel, count, b)
                 samples[kernel.name].append(1e3 * (time.perf_counter() - start))
         medians = {name: statistics.median(s) for name, s in samples.items()}
         times.append(dict(medians))
@@ -304,6 +309,18 @@ def time_candidates(
                 name for name, ms in medians.items() if ms > LOSER_FACTOR * best
             }
     return times
+
+
+def run_rows(bucket: int) -> Iterator[int]:
+    """The row count of each run in a bucket, warm-ups included. A decode bucket repeats
+    its measured count. A prefill bucket counts up from it, a new count each run: oneDNN
+    builds (JIT-compiles) a primitive for each row count it has not seen, 1-6 ms per weight
+    shape at ~130 rows on a 2-core EPYC, and serving's prompts rarely repeat a length. Timed
+    on 128 rows again and again, oneDNN's fused MLP led cpu_gemm 74 to 76 ms and took the
+    65-256 bucket; the server's 128-140-token prefill steps then ran ~20 ms slower than
+    with cpu_gemm (fastest steps 108-112 ms against 89)."""
+    measured = ROW_BUCKETS[bucket].measured_rows
+    return itertools.count(measured) if is_prefill(bucket) else itertools.repeat(measured)
 
 
 def _rounds(bucket: int) -> int:
@@ -346,7 +363,7 @@ class _StepBench:
                 self.calls.append(_mlp_call(step, arena, kernels))
                 self.inputs.append(step.gate_up.shape[1])
         self.heads = [isinstance(s, LinearStep) and s.head for s in steps]
-        self._x: dict[tuple[int, int], torch.Tensor] = {}
+        self._x: dict[int, torch.Tensor] = {}
 
     def run(self, kernel: Kernel, rows: int, bucket: int) -> None:
         for call, width, head in zip(self.calls, self.inputs, self.heads, strict=True):
@@ -355,12 +372,15 @@ class _StepBench:
             call(kernel, self._input(rows, width))
 
     def _input(self, rows: int, width: int) -> torch.Tensor:
-        x = self._x.get((rows, width))
-        if x is None:
-            generator = torch.Generator().manual_seed(rows * 7919 + width)
-            x = torch.randn(rows, width, generator=generator).to(torch.bfloat16)
-            self._x[(rows, width)] = x
-        return x
+        # One tensor per width, its leading rows taken: a prefill bucket's runs each take a
+        # new row count, and making their inputs (randn) would be timed with them. Made
+        # with room for the bucket's further counts, in its untimed warm-up runs.
+        x = self._x.get(width)
+        if x is None or x.shape[0] < rows:
+            generator = torch.Generator().manual_seed(width)
+            x = torch.randn(rows + 64, width, generator=generator).to(torch.bfloat16)
+            self._x[width] = x
+        return x[:rows]
 
 
 def _linear_call(

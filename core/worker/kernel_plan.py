@@ -21,7 +21,8 @@ Library = Literal["own", "onednn", "aten"]
 
 @dataclass(frozen=True)
 class RowBucket:
-    """Matmuls of first..last rows (last None: no bound), measured at `measured_rows`."""
+    """Matmuls of first..last rows (last None: no bound), measured at `measured_rows` (a
+    prefill bucket: from there, a new row count each run; kernel_choice.run_rows)."""
 
     name: str
     first: int

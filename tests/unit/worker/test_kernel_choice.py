@@ -23,6 +23,7 @@ from plugserve.worker.kernel_plan import (
     Kernel,
     KernelPlan,
     candidates_for,
+    is_prefill,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -78,6 +79,38 @@ def test_a_slowed_candidate_never_wins_whichever_it_is() -> None:
                 assert timed.get(slowed.name, float("inf")) > 20
                 if timed:
                     assert timed[chosen.name] == min(timed.values())
+
+
+def test_prefill_buckets_are_timed_on_row_counts_not_seen_before() -> None:
+    """A prompt's length rarely repeats, a batch's size does: a kernel that builds code for
+    each new row count (oneDNN's primitives) pays for it in every prefill run it is timed
+    on, and in a decode bucket's warm-up only. Here a candidate twice as fast as its rival
+    once it has seen a row count, 30 ms slower before, wins the decode buckets and loses
+    the prefill ones; the counts stay inside their bucket."""
+    steady, builds = KERNELS_BY_NAME["onednn"], KERNELS_BY_NAME["own"]
+    candidates = [[steady, builds] for _ in ROW_BUCKETS]
+    counts: dict[tuple[int, str], list[int]] = {}
+    built: set[int] = set()
+
+    def run(kernel: Kernel, rows: int, bucket: int) -> None:
+        counts.setdefault((bucket, kernel.name), []).append(rows)
+        if kernel == steady:
+            time.sleep(0.004)
+        else:
+            time.sleep(0.002 if rows in built else 0.032)
+            built.add(rows)
+
+    plan = kernel_choice.choose(kernel_choice.time_candidates(run, candidates), candidates)
+    for b, bucket in enumerate(ROW_BUCKETS):
+        # (A bucket where one is left, after the other lost the one below, is not run.)
+        bucket_counts = counts.get((b, steady.name), []) + counts.get((b, builds.name), [])
+        assert all(bucket.first <= n <= (bucket.last or n) for n in bucket_counts)
+        if is_prefill(b):
+            assert len(set(bucket_counts)) == len(bucket_counts)  # each run a new count
+            assert plan.by_bucket[b] == steady
+        else:
+            assert set(bucket_counts) == {bucket.measured_rows}
+            assert plan.by_bucket[b] == builds
 
 
 @pytest.fixture
@@ -165,7 +198,7 @@ def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    assert "| rows | measured at | chosen |" in out and "| 257+ | 1024 |" in out, out
+    assert "| rows | measured at | chosen |" in out and "| 257+ | from 1024 |" in out, out
     assert "plan: 1 rows: " in out and "kept in " in out, out
     plans = list((tmp_path / "kernel_plans").glob("*.json"))
     assert len(plans) == 1
