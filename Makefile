@@ -35,7 +35,7 @@ lint: $(STAMP)
 
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q; rc=$$?; \
+	$(BIN)/python -m pytest -q --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
