@@ -280,6 +280,8 @@ def time_candidates(
     the bucket's rounds, the candidates taking turns in each round (after one untimed
     warm-up run each). A bucket with one candidate is not timed ({}); one where the others
     lost the bucket below by LOSER_FACTOR holds its survivor, untimed (None)."""
+    if len(candidates) != len(ROW_BUCKETS):
+        raise ValueError(f"{len(candidates)} candidate lists for {len(ROW_BUCKETS)} row buckets")
     times: list[dict[str, float | None]] = []
     losers: set[str] = set()  # far behind in the bucket below: not timed in this one
     for b, kernels in enumerate(candidates):
