@@ -320,7 +320,7 @@ def run_rows(bucket: int) -> Iterator[int]:
     shape at ~130 rows on a 2-core EPYC, and serving's prompts rarely repeat a length. Timed
     on 128 rows again and again, oneDNN's fused MLP led cpu_gemm 74 to 76 ms and took the
     65-256 bucket; the server's 128-140-token prefill steps then ran ~20 ms slower than
-    with cpu_gemm (fastest steps 108-112 ms against 89)."""
+    with cpu_gemm (fastest steps 108-112 ms against 89, the same EPYC, SmolLM2 bf16)."""
     measured = ROW_BUCKETS[bucket].measured_rows
     return itertools.count(measured) if is_prefill(bucket) else itertools.repeat(measured)
 
