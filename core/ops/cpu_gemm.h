@@ -3,7 +3,7 @@
 // A decode step's matmuls are bound by reading the weights, yet oneDNN (torch 2.13) reads
 // them well below the memory bandwidth at decode sizes. Here each thread streams its own
 // slice of the packed weight once, and every 64-byte load feeds all the rows' VDPBF16PS
-// accumulators held in registers. Measured on a 2-core Zen 5, SmolLM2's matmuls: 24%
+// accumulators held in registers. Measured on a 2-core Zen 4, SmolLM2's matmuls: 24%
 // faster than oneDNN's at 1 row, 16% at 32, equal at 512 to 2048.
 //
 // Packed layout (cpu_linear.py builds it): [N/16 blocks][K/2 pairs][16 columns][2]: one
@@ -20,7 +20,7 @@
 //
 // Which one-row loop is fastest depends on the CPU, so the caller picks it (OneRowMode,
 // chosen by measurement in kernel_choice.py): the stream's prefetches non-temporal (NTA:
-// on a 2-core Zen 5 a step 0.16-0.30 ms faster, the caches kept for the step's Python) or
+// on a 2-core Zen 4 a step 0.16-0.30 ms faster, the caches kept for the step's Python) or
 // into all levels (T0: on a 2-core Xeon with AMX and a 480 MB L3, SmolLM2's matmuls at one
 // row in 11.4 ms instead of 18); or no stream at all, one row through the tile kernel.
 //

@@ -111,7 +111,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
       int64_t i = 0;
 #ifdef PLUGSERVE_HAS_VEC_MATH
       // 16 at a time: the scalar loop's std::exp held a 128-token prefill step's SiLU at
-      // ~90 us a layer on a 2-core Zen 5 (SmolLM2, 1536 features).
+      // ~90 us a layer on a 2-core Zen 4 (SmolLM2, 1536 features).
       for (; i + 16 <= n; i += 16) store16(dst + i, silu_mul16(load16(gate + i), load16(up + i)));
 #endif
       for (; i < n; ++i) {

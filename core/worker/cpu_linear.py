@@ -5,7 +5,7 @@ and the plan; kernel_choice.py: the plan measured per machine):
 
 - cpu_gemm.cpp, on CPUs with AVX512_BF16: VDPBF16PS over a k-pair-interleaved copy of the
   weight (`pack_k_pairs`). It streams the weights at the memory bandwidth at decode sizes,
-  where oneDNN does not (SmolLM2's matmuls on a 2-core Zen 5: 24 % faster at 1 row, 16 % at
+  where oneDNN does not (SmolLM2's matmuls on a 2-core Zen 4: 24 % faster at 1 row, 16 % at
   32). Sums run in another order than `F.linear`'s, so results differ from it by fp32
   rounding before the bf16 store. One row can read a lossless exponent-coded copy. On AMX
   CPUs the same packed weights also run on AMX tiles (cpu_gemm_amx.h), which win batches.

@@ -2,7 +2,7 @@
 
 No kernel wins everywhere. On a 2-core Xeon with AMX, SmolLM2's matmuls at one row take
 11.4 ms in cpu_gemm.cpp (prefetching into the caches) and 14.6 in oneDNN, while at 32 rows
-oneDNN's AMX tiles take 17.6 and cpu_gemm.cpp 36; on a 2-core Zen 5 without AMX
+oneDNN's AMX tiles take 17.6 and cpu_gemm.cpp 36; on a 2-core Zen 4 without AMX
 cpu_gemm.cpp wins up to 32 rows, with non-temporal prefetches. So a model's matmuls are
 dispatched by their row count, in buckets (ROW_BUCKETS), to the kernel that measured
 fastest for that bucket on this machine (kernel_choice.py): a KernelPlan.

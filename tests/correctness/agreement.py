@@ -11,7 +11,7 @@ whose logits are one such unit apart can swap. The criterion, per prompt:
   first token that differs is a wrong prediction, not a tie broken the other way.
 - At every position up to and including the first divergence, plugserve's logprob of
   the token it chose is within LOGPROB_TOLERANCE of Hugging Face's logprob of that same
-  token. Measured on a 2-core AMD EPYC Zen 5 (no AMX) over 19 prompts of 5-400 tokens,
+  token. Measured on a 2-core AMD EPYC Zen 4 (no AMX) over 19 prompts of 5-400 tokens,
   32 tokens each: one engine, batched and one at a time, median 0.015, 99th percentile
   0.15, largest 0.21 nats; tensor-parallel over two ranks, whose all-reduce rounds each
   layer's sum to bf16 once more, median 0.013, 99th percentile 0.14, largest 0.32. The
@@ -54,7 +54,7 @@ class Reference:
 def clear_first_tokens(references: Sequence[Reference]) -> list[bool]:
     """Per reference, whether Hugging Face prefers its first token by more than NEAR_TIE.
     Which prompts start at a near-tie depends on the machine (its bf16 matmuls sum in
-    their own order): on a Zen 5 the 150-token corpus prompt, on a Xeon with AMX the
+    their own order): on a Zen 4 the 150-token corpus prompt, on a Xeon with AMX the
     47-token one."""
     return [reference.margin(0) > NEAR_TIE + _FP32_SLACK for reference in references]
 
