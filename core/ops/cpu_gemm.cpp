@@ -64,9 +64,11 @@ void code_exponents(const at::Tensor& packed, at::Tensor out) {
         index[e] = static_cast<uint8_t>(count++);
       }
       std::memset(dst, 0, record);
-      if (count > 16) {  // read from the plain copy instead
+      if (count > 16) {  // its first k-pairs plain, the rest read from the packed weight
         table[0] = plugserve::kUncodedBlock;
         std::memcpy(dst, table, sizeof(uint16_t));
+        std::memcpy(dst + plugserve::kCodedTableBytes, w,
+                    plugserve::uncoded_pairs_in_record(pairs) * plugserve::kPairBytes);
         continue;
       }
       for (int i = 16; i < 32; ++i) table[i] = table[i - 16];

@@ -95,9 +95,11 @@ def test_one_row_through_the_coded_copy_gives_the_plain_kernels_bits(
 ) -> None:
     # 12 inputs are 6 k-pairs, a tail the plain loop gives to one chain: so does the coded.
     weight = trained_like(out_features, in_features, seed=out_features + in_features)
-    weight[3, 1] = 1.0e30  # block 0 uncoded: read from the packed copy
+    # Block 0 uncoded (32 exponents): read from its record and the packed copy.
+    weight[:16, :2] = (2.0 ** torch.arange(-16, 16)).reshape(16, 2)
     packed = cpu_linear.pack_k_pairs(weight)
     coded = cpu_linear.code_exponents(packed)
+    assert table_of(coded)[0, 0] == UNCODED
     bias = torch.randn(out_features) if with_bias else None
     op = torch.ops.plugserve_gemm.linear_bf16
     for seed in range(3):
@@ -105,6 +107,31 @@ def test_one_row_through_the_coded_copy_gives_the_plain_kernels_bits(
         x = x.bfloat16()
         plain = op(x, packed, out_features, bias, out_dtype)
         assert torch.equal(op(x, packed, out_features, bias, out_dtype, coded), plain)
+
+
+def test_an_uncoded_block_streams_its_first_pairs_from_its_record() -> None:
+    """A block of more than 16 exponents keeps its first k-pairs plain in its record, so a
+    one-row stream reads the coded copy straight on; only the rest comes from the packed
+    weight."""
+    weight = trained_like(32, 576, seed=8)
+    weight[3, :20] = 2.0 ** torch.arange(-10, 10)  # block 0: 20 more exponents, so uncoded
+    packed = cpu_linear.pack_k_pairs(weight)
+    coded = cpu_linear.code_exponents(packed)
+    assert (table_of(coded)[:, 0] == UNCODED).tolist() == [True, False]
+    in_record = 288 * 3 // 4  # 216 of 288 k-pairs: as many 64-byte vectors as the record holds
+    record = coded[0, cpu_linear.CODED_TABLE_BYTES :].view(torch.int16)
+    assert torch.equal(
+        record[: in_record * 32], packed[0, :in_record].reshape(-1).view(torch.int16)
+    )
+
+    op = torch.ops.plugserve_gemm.linear_bf16
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
+    expected = op(x, packed, 32, None)
+    head_spoiled, rest_spoiled = packed.clone(), packed.clone()
+    head_spoiled[0, :in_record] = 7.0  # not read: the record has these
+    rest_spoiled[0, in_record:] = 7.0  # read from here
+    assert torch.equal(op(x, head_spoiled, 32, None, None, coded), expected)
+    assert not torch.equal(op(x, rest_spoiled, 32, None, None, coded)[0, :16], expected[0, :16])
 
 
 def test_one_row_reads_the_coded_copy_and_several_rows_the_packed_one() -> None:
