@@ -175,9 +175,10 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
 // An uncoded block's record holds, after its marked table, the block's first
 // uncoded_pairs_in_record(pairs) plain 64-byte k-pair vectors, and the kernel reads only the
 // rest from the plain packed weight. Its record used to be left empty: the one-row stream
-// then read 13.9 KB of nothing ahead (SmolLM2, K=576) and the whole 18.4 KB block cold from
-// elsewhere. On a 2-core Zen 4 the ~3 % of SmolLM2's blocks that are uncoded took 14 % of
-// its one-row matmuls' samples (perf, c=1 decode).
+// then prefetched up to 6 KB of nothing ahead of it and read the whole plain block (18.4 KB
+// at K=576, 49 KB at 1536) cold from elsewhere. On a 2-core Zen 4 the 4.4 % of SmolLM2's
+// layer blocks that are uncoded (24 % of down_proj's) took 12-13 % of its one-row matmuls'
+// samples (perf, c=1 decode).
 constexpr int64_t kCodedTableBytes = 64;
 constexpr int64_t kCodedGroupBytes = 96;  // two k-pairs
 constexpr uint16_t kUncodedBlock = 0xffff;  // no shifted exponent has bit 15 set
