@@ -235,8 +235,9 @@ def code_exponents(packed: torch.Tensor, out: torch.Tensor | None = None) -> tor
     exponent-coded copy, uint8 [N/16, coded_block_bytes(K)], which one-row matmuls read
     instead: 12 bits a weight (a 4-bit index into the block's own table of exponents, and
     a byte of sign and mantissa) where a block's 16 columns use at most 16 exponents, as
-    ~96 % of SmolLM2's layer blocks do (76 % of its down_proj's); the others are marked uncoded and hold their first k-pairs
-    plain, as many as the record has room for (3/4), the rest read from `packed`.
+    ~96 % of SmolLM2's layer blocks do (76 % of its down_proj's); the others are marked
+    uncoded and hold their first k-pairs plain, as many as the record has room for (3/4),
+    the rest read from `packed`.
     Written into `out` where given."""
     if (reason := own_kernel_unavailable_reason()) is not None:
         raise RuntimeError(
