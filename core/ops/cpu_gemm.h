@@ -130,6 +130,13 @@ inline void stream_prefetch(const char* p) {
   }
 }
 
+// One k-pair of one row into a chain: x's pair kp broadcast against the 64-byte vector w.
+inline __m512 dot_pair(__m512 sum, const uint16_t* x, int64_t kp, __m512i w) {
+  int32_t pair;
+  std::memcpy(&pair, x + 2 * kp, sizeof(pair));
+  return _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+}
+
 template <typename Out, bool Cached>
 void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* bias,
                void* out, int64_t col, int64_t n) {
@@ -147,18 +154,10 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
       // ~1 hot); with NTA a step is 0.16-0.30 ms faster (paired, in the engine). The
       // batched tiles keep T0: each reads its weight tile once per 8 rows.
       stream_prefetch<Cached>(reinterpret_cast<const char*>(p) + kPrefetchPairs * kPairBytes);
-      int32_t pair;
-      std::memcpy(&pair, x + 2 * (kp + c), sizeof(pair));
-      acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_set1_epi32(pair),
-                                (__m512bh)_mm512_loadu_si512(p));
+      acc[c] = dot_pair(acc[c], x, kp + c, _mm512_loadu_si512(p));
     }
   }
-  for (; kp < pairs; ++kp) {
-    int32_t pair;
-    std::memcpy(&pair, x + 2 * kp, sizeof(pair));
-    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_set1_epi32(pair),
-                              (__m512bh)_mm512_loadu_si512(w + kp * 32));
-  }
+  for (; kp < pairs; ++kp) acc[0] = dot_pair(acc[0], x, kp, _mm512_loadu_si512(w + kp * 32));
   finish_row<Out>(acc, bias, out, col, n);
 }
 
@@ -212,11 +211,6 @@ void row_block_coded(const uint16_t* x, const uint8_t* block, int64_t pairs, con
   const uint8_t* groups = block + kCodedTableBytes;
   __m512 acc[4];
   for (auto& a : acc) a = _mm512_setzero_ps();
-  const auto dot = [&](__m512 sum, int64_t kp, __m512i w) {
-    int32_t pair;
-    std::memcpy(&pair, x + 2 * kp, sizeof(pair));
-    return _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
-  };
   // Two k-pairs a group, to chains (c, c + 1); row_block's tail (pairs % 4) goes to chain 0.
   const auto group = [&](int64_t kp, int c0, int c1) {
     const uint8_t* g = groups + kp / 2 * kCodedGroupBytes;
@@ -226,8 +220,8 @@ void row_block_coded(const uint16_t* x, const uint8_t* block, int64_t pairs, con
         _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
     const __m512i first = _mm512_permutexvar_epi16(codes, table);
     const __m512i second = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
-    acc[c0] = dot(acc[c0], kp, decode_lanes(g + 32, first));
-    acc[c1] = dot(acc[c1], kp + 1, decode_lanes(g + 64, second));
+    acc[c0] = dot_pair(acc[c0], x, kp, decode_lanes(g + 32, first));
+    acc[c1] = dot_pair(acc[c1], x, kp + 1, decode_lanes(g + 64, second));
   };
   int64_t kp = 0;
   for (; kp + 4 <= pairs; kp += 4) {
@@ -255,10 +249,7 @@ void row_block_uncoded(const uint16_t* x, const uint8_t* record, const uint16_t*
   __m512 acc[kChains];
   for (auto& a : acc) a = _mm512_setzero_ps();
   const auto dot = [&](int c, int64_t kp, const uint16_t* p) {
-    int32_t pair;
-    std::memcpy(&pair, x + 2 * kp, sizeof(pair));
-    acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_set1_epi32(pair),
-                              (__m512bh)_mm512_loadu_si512(p));
+    acc[c] = dot_pair(acc[c], x, kp, _mm512_loadu_si512(p));
   };
   // The record's stream runs on at a line a k-pair, from first to last, into the next record.
   const char* ahead = reinterpret_cast<const char*>(head) + kPrefetchBytes;
