@@ -29,7 +29,12 @@ from plugserve.frontend.routes import bench, health, metrics, openai, responses,
 
 # error_response and HEALTH_TIMEOUT_S moved to routes/shared.py; still importable from
 # here for one release.
-from plugserve.frontend.routes.shared import ERROR_RESPONSES, HEALTH_TIMEOUT_S, error_response
+from plugserve.frontend.routes.shared import (
+    ERROR_RESPONSES,
+    HEALTH_TIMEOUT_S,
+    error_response,
+    internal_error_response,
+)
 from plugserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -93,6 +98,9 @@ def build_app(
     app.state.admission = admission or Admission(None, max_num_seqs=1)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    # The gate answers a route's exception; this answers one raised outside it (in CORS),
+    # which starlette would otherwise answer with a plain-text page.
+    app.add_exception_handler(Exception, _server_error)
     app.state.traffic = Traffic()
     app.add_middleware(ServerGate, api_key=api_key, identity=identity, traffic=app.state.traffic)
     if allowed_origins:
@@ -117,6 +125,10 @@ async def _invalid_request(_req: Request, exc: RequestValidationError) -> JSONRe
 
 async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+
+async def _server_error(_req: Request, exc: Exception) -> JSONResponse:
+    return internal_error_response(exc)
 
 
 def _named(part: object) -> bool:

@@ -1,12 +1,25 @@
 """Sampled tokens' logprobs in OpenAI's two shapes: chat's `content` list and
-completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset).
+
+Every logprob passes through `json_logprob`: a token that a grammar or a bias ruled out
+has logprob -inf, which JSON cannot carry (a JSONResponse refuses it, msgspec writes null);
+vLLM answers -9999.0 for it, and so does this server."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 from plugserve.datatypes import Logprobs
+
+# vLLM's floor: what a logprob of -inf (or any value JSON cannot carry) is rendered as.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """`value` as vLLM renders it: at least MIN_LOGPROB, and finite."""
+    return value if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB
 
 
 class LogprobsFormatter:
@@ -34,10 +47,14 @@ class LogprobsFormatter:
                 content.append(
                     {
                         "token": text,
-                        "logprob": lp.sampled_logprob,
+                        "logprob": json_logprob(lp.sampled_logprob),
                         "bytes": list(text.encode()),
                         "top_logprobs": [
-                            {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode())}
+                            {
+                                "token": text_of(t),
+                                "logprob": json_logprob(v),
+                                "bytes": list(text_of(t).encode()),
+                            }
                             for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
                         ],
                     }
@@ -48,9 +65,12 @@ class LogprobsFormatter:
         for token_id, lp in entries:
             text = text_of(token_id)
             tokens.append(text)
-            token_logprobs.append(lp.sampled_logprob)
+            token_logprobs.append(json_logprob(lp.sampled_logprob))
             top.append(
-                {text_of(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+                {
+                    text_of(t): json_logprob(v)
+                    for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                }
             )
             offsets.append(offset)
             offset += len(text)
@@ -60,10 +80,6 @@ class LogprobsFormatter:
             "top_logprobs": top,
             "text_offset": offsets,
         }
-
-
-def _token_id_text(token_id: int) -> str:
-    return f"token_id:{token_id}"
 
 
 def _token_id_text(token_id: int) -> str:
@@ -87,12 +103,14 @@ def prompt_logprobs_entries(
             continue
         entry = {
             str(token_id): {
-                "logprob": lp.sampled_logprob,
+                "logprob": json_logprob(lp.sampled_logprob),
                 "rank": lp.sampled_rank,
                 "decoded_token": text_of(token_id),
             }
         }
         for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
-            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": text_of(t)})
+            entry.setdefault(
+                str(t), {"logprob": json_logprob(v), "rank": rank, "decoded_token": text_of(t)}
+            )
         out.append(entry)
     return out

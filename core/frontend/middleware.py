@@ -6,7 +6,10 @@ and queue):
 - on /v1/ routes, the API key (`Authorization: Bearer <key>`), compared in constant time;
 - the request id: the client's `X-Request-Id` (vLLM's header) or a fresh one, given to the
   routes (`request.state.request_id`) and echoed in the response's `X-Request-Id`;
-- every response names the API-server process that answered (x-plugserve-api-server).
+- every response names the API-server process that answered (x-plugserve-api-server);
+- an exception raised before the response started (a bug in a route, or in a plugin it
+  calls) is logged with its traceback and answered 500 in OpenAI's error shape, never
+  as starlette's plain-text page, which clients cannot parse.
 
 It also counts the requests in flight, which graceful shutdown waits for.
 """
@@ -14,11 +17,14 @@ It also counts the requests in flight, which graceful shutdown waits for.
 from __future__ import annotations
 
 import hmac
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from plugserve.frontend.routes.shared import error_response
+from plugserve.frontend.routes.shared import error_response, internal_error_response
+
+logger = logging.getLogger(__name__)
 
 API_SERVER_HEADER = "x-plugserve-api-server"
 REQUEST_ID_HEADER = "x-request-id"
@@ -50,8 +56,12 @@ class ServerGate:
         if request_id is not None:
             echoed.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
 
+        started = False
+
         async def send_identified(message: dict[str, Any]) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), *echoed]
             await send(message)
 
@@ -79,6 +89,12 @@ class ServerGate:
         self.traffic.in_flight += 1
         try:
             await self.app(scope, receive, send_identified)
+        except Exception as exc:
+            if started:  # too late for a status: the server closes the connection
+                raise
+            logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            response = internal_error_response(exc)
+            await response(scope, receive, send_identified)
         finally:
             self.traffic.in_flight -= 1
 

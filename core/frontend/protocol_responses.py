@@ -1,7 +1,8 @@
 """OpenAI's Responses API request (`POST /v1/responses`), pydantic, unknown fields
 rejected by name like every other body; and how it becomes the chat request it is
 served as (instructions → a system message, input items → messages, function tools →
-chat tools, `text.format` → response_format)."""
+chat tools, `text.format` → response_format, `include`'s output logprobs → chat's
+logprobs)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
+from plugserve.frontend.errors import InvalidRequest
 from plugserve.frontend.protocol import (
     IGNORED_FIELDS,
     FunctionDefinition,
@@ -99,6 +101,11 @@ class TextConfig(_Strict):
 
 # ------------------------------------------------------------------ the request
 
+# The `include` values this server implements; any other is refused by name, since
+# each asks for output a client would otherwise wait for in vain.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (OUTPUT_LOGPROBS,)
+
 
 class ResponsesStreamOptions(_Strict):
     """The Responses API's stream options: only obfuscation (usage is always in the last
@@ -122,6 +129,10 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
+    # Clients send an empty list when they want nothing extra (the openai-agents SDK
+    # always does); checked by `check`.
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # Accepted and ignored (IGNORED_FIELDS): nothing is stored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -133,11 +144,35 @@ class ResponsesRequest(_Strict):
     def ignored_fields(self) -> list[str]:
         return [name for name in IGNORED_FIELDS if name in self.model_fields_set]
 
+    @property
+    def output_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    def check(self) -> None:
+        """InvalidRequest for what this server cannot give: an `include` value it does
+        not implement, or alternatives (`top_logprobs`) without the logprobs they are
+        part of."""
+        for value in self.include or ():
+            if value not in INCLUDABLE:
+                raise InvalidRequest(
+                    f"include: {value!r} is not supported by this server "
+                    f"(supported: {', '.join(INCLUDABLE)})",
+                    "include",
+                )
+        if self.top_logprobs and not self.output_logprobs:
+            raise InvalidRequest(
+                f"top_logprobs needs include: [{OUTPUT_LOGPROBS!r}], which returns them",
+                "top_logprobs",
+            )
+
     def chat_body(self) -> dict[str, Any]:
         """The chat completion request this one is served as (validated by the caller)."""
         body: dict[str, Any] = {"model": self.model, "messages": self.messages()}
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
+        if self.output_logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
         for name in ("temperature", "top_p"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
@@ -222,6 +257,7 @@ class ResponsesRequest(_Strict):
             },
             "tool_choice": tool_choice,
             "tools": [t.model_dump() for t in self.tools or []],
+            "top_logprobs": self.top_logprobs,
             "top_p": self.top_p,
             "truncation": "disabled",
             "user": self.user,

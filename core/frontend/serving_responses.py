@@ -10,10 +10,15 @@ response.output_text.delta…, response.output_text.done, response.content_part.
 (a call) response.function_call_arguments.delta…, response.function_call_arguments.done;
 response.output_item.done; and last response.completed (response.incomplete when
 max_output_tokens cut it short, response.failed if the engine failed). No [DONE].
+
+With `include: ["message.output_text.logprobs"]`, the output_text part carries the logprobs
+of the choice's tokens in chat's shape (as vLLM, all of them), and each text delta those
+of the tokens that brought it.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,13 +26,15 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from plugserve.frontend.engine_client import EngineDeadError, RequestError
-from plugserve.frontend.errors import InvalidRequest
+from plugserve.datatypes import Logprobs
+from plugserve.frontend.engine_client import EngineDeadError, RequestDelta, RequestError
+from plugserve.frontend.errors import InvalidRequest, internal_error_message
 from plugserve.frontend.protocol import ChatCompletionRequest
 from plugserve.frontend.protocol_responses import ResponsesRequest
 from plugserve.frontend.serving import OpenAIServing, _Prepared
 from plugserve.frontend.tool_calls import ChoiceOutput
 
+logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 
 
@@ -41,6 +48,7 @@ class ResponsesServing:
 
     def prepare(self, body: ResponsesRequest, request_id: str) -> _Prepared:
         """Validate `body` as the chat request it describes; InvalidRequest if it is not one."""
+        body.check()
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body())
         except ValidationError as exc:
@@ -50,6 +58,16 @@ class ResponsesServing:
         return self.serving.prepare_chat(chat, f"resp_{request_id}")
 
     # ------------------------------------------------------------------ shapes
+
+    def _logprobs(self, body: ResponsesRequest, delta: RequestDelta) -> list[dict[str, Any]]:
+        """The delta's tokens' logprobs in chat's shape, which is OpenAI's here too; none
+        unless `include` asks for them."""
+        if not body.output_logprobs or not delta.logprobs:
+            return []
+        entries: list[tuple[int, Logprobs]] = list(
+            zip(delta.token_ids, delta.logprobs, strict=False)
+        )
+        return self.serving._logprobs.format(entries, chat=True, tokens_as_ids=False)["content"]
 
     def _response(
         self, body: ResponsesRequest, prep: _Prepared, status: str, output: list[Any]
@@ -93,16 +111,18 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, prep: _Prepared) -> dict[str, Any]:
         text: list[str] = []
+        logprobs: list[dict[str, Any]] = []
         finish_reason, output_tokens, cached = None, 0, 0
         async for _, delta in self.serving.run(prep):
             text.append(delta.text)
+            logprobs += self._logprobs(body, delta)
             finish_reason = delta.finish_reason
             output_tokens = delta.num_output_tokens
             cached = max(cached, delta.num_cached_tokens)
         content, calls = prep.make_output().final("".join(text))
         output: list[dict[str, Any]] = []
         if content or not calls:
-            output.append(_message(_item_id("msg"), content or "", "completed"))
+            output.append(_message(_item_id("msg"), content or "", "completed", logprobs))
         output += [
             _function_call(_item_id("fc"), c["id"], c["function"]["name"], "completed")
             | {"arguments": c["function"]["arguments"]}
@@ -126,6 +146,7 @@ class ResponsesServing:
             async for _, delta in self.serving.run(prep):
                 output_tokens = delta.num_output_tokens
                 cached = max(cached, delta.num_cached_tokens)
+                items.pending_logprobs += self._logprobs(body, delta)
                 chat_deltas = choice.feed(delta.text)
                 if delta.finished:
                     finish_reason = delta.finish_reason
@@ -133,11 +154,16 @@ class ResponsesServing:
                 for chat_delta in chat_deltas:
                     for event in items.feed(chat_delta):
                         yield event
-        except (EngineDeadError, RequestError) as exc:
+        except Exception as exc:
+            if isinstance(exc, (EngineDeadError, RequestError)):
+                message = str(exc)
+            else:
+                logger.exception("a streamed response failed")
+                message = internal_error_message(exc)
             for event in items.close():
                 yield event
             response = {**response, "output": items.output, "status": "failed"}
-            response["error"] = {"code": "server_error", "message": str(exc)}
+            response["error"] = {"code": "server_error", "message": message}
             yield events.send("response.failed", response=response)
             return
         for event in items.close():
@@ -153,15 +179,15 @@ class ResponsesServing:
         yield events.send(kind, response=response)
 
 
-def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _message(
+    item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "message",
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-        if status == "completed"
-        else [],
+        "content": [_part(text, logprobs)] if status == "completed" else [],
     }
 
 
@@ -194,6 +220,9 @@ class _StreamedItems:
         self.output: list[dict[str, Any]] = []  # the items closed so far
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text: list[str] = []  # of the open item: its text or arguments
+        # Of tokens whose text no event has carried yet; then those of the open message.
+        self.pending_logprobs: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] = []
 
     def feed(self, delta: dict[str, Any], force: bool = False) -> list[bytes]:
         out: list[bytes] = []
@@ -205,7 +234,11 @@ class _StreamedItems:
                 out.append(self._send("response.content_part.added", part=_part("")))
             if content:
                 self.text.append(content)
-                out.append(self._send("response.output_text.delta", delta=content, logprobs=[]))
+                logprobs, self.pending_logprobs = self.pending_logprobs, []
+                self.logprobs += logprobs
+                out.append(
+                    self._send("response.output_text.delta", delta=content, logprobs=logprobs)
+                )
         for call in delta.get("tool_calls") or []:
             function = call.get("function", {})
             if "id" in call:
@@ -223,7 +256,7 @@ class _StreamedItems:
         return out
 
     def _open(self, item: dict[str, Any]) -> list[bytes]:
-        self.open, self.text = item, []
+        self.open, self.text, self.logprobs = item, [], []
         return [
             self.events.send("response.output_item.added", output_index=len(self.output), item=item)
         ]
@@ -240,12 +273,16 @@ class _StreamedItems:
             return []
         item, text = self.open, "".join(self.text)
         if item["type"] == "message":
+            # Tokens that brought no text of their own (the end of the sequence) are still
+            # the message's.
+            logprobs, self.pending_logprobs = self.logprobs + self.pending_logprobs, []
             out = [
-                self._send("response.output_text.done", text=text, logprobs=[]),
-                self._send("response.content_part.done", part=_part(text)),
+                self._send("response.output_text.done", text=text, logprobs=logprobs),
+                self._send("response.content_part.done", part=_part(text, logprobs)),
             ]
-            done = _message(item["id"], text, "completed")
+            done = _message(item["id"], text, "completed", logprobs)
         else:
+            self.pending_logprobs = []  # the call's tokens: a call item has no logprobs
             out = [
                 self._send(
                     "response.function_call_arguments.done", arguments=text, name=item["name"]
@@ -256,9 +293,9 @@ class _StreamedItems:
             self.events.send("response.output_item.done", output_index=len(self.output), item=done)
         )
         self.output.append(done)
-        self.open, self.text = None, []
+        self.open, self.text, self.logprobs = None, [], []
         return out
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}

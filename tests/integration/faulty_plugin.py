@@ -1,6 +1,8 @@
 """A test plugin: the scheduler policy "faulty", first come first served except that it
 refuses any request of priority 13 with a ValueError, an engine-side error confined to
-one request.
+one request; and the tool parser "faulty", which raises while the API server renders the
+answer of any request that offers tools with `tool_choice: "auto"`, an API-server-side
+error in one request.
 
 Loaded by the server under test through PLUGSERVE_PLUGIN_MODULES (the spawned engine
 inherits it), so it must stay importable as `tests.integration.faulty_plugin` from the
@@ -10,12 +12,14 @@ repository root.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from plugserve import hookimpl
 from plugserve.datatypes import Request
 from plugserve_plugins.schedulers.fcfs import FCFSPolicy
 
 UNLUCKY_PRIORITY = 13
+TOOL_PARSER_ERROR = "the faulty tool parser fails while the answer is rendered"
 
 
 class FaultyPolicy:
@@ -52,6 +56,28 @@ class FaultyPolicy:
         return self._inner.select_victim(running)
 
 
+class FaultyToolParser:
+    """Raises in each of the parser's calls: the bug in a plugin that a route cannot
+    foresee (the interface's methods raise nothing)."""
+
+    def __init__(self, *, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+        pass
+
+    def extract_tool_calls(self, text: str) -> Any:
+        raise RuntimeError(TOOL_PARSER_ERROR)
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> Any:
+        raise RuntimeError(TOOL_PARSER_ERROR)
+
+    def finish_streaming(self) -> Any:
+        raise RuntimeError(TOOL_PARSER_ERROR)
+
+
 @hookimpl
 def register_scheduler_policies(register):
     register("faulty", FaultyPolicy)
+
+
+@hookimpl
+def register_tool_parsers(register):
+    register("faulty", FaultyToolParser)

@@ -1,7 +1,8 @@
 """Failures: the engine killed (in-flight requests fail with its death in OpenAI's error
 shape, the server exits non-zero), the API server killed (its engine goes too), the
-engine stopped (/health turns 503, then recovers), and an engine-side error confined to
-one request by a faulty plugin. All but the stopped engine get a server of their own."""
+engine stopped (/health turns 503, then recovers), and an engine-side error and an
+exception while the API server renders an answer, each confined to one request by a
+faulty plugin. All but the stopped engine get a server of their own."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from .conftest import (
     running_server,
     wait_until,
 )
+from .faulty_plugin import TOOL_PARSER_ERROR
 
 LONG = {
     "model": MODEL,
@@ -139,6 +141,10 @@ def test_killed_api_server_takes_its_engine_along(transport, tmp_path):
 # --------------------------------------------------------------------------- faulty plugin
 
 UNLUCKY = {"priority": 13}  # what tests/integration/faulty_plugin.py refuses
+# Offered with tool_choice "auto": the faulty tool parser raises while the answer is rendered.
+FAULTY_TOOLS = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+}
 
 
 def faulty_server(transport: str, log_dir) -> Any:
@@ -147,12 +153,13 @@ def faulty_server(transport: str, log_dir) -> Any:
         "PLUGSERVE_PLUGIN_MODULES": "tests.integration.faulty_plugin",
         "PYTHONPATH": pythonpath,
     }
-    settings = (*SERVER_SETTINGS, "--stack.scheduler", "faulty")
+    settings = (*SERVER_SETTINGS, "--stack.scheduler", "faulty", "--stack.tool_parser", "faulty")
     return running_server(transport, log_dir, settings=settings, env=env)
 
 
 async def _requests(server: ServerProcess) -> list[Any]:
-    """Two refused requests (streamed and not) among good ones, all at once."""
+    """Two refused requests and three whose answers fail to render (streamed and not)
+    among good ones, all at once."""
     async with server.async_openai_client() as aclient:
 
         async def completion(prompt: str, **extra: Any) -> str:
@@ -172,6 +179,19 @@ async def _requests(server: ServerProcess) -> list[Any]:
             )
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
+        async def chat(conversation: list[dict[str, str]], **extra: Any) -> str | None:
+            result = await aclient.chat.completions.create(
+                model=MODEL, messages=conversation, temperature=0, max_tokens=MAX_TOKENS, **extra
+            )
+            return result.choices[0].message.content
+
+        async def response_events(text: str) -> list[Any]:
+            tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+            stream = await aclient.responses.create(
+                model=MODEL, input=text, tools=tools, max_output_tokens=MAX_TOKENS, stream=True
+            )
+            return [event async for event in stream]
+
         return await asyncio.wait_for(
             asyncio.gather(
                 completion(COMPLETION_PROMPTS[0]),
@@ -180,6 +200,9 @@ async def _requests(server: ServerProcess) -> list[Any]:
                 chat_stream(CHAT_CONVERSATIONS[1], extra_body=UNLUCKY),
                 completion(COMPLETION_PROMPTS[2]),
                 chat_stream(CHAT_CONVERSATIONS[2]),
+                chat(CHAT_CONVERSATIONS[3], **FAULTY_TOOLS),
+                chat_stream(CHAT_CONVERSATIONS[3], **FAULTY_TOOLS),
+                response_events(COMPLETION_PROMPTS[3]),
                 return_exceptions=True,
             ),
             120,
@@ -189,7 +212,8 @@ async def _requests(server: ServerProcess) -> list[Any]:
 def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_path, reference):
     with faulty_server(transport, tmp_path) as server:
         results = asyncio.run(_requests(server))
-        good_text, refused, good_chat, refused_stream, good_text_2, good_chat_2 = results
+        good_text, refused, good_chat, refused_stream, good_text_2, good_chat_2 = results[:6]
+        unrendered, unrendered_stream, failed_response = results[6:]
 
         # The refused requests fail with a 5xx that says why ...
         assert isinstance(refused, openai.InternalServerError), refused
@@ -198,6 +222,20 @@ def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_p
         assert refused.body["type"] == "server_error"
         assert isinstance(refused_stream, openai.APIError), refused_stream
         assert "faulty policy refuses priority 13" in refused_stream.message
+        # An exception while an answer is rendered is a 500 in OpenAI's shape that names
+        # it, not starlette's plain-text page; streamed, an error event ends the stream
+        # (chat's; the Responses API's is response.failed).
+        assert isinstance(unrendered, openai.InternalServerError), unrendered
+        assert unrendered.status_code == 500, unrendered
+        assert isinstance(unrendered.body, dict), unrendered.body
+        assert unrendered.body["type"] == "server_error", unrendered.body
+        assert TOOL_PARSER_ERROR in unrendered.body["message"]
+        assert isinstance(unrendered_stream, openai.APIError), unrendered_stream
+        assert TOOL_PARSER_ERROR in unrendered_stream.message
+        assert not isinstance(failed_response, BaseException), failed_response
+        assert failed_response[-1].type == "response.failed", failed_response[-1]
+        assert TOOL_PARSER_ERROR in failed_response[-1].response.error.message
+        assert TOOL_PARSER_ERROR in server.log_text()  # with its traceback, for the operator
         # ... and the others complete as if nothing happened.
         assert good_text == reference.completion(COMPLETION_PROMPTS[0]).outputs[0].text
         assert good_text_2 == reference.completion(COMPLETION_PROMPTS[2]).outputs[0].text
@@ -220,9 +258,10 @@ def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_p
         assert again.choices[0].text == good_text
 
         # Ctrl-C stops it in order: exit 0, no traceback, no engine left behind.
+        logged = len(server.log_text())
         server.popen.send_signal(signal.SIGINT)
         assert server.popen.wait(30) == 0, server.log_tail()
-        assert "Traceback" not in server.log_text()
+        assert "Traceback" not in server.log_text()[logged:]
         assert wait_until(lambda: not is_engine(engine), 10)
 
 

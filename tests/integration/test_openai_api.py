@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 
 import httpx
@@ -326,3 +327,75 @@ def test_raw_sse_format(server: ServerProcess):
     for event in events[:-1]:
         assert event.startswith("data: ")
         assert json.loads(event.removeprefix("data: "))["object"] == "text_completion"
+
+
+# --------------------------------------------------------------------------- masked logprobs
+
+ANSWER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+            "required": ["answer"],
+            "additionalProperties": False,
+        },
+    },
+}
+MASKED_LOGPROB = -9999.0  # vLLM's rendering of a token the grammar ruled out (-inf)
+
+
+def _assert_rendered_as_vllm_does(values: list[float]) -> None:
+    """Every logprob is a JSON number, the ruled-out ones -9999.0; and some were ruled out
+    (else the request tested nothing)."""
+    assert all(isinstance(v, float) and math.isfinite(v) for v in values), values
+    assert min(values) == MASKED_LOGPROB, values
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_a_grammar_ruled_out_are_rendered_as_vllm_renders_them(
+    zmq_server: ServerProcess, stream: bool
+):
+    """Under a json_schema most of a step's top alternatives are masked to -inf, which
+    JSON cannot carry: chat and completions render them -9999.0, as vLLM does. Any
+    transport serves the same answer, so one server is enough."""
+    chat_kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+        temperature=0, max_tokens=32, logprobs=True, top_logprobs=5,
+        response_format=ANSWER_FORMAT,
+    )  # fmt: skip
+    completion_kwargs = dict(
+        model=MODEL, prompt="Is the sky blue? Answer in JSON:", temperature=0, max_tokens=32,
+        logprobs=5, extra_body={"response_format": ANSWER_FORMAT},
+    )  # fmt: skip
+    with zmq_server.openai_client() as client:
+        if stream:
+            chunks = [
+                c.choices[0]
+                for c in client.chat.completions.create(**chat_kwargs, stream=True)
+                if c.choices
+            ]
+            chat_text = "".join(c.delta.content or "" for c in chunks)
+            chat_tokens = [t for c in chunks if c.logprobs for t in c.logprobs.content]
+            pieces = [
+                c.choices[0] for c in client.completions.create(**completion_kwargs, stream=True)
+            ]
+            text = "".join(c.text for c in pieces)
+            completion_logprobs = [c.logprobs for c in pieces if c.logprobs]
+        else:
+            chat = client.chat.completions.create(**chat_kwargs).choices[0]
+            chat_text, chat_tokens = chat.message.content, chat.logprobs.content
+            choice = client.completions.create(**completion_kwargs).choices[0]
+            text, completion_logprobs = choice.text, [choice.logprobs]
+    for answer in (chat_text, text):
+        assert json.loads(answer)["answer"] in ("yes", "no"), answer
+    assert all(len(t.top_logprobs) == 5 for t in chat_tokens), chat_tokens
+    _assert_rendered_as_vllm_does(
+        [t.logprob for t in chat_tokens] + [a.logprob for t in chat_tokens for a in t.top_logprobs]
+    )
+    _assert_rendered_as_vllm_does(
+        [v for lp in completion_logprobs for v in lp.token_logprobs]
+        + [v for lp in completion_logprobs for top in lp.top_logprobs for v in top.values()]
+    )

@@ -7,6 +7,7 @@ queued (admission.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from plugserve.frontend.admission import Overloaded, Slot
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestError
+from plugserve.frontend.errors import internal_error_message
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from plugserve.frontend.routes.shared import (
     STREAMED_RESPONSES,
@@ -33,6 +35,7 @@ from plugserve.frontend.serving import (
     sse_event,
 )
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 T = TypeVar("T")
 P = TypeVar("P")
@@ -188,13 +191,16 @@ async def _guard_stream(events: AsyncIterator[bytes], slot: Slot) -> AsyncIterat
     try:
         async for event in events:
             yield event
-    except (EngineDeadError, RequestError) as exc:
-        # The same code and type a non-streamed request would have got.
+    except Exception as exc:
+        # The same message, code and type a non-streamed request would have got.
         if isinstance(exc, EngineDeadError):
-            code, error_type = 503, "server_error"
+            message, code, error_type = str(exc), 503, "server_error"
+        elif isinstance(exc, RequestError):
+            message, code, error_type = str(exc), exc.status, exc.error_type
         else:
-            code, error_type = exc.status, exc.error_type
-        payload = {"error": {"message": str(exc), "type": error_type, "param": None, "code": code}}
+            logger.exception("a streamed answer failed")
+            message, code, error_type = internal_error_message(exc), 500, "server_error"
+        payload = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
         yield sse_event(payload)
         yield SSE_DONE
     finally:

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from plugserve.frontend.admission import Overloaded
 from plugserve.frontend.engine_client import AsyncEngineClient
+from plugserve.frontend.errors import internal_error_message
 from plugserve.frontend.serving import OpenAIServing
 
 HEALTH_TIMEOUT_S = 5.0  # for the engine's answer to a ping (health, metrics) or a probe
@@ -48,6 +49,10 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
         {"error": {"message": message, "type": kind, "param": param, "code": status}},
         status_code=status,
     )
+
+
+def internal_error_response(exc: BaseException) -> JSONResponse:
+    return error_response(500, internal_error_message(exc), "server_error")
 
 
 def overloaded_response(exc: Overloaded) -> JSONResponse:

@@ -138,3 +138,27 @@ def test_responses_stream_options_take_only_what_the_responses_api_has():
     with pytest.raises(ValidationError) as exc:
         ResponsesRequest.model_validate({**body, "stream_options": {"include_usage": True}})
     assert exc.value.errors()[0]["loc"] == ("stream_options", "include_usage")
+
+
+def test_responses_include_is_implemented_or_refused_by_name():
+    from plugserve.frontend.errors import InvalidRequest
+    from plugserve.frontend.protocol_responses import ResponsesRequest
+
+    body = {"model": "m", "input": "hi"}
+    for nothing in ([], None):
+        request = ResponsesRequest.model_validate({**body, "include": nothing})
+        request.check()
+        assert "logprobs" not in request.chat_body()
+    asked = ResponsesRequest.model_validate(
+        {**body, "include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    )
+    asked.check()
+    assert (asked.chat_body()["logprobs"], asked.chat_body()["top_logprobs"]) == (True, 3)
+    refused = [
+        ({"include": ["file_search_call.results"]}, "include", "file_search_call.results"),
+        ({"top_logprobs": 2}, "top_logprobs", "message.output_text.logprobs"),
+    ]
+    for fields, param, named in refused:
+        with pytest.raises(InvalidRequest, match=named) as exc:
+            ResponsesRequest.model_validate({**body, **fields}).check()
+        assert exc.value.param == param

@@ -1,7 +1,7 @@
 """How the serving layer turns a validated request into engine params, on the real
 SmolLM2 tokenizer and no engine: token-level fields (logit_bias, allowed_token_ids,
-bad_words), the n seeds, the ignored-field log, and which output shaping tool_choice
-picks."""
+bad_words), the n seeds, the ignored-field log, which output shaping tool_choice picks,
+and how logprobs JSON cannot carry are rendered."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+from plugserve.datatypes import Logprobs
 from plugserve.frontend.errors import InvalidRequest
+from plugserve.frontend.logprobs import LogprobsFormatter, prompt_logprobs_entries
 from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
@@ -103,3 +105,24 @@ def test_tool_choice_picks_how_a_choice_is_answered(serving, fields, kind):
     assert type(prep.make_output()) is kind
     forced = kind in (RequiredCalls, NamedCall)
     assert (prep.params.structured_outputs is not None) == forced
+
+
+def test_logprobs_json_cannot_carry_are_rendered_as_vllm_renders_them():
+    """-inf (a token a grammar or a bias ruled out), and any other non-finite value, is
+    -9999.0 in all three shapes: chat's, completions', prompt_logprobs'."""
+    tokenizer: Any = SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")
+    formatter = LogprobsFormatter(tokenizer)
+    inf, nan = float("-inf"), float("nan")
+    entry = Logprobs(nan, 1, [5, 6, 7], [-0.5, inf, float("inf")])
+    chat_entry = formatter.format([(5, entry)], chat=True, tokens_as_ids=False)["content"][0]
+    assert chat_entry["logprob"] == -9999.0
+    assert [t["logprob"] for t in chat_entry["top_logprobs"]] == [-0.5, -9999.0, -9999.0]
+    text = formatter.format([(5, entry)], chat=False, tokens_as_ids=False)
+    assert text["token_logprobs"] == [-9999.0]
+    assert text["top_logprobs"] == [{"<5>": -0.5, "<6>": -9999.0, "<7>": -9999.0}]
+    [first, second] = prompt_logprobs_entries(formatter, [1, 5], [None, entry], False)
+    assert first is None and {k: v["logprob"] for k, v in second.items()} == {
+        "5": -9999.0,
+        "6": -9999.0,
+        "7": -9999.0,
+    }
