@@ -14,6 +14,14 @@ import pytest
 # Hugging Face hub must not be consulted for anything.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+# bf16 matmuls follow one plan, pinned from what this machine offers, in this process and
+# every server it starts: a timed plan would make outcomes depend on what else the machine
+# did while it was timed. The kernel-choice tests lift it; each kernel is tested alone.
+if "PLUGSERVE_CPU_BF16_KERNEL" not in os.environ:
+    from tests.kernel_support import pinned_plan, plan_setting
+
+    os.environ["PLUGSERVE_CPU_BF16_KERNEL"] = plan_setting(pinned_plan())
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:

@@ -68,8 +68,11 @@ struct LayerStack : torch::CustomClassHolder {
         num_kv_heads(num_kv_heads),
         head_dim(head_dim),
         one_row_mode(one_row_mode) {
-    TORCH_CHECK(one_row_mode >= plugserve::kStreamNonTemporal && one_row_mode <= plugserve::kTiled,
+    // Every mode a kernel plan can give cpu_gemm's one-row bucket runs here, kAmx included.
+    TORCH_CHECK(one_row_mode >= plugserve::kStreamNonTemporal && one_row_mode <= plugserve::kAmx,
                 "one_row_mode must be a plugserve::OneRowMode");
+    TORCH_CHECK(one_row_mode != plugserve::kAmx || plugserve::amx_available(),
+                "one_row_mode kAmx needs AMX tiles, which this CPU or build lacks");
   }
 
   void add_layer(int64_t attention_layer, at::Tensor o_proj, c10::optional<at::Tensor> o_bias,
@@ -98,6 +101,14 @@ struct LayerStack : torch::CustomClassHolder {
   int64_t one_row_mode;  // how its one-row matmuls run (cpu_gemm.h's OneRowMode)
 };
 
+// The mode a weight runs in: AMX tiles need K divisible by 32, and a weight that is not
+// runs the vector kernel, as cpu_linear.PackedLinear runs it outside the stack.
+int64_t mode_for(const at::Tensor& packed, int64_t one_row_mode) {
+  return one_row_mode == plugserve::kAmx && packed.size(1) % 16 != 0
+             ? plugserve::kStreamNonTemporal
+             : one_row_mode;
+}
+
 // Layer `layer`'s stretch: its attention output [T, q heads * D] → the next layer's rotated
 // qkv, or after the last layer the final-normed hidden states.
 at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
@@ -114,21 +125,25 @@ at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
   plugserve::check_norm_weight(layer.next_norm, residual);
 
   at::Tensor h = plugserve::linear_bf16(attention_out, layer.o_proj, hidden, layer.o_bias,
-                                        c10::nullopt, layer.o_coded, stack.one_row_mode);
+                                        c10::nullopt, layer.o_coded,
+                                        mode_for(layer.o_proj, stack.one_row_mode));
   plugserve::fused_add_rms_norm_impl<BF16>(h, residual, layer.post_attention_norm, eps);
   at::Tensor gate_up = plugserve::linear_bf16(h, layer.gate_up_proj, 2 * intermediate,
                                               layer.gate_up_bias, c10::nullopt,
-                                              layer.gate_up_coded, stack.one_row_mode);
+                                              layer.gate_up_coded,
+                                              mode_for(layer.gate_up_proj, stack.one_row_mode));
   at::Tensor activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
   plugserve::silu_and_mul_impl<BF16>(activated, gate_up);
   at::Tensor m = plugserve::linear_bf16(activated, layer.down_proj, hidden, layer.down_bias,
-                                        c10::nullopt, layer.down_coded, stack.one_row_mode);
+                                        c10::nullopt, layer.down_coded,
+                                        mode_for(layer.down_proj, stack.one_row_mode));
   plugserve::fused_add_rms_norm_impl<BF16>(m, residual, layer.next_norm, eps);
   if (!layer.next_qkv_proj.has_value()) return m;  // the last layer: m is the model's output
 
   at::Tensor qkv = plugserve::linear_bf16(m, *layer.next_qkv_proj, layer.qkv_features,
                                           layer.next_qkv_bias, c10::nullopt,
-                                          layer.next_qkv_coded, stack.one_row_mode);
+                                          layer.next_qkv_coded,
+                                          mode_for(*layer.next_qkv_proj, stack.one_row_mode));
   const int64_t num_qk_heads = stack.num_heads + stack.num_kv_heads;
   plugserve::check_rotary(qkv, positions, stack.cos_sin, num_qk_heads, stack.head_dim);
   plugserve::rotary_embedding_impl<BF16>(qkv, positions, stack.cos_sin, num_qk_heads,

@@ -95,7 +95,7 @@ def forced_plan() -> KernelPlan | None:
 
 
 # What cpu_gemm.cpp's kernel needs of the CPU (cpu_gemm.h: PLUGSERVE_HAS_BF16_GEMM).
-_OWN_KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16")
+OWN_KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16")
 
 
 def allowed_libraries() -> tuple[Library, ...]:
@@ -141,7 +141,7 @@ def own_kernel_unavailable_reason() -> str | None:
     On the first call where the CPU has what it needs, builds and loads the library, and
     turns its row pool on where openmp_spins_briefly."""
     flags = _cpu_flags()
-    missing = [flag for flag in _OWN_KERNEL_CPU_FLAGS if flag not in flags]
+    missing = [flag for flag in OWN_KERNEL_CPU_FLAGS if flag not in flags]
     if missing:
         return f"the CPU lacks {' and '.join(missing)}"
     return _load_own_kernel()

@@ -171,10 +171,7 @@ def plan_for(steps: Sequence[Step], remeasure: bool | None = None) -> Measuremen
     """The plan for a model whose step runs `steps`: the one cached for this machine and
     shape, else measured now (and cached). Where each bucket has one candidate (a single
     library allowed), that one, unmeasured."""
-    libraries = cpu_linear.allowed_libraries()
-    coded = cpu_linear.coding_allowed() and "own" in libraries
-    amx = "own" in libraries and cpu_linear.amx_available()
-    candidates = [candidates_for(b, libraries, coded, amx) for b in range(len(ROW_BUCKETS))]
+    candidates = candidates_here()
     total = sum(_step_bytes(step) for step in steps)
     forced = cpu_linear.forced_plan()
     if forced is not None or all(len(c) == 1 for c in candidates):
@@ -204,6 +201,16 @@ def plan_for(steps: Sequence[Step], remeasure: bool | None = None) -> Measuremen
     tmp.replace(path)  # atomic: engines starting together read a whole file
     measurement.cache_file = path
     return measurement
+
+
+def candidates_here() -> list[list[Kernel]]:
+    """Per ROW_BUCKETS bucket, the kernels a plan may give it on this machine: those of the
+    allowed libraries (cpu_linear.allowed_libraries), coded ones where exponent coding is on,
+    AMX tiles where cpu_gemm.cpp runs them here. Every consumer of a plan must run each."""
+    libraries = cpu_linear.allowed_libraries()
+    coded = cpu_linear.coding_allowed() and "own" in libraries
+    amx = "own" in libraries and cpu_linear.amx_available()
+    return [candidates_for(b, libraries, coded, amx) for b in range(len(ROW_BUCKETS))]
 
 
 def measure(steps: Sequence[Step], candidates: list[list[Kernel]]) -> Measurement:
@@ -237,10 +244,11 @@ class CpuUsage:
     own_group: float
 
 
-def cpu_usage() -> CpuUsage | None:
-    """Now's CpuUsage, from /proc; None where there is no /proc/stat (not Linux)."""
+def cpu_usage(proc: Path = Path("/proc")) -> CpuUsage | None:
+    """Now's CpuUsage, from `proc` (Linux's /proc; a test's copy); None where it has no
+    stat file (not Linux)."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        fields = (proc / "stat").read_text().split("\n", 1)[0].split()
     except OSError:
         return None
     if not fields or fields[0] != "cpu":
@@ -250,7 +258,7 @@ def cpu_usage() -> CpuUsage | None:
     busy = (user + nice + system + irq + softirq + steal) / tick
     group = os.getpgrp()
     own = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat in proc.glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
         except OSError:  # gone meanwhile
@@ -274,12 +282,15 @@ def others_share(before: CpuUsage | None, after: CpuUsage | None) -> float | Non
 
 
 def time_candidates(
-    run: Callable[[Kernel, int, int], None], candidates: list[list[Kernel]]
+    run: Callable[[Kernel, int, int], None],
+    candidates: list[list[Kernel]],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict[str, float | None]]:
     """Per bucket, each candidate's median milliseconds of run(kernel, rows, bucket) over
     the bucket's rounds, the candidates taking turns in each round (after one untimed
-    warm-up run each). A bucket with one candidate is not timed ({}); one where the others
-    lost the bucket below by LOSER_FACTOR holds its survivor, untimed (None)."""
+    warm-up run each), read off `clock` (seconds). A bucket with one candidate is not timed
+    ({}); one where the others lost the bucket below by LOSER_FACTOR holds its survivor,
+    untimed (None)."""
     if len(candidates) != len(ROW_BUCKETS):
         raise ValueError(f"{len(candidates)} candidate lists for {len(ROW_BUCKETS)} row buckets")
     times: list[dict[str, float | None]] = []
@@ -299,9 +310,9 @@ def time_candidates(
             shift = round_index % len(kernels)
             for kernel in kernels[shift:] + kernels[:shift]:
                 count = next(rows)
-                start = time.perf_counter()
+                start = clock()
                 run(kernel, count, b)
-                samples[kernel.name].append(1e3 * (time.perf_counter() - start))
+                samples[kernel.name].append(1e3 * (clock() - start))
         medians = {name: statistics.median(s) for name, s in samples.items()}
         times.append(dict(medians))
         if b != ONE_ROW:  # one row runs its own loops: no word on more rows

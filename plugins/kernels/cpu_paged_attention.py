@@ -32,6 +32,11 @@ def load() -> bool:
     return ops.load(_SOURCE)
 
 
+def unavailable_reason() -> str | None:
+    """None where the kernel is built and loaded (load()), else why it is not."""
+    return ops.unavailable_reason(_SOURCE)
+
+
 def paged_attention_step(
     k_blocks: list[torch.Tensor],
     v_blocks: list[torch.Tensor],

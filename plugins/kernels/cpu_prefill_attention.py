@@ -26,15 +26,26 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_suffix(".cpp")
 # The head sizes the kernel's register tiles are written for.
 HEAD_DIMS = (64, 128)
+# The instructions the kernel is written in (-march=native builds them where the CPU has them).
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 
 
 def load() -> bool:
     """Make torch.ops.plugserve_prefill.attention available; False where the CPU lacks
     AVX-512 BF16 or the kernel cannot be built or loaded (the reason logged once)."""
     flags = set(ops.cpu_flags().split())
-    if not {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+    if not set(REQUIRED_CPU_FLAGS) <= flags:
         return False
     return ops.load(_SOURCE)
+
+
+def unavailable_reason() -> str | None:
+    """None where the kernel is built and loaded (load()), else why it is not: the CPU's
+    missing flags, or the build's or loader's error."""
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in ops.cpu_flags().split()]
+    if missing:
+        return f"the CPU lacks {' and '.join(missing)}"
+    return ops.unavailable_reason(_SOURCE)
 
 
 def prefill_attention(

@@ -17,6 +17,15 @@ import torch
 from correctness.agreement import assert_agrees, clear_first_tokens
 from plugserve import LLM, SamplingParams
 from plugserve.worker import cpu_linear
+from plugserve.worker.kernel_plan import KernelPlan
+from tests.kernel_support import (
+    missing_cpu_flags,
+    offered_kernels,
+    offered_kernels_by_bucket,
+    pinned_plan,
+    plan_featuring,
+    plan_setting,
+)
 
 NEW_TOKENS = 32
 
@@ -69,8 +78,8 @@ def test_bf16_greedy_tokens_and_logprobs_match_hf_bf16(
 
 
 @pytest.mark.skipif(
-    cpu_linear.own_kernel_unavailable_reason() is not None,
-    reason=f"exponent-coded weights need cpu_gemm.cpp: {cpu_linear.own_kernel_unavailable_reason()}",
+    bool(missing_cpu_flags(cpu_linear.OWN_KERNEL_CPU_FLAGS)),
+    reason="exponent-coded weights need cpu_gemm.cpp, and the CPU lacks its instructions",
 )
 def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
     mixed_prompts, monkeypatch
@@ -100,3 +109,52 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
     for plain, coded in zip(*results, strict=True):
         assert coded.outputs[0].token_ids == plain.outputs[0].token_ids
         assert coded.outputs[0].logprobs == plain.outputs[0].logprobs
+
+
+def _plans_to_try() -> list[KernelPlan]:
+    """Each kernel the chooser may offer here, in every bucket it may take (plan_featuring),
+    and each one-row kernel at one row alone beside the pinned plan's others: the fused
+    decoder runs one cpu_gemm mode for all its rows, so a one-row choice unlike the rest is
+    a case of its own."""
+    pinned = pinned_plan()
+    plans = [plan_featuring(kernel) for kernel in offered_kernels()]
+    plans += [
+        KernelPlan((kernel, *pinned.by_bucket[1:])) for kernel in offered_kernels_by_bucket()[0]
+    ]
+    return list(dict.fromkeys(plans))
+
+
+@pytest.mark.parametrize("plan", _plans_to_try(), ids=plan_setting)
+def test_every_plan_the_chooser_can_make_serves_the_model(
+    plan: KernelPlan, bf16_prompts, hf_bf16, monkeypatch
+) -> None:
+    """Whatever the chooser may pick for a bucket, the engine starts and runs it: packed
+    linears, the fused CPU decoder (with its one cpu_gemm mode), the LM head, batched and
+    one request at a time; and its answers meet the bf16 criterion."""
+    monkeypatch.setenv(cpu_linear.KERNEL_ENV, plan_setting(plan))
+    llm = LLM(model="smollm2-135m-instruct", dtype="bfloat16", kv_cache_memory="64MiB")
+    try:
+        model = llm.engine.executor.runner.model
+        if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+            assert model.kernel_plan == plan
+            # Where the plan gives a bucket to cpu_gemm, the fused decoder takes its steps.
+            decoder = model.decoder
+            own_buckets = [k.library == "own" for k in plan.by_bucket]
+            assert (decoder is not None) == any(own_buckets)
+            if decoder is not None:
+                assert any(decoder.runs_bucket)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+        prompts, references = bf16_prompts[:3], hf_bf16[:3]
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        together = llm.generate(requests, params)
+        alone = [llm.generate([r], params)[0] for r in requests]
+        for label, outputs in (("batched", together), ("alone", alone)):
+            for prompt, reference, result in zip(prompts, references, outputs, strict=True):
+                ours = result.outputs[0]
+                chosen = [
+                    lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs, strict=True)
+                ]
+                assert_agrees(f"{label}, {len(prompt)} tokens", reference, ours.token_ids, chosen)
+    finally:
+        del llm
+        gc.collect()

@@ -139,6 +139,16 @@ def transport_registered(name: str) -> bool:
     return name in get_registry().implementations("transport")
 
 
+def require_bundled_transport(name: str) -> None:
+    """A bundled transport that does not register is a broken install: the tests that use
+    it fail, naming it, rather than skip."""
+    if not transport_registered(name):
+        pytest.fail(
+            f"the bundled {name!r} transport plugin is not registered "
+            f"(plugserve plugins lists no {name!r})"
+        )
+
+
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     """The response has `status` and OpenAI's error body; returns the inner error."""
     assert response.status_code == status, response.text
@@ -395,10 +405,7 @@ async def greedy_completion(
 @pytest.fixture(scope="session", params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
     name = request.param
-    if not transport_registered(name):
-        pytest.skip(
-            f"the {name!r} transport plugin is not registered (plugserve plugins lists no {name!r})"
-        )
+    require_bundled_transport(name)
     return name
 
 
@@ -407,10 +414,7 @@ def zmq_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
     """The shared zmq server, up for the whole session: besides the tests of both
     transports, the modules that want a default zmq server and leave it as they found it
     use it rather than starting their own (~14 s each to start and stop)."""
-    if not transport_registered("zmq"):
-        pytest.skip(
-            "the 'zmq' transport plugin is not registered (plugserve plugins lists no 'zmq')"
-        )
+    require_bundled_transport("zmq")
     with running_server("zmq", tmp_path_factory.mktemp("shared-zmq")) as server:
         yield server
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import TRANSPORTS, running_server, transport_registered
+from tests.integration.conftest import TRANSPORTS, require_bundled_transport, running_server
 from tests.soak.soak import soak
 
 REQUESTS = 100  # per transport
@@ -21,8 +21,7 @@ CONCURRENCY = 16
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_short_soak_leaves_the_server_as_it_found_it(transport: str, tmp_path: Path):
-    if not transport_registered(transport):
-        pytest.skip(f"the {transport!r} transport plugin is not registered")
+    require_bundled_transport(transport)
     with running_server(transport, tmp_path) as server:
         report = soak(
             server,

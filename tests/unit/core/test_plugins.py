@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
+import tomllib
 
 from plugserve import hookimpl
 from plugserve.cli import main
@@ -165,3 +168,25 @@ def test_loading_the_registry_imports_no_model_code():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_every_bundled_entry_point_is_installed_and_registers_what_it_names():
+    """Each plugin pyproject.toml declares is installed as declared, imports, and registers
+    at least one implementation whose class imports: a plugin module that is missing or
+    broken, or one that registers nothing, fails here."""
+    pyproject = Path(__file__).parents[3] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"]["plugserve"]
+    installed = {
+        ep.name: ep.value
+        for ep in importlib.metadata.distribution("plugserve").entry_points
+        if ep.group == "plugserve"
+    }
+    assert installed == declared, "reinstall: the installed entry points differ from pyproject"
+    registry = PluginRegistry()
+    registered: dict[str, list[str]] = {}
+    for slot in SLOT_HOOKS:
+        for impl in registry.implementations(slot).values():
+            registered.setdefault(impl.plugin, []).append(f"{slot} {impl.name}")
+            impl.cls  # noqa: B018 — imports a class registered by reference
+    for name in declared:
+        assert registered.get(name), f"bundled plugin {name!r} registered nothing"

@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from plugserve.worker import cpu_linear
+from tests.kernel_support import require_kernel
 
 
 @pytest.fixture
 def own_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 linears on cpu_gemm.cpp (PLUGSERVE_CPU_BF16_KERNEL=own) wherever this CPU can
     run it, whatever the production choice here (oneDNN on AMX CPUs); skipped, naming what
-    is missing, where it cannot run."""
+    is missing, where the CPU lacks its instructions; failed where it has them and the
+    library still does not build or load."""
     reason = cpu_linear.own_kernel_unavailable_reason()  # builds and loads the library
-    if reason is not None:
-        pytest.skip(f"cpu_gemm.cpp cannot run here: {reason}")
+    require_kernel("cpu_gemm.cpp", cpu_linear.OWN_KERNEL_CPU_FLAGS, reason)
     monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
 
 

@@ -20,6 +20,7 @@ import torch
 
 from plugserve import ops
 from plugserve.worker import cpu_linear
+from tests.kernel_support import missing_cpu_flags
 
 # cpu_gemm.cpp forced (conftest.py's own_kernel), skipped where this CPU cannot run it.
 on_own_kernel = pytest.mark.usefixtures("own_kernel")
@@ -209,11 +210,21 @@ def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
             weight = torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05
             linear = cpu_linear.PackedLinear(weight)
             expected = reference(x, weight, None)
-            linear(x)  # the helper is awake
+            taken, dropped = gemm.row_pool_items_taken_over(), gemm.row_pool_late_items_dropped()
             gemm.row_pool_stall_helper_once(5000)
             out = linear(x)
+            deadline = time.monotonic() + 30  # liveness only
+            # Until the helper takes an item of a job (it may sleep through some), again.
+            while gemm.row_pool_stall_pending():
+                assert time.monotonic() < deadline, "the helper never took an item"
+                out = linear(x)
+            # The item it took stalled, and the caller took it over.
+            assert gemm.row_pool_items_taken_over() > taken
             del linear, weight
-            time.sleep(0.01)  # the helper wakes and reads its job's weight
+            # It wakes, computes from the freed weight and drops what it finds taken over.
+            while gemm.row_pool_late_items_dropped() == dropped:
+                assert time.monotonic() < deadline, "the stalled helper never came back"
+                time.sleep(0.001)
             assert_rounded_once(out, expected)
     finally:
         torch.set_num_threads(previous)
@@ -394,7 +405,8 @@ def test_every_kernel_that_runs_here_is_a_candidate_unless_one_is_named(
     without, every library that runs is a candidate, and PLUGSERVE_CPU_BF16_KERNEL narrows
     them to one."""
     fake_cpu_flags(monkeypatch, add=["amx_bf16"] if amx else [], drop=["amx_bf16"])
-    runnable = cpu_linear.own_kernel_unavailable_reason() is None
+    # Where the CPU has cpu_gemm.cpp's instructions it must run (a failed build fails here).
+    runnable = not missing_cpu_flags(cpu_linear.OWN_KERNEL_CPU_FLAGS)
     onednn = cpu_linear._onednn_bf16_supported()
     monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
     expected = (*(["own"] if runnable else []), *(["onednn"] if onednn else []), "aten")
@@ -423,7 +435,9 @@ def test_every_kernel_that_runs_here_is_a_candidate_unless_one_is_named(
 def test_a_cpu_without_avx512_bf16_is_named_as_what_is_missing(
     monkeypatch: pytest.MonkeyPatch, drop: list[str], reason: str
 ) -> None:
-    fake_cpu_flags(monkeypatch, add=[], drop=drop)
+    # The kernel's other flags present, whatever this CPU has: only `drop` is missing.
+    present = [flag for flag in cpu_linear.OWN_KERNEL_CPU_FLAGS if flag not in drop]
+    fake_cpu_flags(monkeypatch, add=present, drop=drop)
     assert cpu_linear.own_kernel_unavailable_reason() == reason
     monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
     assert "own" not in cpu_linear.allowed_libraries()

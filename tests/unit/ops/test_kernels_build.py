@@ -1,0 +1,58 @@
+"""Every compiled kernel builds and loads wherever the CPU has the instructions it is
+written in: a compile error in one of them fails here instead of turning the tests that
+use it into skips."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from plugserve import ops
+from plugserve.worker import cpu_linear, cpu_ops
+from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
+from plugserve_plugins.quantization import int8_weight_only
+from tests.kernel_support import require_kernel
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    name: str
+    flags: Sequence[str]  # what the CPU needs for the kernel to exist
+    unavailable_reason: Callable[[], str | None]
+
+
+def _decoder_reason() -> str | None:
+    reason = ops.unavailable_reason(ops.DECODER_SOURCE)
+    if reason is None and not hasattr(torch.ops.plugserve_decoder, "decode_layers"):
+        return "cpu_decoder.cpp was built without its ops"
+    return reason
+
+
+KERNELS = (
+    CompiledKernel(
+        "cpu_gemm.cpp", cpu_linear.OWN_KERNEL_CPU_FLAGS, cpu_linear.own_kernel_unavailable_reason
+    ),
+    CompiledKernel("cpu_decoder.cpp", cpu_linear.OWN_KERNEL_CPU_FLAGS, _decoder_reason),
+    CompiledKernel("cpu_ops.cpp", (), cpu_ops.unavailable_reason),
+    CompiledKernel("cpu_paged_attention.cpp", (), cpu_paged_attention.unavailable_reason),
+    CompiledKernel(
+        "cpu_prefill_attention.cpp",
+        cpu_prefill_attention.REQUIRED_CPU_FLAGS,
+        cpu_prefill_attention.unavailable_reason,
+    ),
+    CompiledKernel(
+        "int8_weight_only.cpp",
+        int8_weight_only.REQUIRED_CPU_FLAGS,
+        int8_weight_only.Int8WeightOnly.unavailable_reason,
+    ),
+)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.name)
+def test_each_kernel_builds_and_loads_where_the_cpu_has_its_instructions(
+    kernel: CompiledKernel,
+) -> None:
+    require_kernel(kernel.name, kernel.flags, kernel.unavailable_reason())
