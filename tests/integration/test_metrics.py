@@ -1,11 +1,13 @@
 """/metrics as a vLLM dashboard reads it, from a real server: vLLM's names and types, with
-values that match what was served, summed over two API servers whichever answers the
-scrape; a metrics plugin's own collectors; no engine ping per scrape; the engine's
-periodic line while busy; and engine.dtype auto, with the start-up line saying why.
+values that match what was served (a preemption among them), summed over two API
+servers whichever answers the scrape; a metrics plugin's own collectors; no engine ping
+per scrape; the engine's periodic line, none while idle; and engine.dtype auto, with the
+start-up line saying why.
 
 One server serves most of this module: two API servers, engine.dtype auto (bf16 on a CPU
-with native bf16), the test metrics plugin (tests/integration/metrics_plugin.py) and a
-short engine.log_stats_interval. One more starts as on a CPU without native bf16.
+with native bf16), the test metrics plugin (tests/integration/metrics_plugin.py), a
+short engine.log_stats_interval and a KV cache of four blocks, as long as the context,
+so that two requests preempt. One more starts as on a CPU without native bf16.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ from tests.integration.metrics_plugin import ANSWERED_BY, REGISTRATIONS
 _DTYPE_AT = SERVER_SETTINGS.index("--dtype")
 AUTO_DTYPE_SETTINGS = SERVER_SETTINGS[:_DTYPE_AT] + SERVER_SETTINGS[_DTYPE_AT + 2 :]
 LOG_STATS_INTERVAL_S = 0.5
+# The metrics server's KV cache: four blocks of 16 tokens (the default block size), and a
+# context just as long, so that one request generating to the end of its context ends
+# holding every block.
+KV_BLOCKS = 4
+CONTEXT_TOKENS = KV_BLOCKS * 16
 
 VLLM_METRICS = {
     "vllm:num_requests_running": "gauge",
@@ -166,8 +173,11 @@ def serve_one(server: ServerProcess, index: int) -> Served:
 
 @pytest.fixture(scope="module")
 def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    at = AUTO_DTYPE_SETTINGS.index("--max-model-len")
     settings = (
-        *AUTO_DTYPE_SETTINGS,
+        *AUTO_DTYPE_SETTINGS[:at], *AUTO_DTYPE_SETTINGS[at + 2 :],
+        "--max-model-len", str(CONTEXT_TOKENS),
+        "--num-kv-blocks", str(KV_BLOCKS),
         "--api-server-count", "2",
         "--log-stats-interval", str(LOG_STATS_INTERVAL_S),
     )  # fmt: skip
@@ -236,7 +246,8 @@ def test_vllm_metrics_count_what_was_served_over_both_api_servers(metrics_server
         )
         hits = delta("vllm:prefix_cache_hits", "_total")
         assert 0 < hits <= delta("vllm:prefix_cache_queries", "_total")  # the same chat
-        assert after.value("vllm:num_preemptions", "_total") >= 0
+        # One request at a time fits the pool: nothing is preempted.
+        assert delta("vllm:num_preemptions", "_total") == 0
         assert after.value("vllm:num_requests_running") == 0
         assert after.value("vllm:num_requests_waiting") == 0
         assert after.value("vllm:kv_cache_usage_perc") == 0
@@ -253,6 +264,48 @@ def test_vllm_metrics_count_what_was_served_over_both_api_servers(metrics_server
             }
         )
     assert figures[0] == figures[1]  # the same whichever API server answered
+
+
+def test_two_prompts_that_outgrow_the_kv_cache_together_are_preempted_once(metrics_server):
+    """Two prompts of one request, each generating to the end of the context, which is as
+    long as the KV cache: alone, each ends holding every block. Once both run, the pool
+    runs dry before the first is done; fcfs preempts the later-admitted one, which cannot
+    come back while the first runs (fewer blocks are left than its tokens need), and once
+    the first has finished the pool holds it alone. So the engine preempts exactly once,
+    whichever steps the two were admitted at. Both prompts still get every token; vLLM's
+    counter and plugserve's own (the engine's figure) say one, whichever API server
+    answers the scrape.
+
+    Both do run at once: the API server sends the two prompts to the engine in one turn of
+    its event loop, and the second would only wait (not run) if the first already held the
+    whole pool, some 40 decode steps after its start."""
+    server = metrics_server
+    prompt_len = 8
+    # Different tokens, so that neither finds the other's blocks in the prefix cache.
+    prompts = [[1000 + i for i in range(prompt_len)], [2000 + i for i in range(prompt_len)]]
+    max_tokens = CONTEXT_TOKENS - prompt_len
+    before = scrape(server)
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0}
+    body["ignore_eos"] = True
+    response = httpx.post(server.url("/v1/completions"), json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert [c["finish_reason"] for c in data["choices"]] == ["length", "length"]
+    assert data["usage"]["completion_tokens"] == 2 * max_tokens
+
+    def idle() -> Scrape | None:
+        now = scrape(server)
+        finished = now.value("vllm:request_success", "_total")
+        done = finished == before.value("vllm:request_success", "_total") + 2
+        return now if done and now.value("vllm:kv_cache_usage_perc") == 0 else None
+
+    assert wait_until(idle, 10), "the engine's figures never showed both requests finished"
+    for after in scrapes_from_every_api_server(server):
+        for name in ("vllm:num_preemptions", "plugserve_preemptions"):
+            assert after.value(name, "_total") - before.value(name, "_total") == 1, (
+                name,
+                after.answered_by,
+            )
 
 
 def test_a_scrape_asks_no_engine_anything(metrics_server):
@@ -280,30 +333,46 @@ def test_a_metrics_plugin_adds_its_collectors_in_every_api_server(metrics_server
         assert each.value(REGISTRATIONS, "_total") == 2
 
 
-def test_a_busy_engine_logs_its_figures_every_interval(metrics_server):
-    """vLLM's periodic line, from the engine process: while it is busy (and once more when
-    it goes idle), none while it stays idle."""
+def test_a_busy_spell_ends_with_the_engines_line_and_an_idle_engine_logs_none(metrics_server):
+    """vLLM's periodic line, from the engine process: a busy spell ends with a line that
+    finds the engine idle, and none follows while it stays idle."""
     server = metrics_server
 
     def lines() -> list[str]:
         return [line for line in server.log_text().splitlines() if "Avg prompt throughput" in line]
 
-    before = len(lines())
     body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0, "max_tokens": 48}
-    body["ignore_eos"] = True
-    response = httpx.post(server.url("/v1/completions"), json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    assert wait_until(lambda: len(lines()) > before, 10), server.log_tail()
-    line = lines()[-1]
+    body.update(ignore_eos=True, stream=True)
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = (line for line in response.iter_lines() if line.startswith("data: {"))
+        next(events)
+        # Every line the engine wrote before this request is in the log by now (it wrote
+        # them before computing the token that just arrived): the lines after these are
+        # this request's busy spell.
+        before = len(lines())
+        for _ in events:
+            pass
+
+    def spell_end() -> str | None:
+        return next((line for line in lines()[before:] if "Running: 0 reqs" in line), None)
+
+    # The deadline only bounds a failure: the line comes one interval after the spell.
+    line = wait_until(spell_end, 30)
+    assert line, server.log_tail()
     assert " EngineCore pid=" in line and "Engine 000:" in line
-    for part in ("Avg generation throughput:", "Running:", "Waiting:", "KV cache usage:"):
+    for part in ("Avg generation throughput:", "Waiting: 0 reqs", "KV cache usage: 0.0%"):
         assert part in line, line
     assert "Prefix cache hit rate:" in line
-    time.sleep(2 * LOG_STATS_INTERVAL_S)  # the line that ends the busy spell, if not yet
+    assert lines()[-1] == line
+    # Idle from here on. Three intervals in which a line would be due, then two health
+    # checks, each a turn of the engine's loop: one due line would be written in the
+    # first turn, before the second check is answered.
     settled = len(lines())
-    assert "Running: 0 reqs" in lines()[-1]
     time.sleep(3 * LOG_STATS_INTERVAL_S)
-    assert len(lines()) == settled  # idle: no more lines
+    for _ in range(2):
+        assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    assert len(lines()) == settled
 
 
 def test_auto_dtype_is_bf16_on_a_cpu_with_native_bf16_and_says_why(metrics_server):

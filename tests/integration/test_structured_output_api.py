@@ -190,22 +190,43 @@ def test_sdk_metadata_fields_are_accepted(client):
 # ------------------------------------------------------------------ tool calling
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-def test_tool_choice_required_returns_valid_calls(client, parallel):
+def test_tool_choice_required_returns_valid_calls(client):
     result = chat(
-        client,
-        messages=WEATHER_QUESTION,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=parallel,
-        max_tokens=80,
+        client, messages=WEATHER_QUESTION, tools=TOOLS, tool_choice="required", max_tokens=80
     )
     [choice] = result.choices
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
     assert_valid_calls(choice.message.tool_calls, set(SCHEMAS))
-    if not parallel:
-        assert len(choice.message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_decides_whether_required_gives_more_than_one_call(
+    client, tokenizer, parallel
+):
+    """The model is pushed to write call after call: every token with a "]" in it (the
+    only tokens that can close the array of calls) gets a logit bias of -100. With
+    parallel_tool_calls the array may go on, so the calls keep coming until max_tokens
+    cuts the output (finish "length", some 30 tokens a call) and the calls that closed
+    are returned, streamed or not. Without, the schema allows one call, after which the
+    grammar leaves only "]" (a bias is not a mask): exactly one call, finished as a call."""
+    closing = {str(i): -100 for i in range(len(tokenizer)) if "]" in tokenizer.decode([i])}
+    kwargs = dict(
+        messages=WEATHER_QUESTION, tools=TOOLS, tool_choice="required", max_tokens=80,
+        parallel_tool_calls=parallel, logit_bias=closing,
+    )  # fmt: skip
+    [choice] = chat(client, **kwargs).choices
+    calls = choice.message.tool_calls
+    assert_valid_calls(calls, set(SCHEMAS))
+    if parallel:
+        assert choice.finish_reason == "length" and len(calls) >= 2, calls
+    else:
+        assert choice.finish_reason == "tool_calls" and len(calls) == 1, calls
+    streamed, finish, content = streamed_calls(chat(client, stream=True, **kwargs))
+    assert (finish, content) == (choice.finish_reason, "")
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
 
 
 def test_a_named_tool_choice_returns_a_call_to_that_function(client):
@@ -222,14 +243,18 @@ def test_a_named_tool_choice_returns_a_call_to_that_function(client):
     "tool_choice", ["required", {"type": "function", "function": {"name": "GetTime"}}]
 )
 def test_streamed_tool_calls_arrive_as_openai_sends_them(client, tool_choice):
-    stream = chat(
-        client, messages=WEATHER_QUESTION, tools=TOOLS, tool_choice=tool_choice, max_tokens=80,
-        stream=True,
-    )  # fmt: skip
-    calls, finish, content = streamed_calls(stream)
+    """At least one call arrives, valid against its function's parameters, and the stream
+    carries the calls the non-streamed answer to the same (greedy) request holds."""
+    kwargs = dict(messages=WEATHER_QUESTION, tools=TOOLS, tool_choice=tool_choice, max_tokens=80)
+    calls, finish, content = streamed_calls(chat(client, stream=True, **kwargs))
     assert finish == "tool_calls" and content == ""
+    assert calls, "no tool call arrived"
     for call in calls:
         SCHEMAS[call["name"]].model_validate_json(call["arguments"])
+    whole = chat(client, **kwargs).choices[0].message.tool_calls
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole
+    ]
     if isinstance(tool_choice, dict):
         assert [c["name"] for c in calls] == ["GetTime"]
 
@@ -268,7 +293,10 @@ def test_auto_without_a_call_is_plain_content(client):
     assert choice.finish_reason in ("stop", "length")
 
 
-def test_a_conversation_with_tool_calls_and_results_is_accepted(client):
+def test_a_conversation_with_tool_calls_and_results_is_the_models_template_of_it(client, tokenizer):
+    """The prompt is transformers' apply_chat_template of the same messages and tools:
+    its length is the usage's prompt_tokens, and the reply is the greedy completion of
+    exactly those tokens."""
     call = {
         "id": "call_1",
         "type": "function",
@@ -281,6 +309,17 @@ def test_a_conversation_with_tool_calls_and_results_is_accepted(client):
     ]  # fmt: skip
     result = chat(client, messages=messages, tools=TOOLS, max_tokens=4)
     assert result.choices[0].finish_reason == "length"
+    # Templates concatenate each message's content: a turn of calls only is given empty
+    # content, as vLLM gives it.
+    as_templated = [{**m, "content": m["content"] or ""} for m in messages]
+    prompt = tokenizer.apply_chat_template(
+        as_templated, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    assert result.usage.prompt_tokens == len(prompt)
+    completion = client.completions.create(
+        model=MODEL, prompt=list(prompt), max_tokens=4, temperature=0
+    )
+    assert result.choices[0].message.content == completion.choices[0].text
 
 
 # ------------------------------------------------------------------ sampling fields
@@ -316,6 +355,35 @@ def test_bad_words_ban_a_word_the_greedy_output_had(client):
     assert word, text
     _, banned = greedy_token(client, extra_body={"bad_words": [word]})
     assert word not in banned
+
+
+def greedy_ids(client: openai.OpenAI, prompt: str, max_tokens: int, **extra: Any) -> list[int]:
+    result = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True, **extra},
+    )  # fmt: skip
+    return [int(t.removeprefix("token_id:")) for t in result.choices[0].logprobs.tokens]
+
+
+def starts(ids: list[int], sequence: list[int]) -> list[int]:
+    """Where `sequence` occurs in `ids`."""
+    return [i for i in range(len(ids)) if ids[i : i + len(sequence)] == sequence]
+
+
+def test_bad_words_ban_a_multi_token_word_where_the_greedy_output_has_it(client, tokenizer):
+    """Greedy, the story names its wizard "Elwes", three tokens, twice. Banned, that
+    sequence never appears (neither as the text would start with it nor after a space):
+    the output is the same up to the word's last token, which the ban replaces."""
+    prompt, word = "Once upon a time, in a small village,", "Elwes"
+    sequences = [tokenizer.encode(text, add_special_tokens=False) for text in (word, " " + word)]
+    free = greedy_ids(client, prompt, 24)
+    mid_sentence = sequences[1]
+    assert len(mid_sentence) == 3 and len(starts(free, mid_sentence)) == 2, tokenizer.decode(free)
+    banned = greedy_ids(client, prompt, 24, bad_words=[word])
+    assert len(banned) == 24
+    assert not any(starts(banned, sequence) for sequence in sequences), tokenizer.decode(banned)
+    last = starts(free, mid_sentence)[0] + len(mid_sentence) - 1
+    assert banned[:last] == free[:last] and banned[last] != free[last]
 
 
 def test_n_with_a_seed_gives_distinct_reproducible_samples(client):
