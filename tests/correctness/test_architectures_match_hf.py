@@ -1,11 +1,13 @@
 """Every registered architecture, on a tiny checkpoint of its transformers family saved
 with `save_pretrained`, gives transformers' greedy tokens in fp32 (logprobs within
 FP32_LOGPROB_TOLERANCE), with prefix caching and chunked prefill on, in a mixed batch
-and one request at a time, and in a mixed batch over TP_SIZE tensor-parallel worker
-processes wherever its layers can shard its shapes (tests/correctness/tiny_checkpoints.py).
+and one request at a time (one engine for both), and in a mixed batch over TP_SIZE
+tensor-parallel worker processes, one case per family (tests/correctness/tiny_checkpoints.py).
 """
 
 from __future__ import annotations
+
+import tempfile
 
 import pytest
 
@@ -25,35 +27,53 @@ from correctness.tiny_checkpoints import (
 CASES = all_cases()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda case: case.id)
-def tiny_run(request, tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
-    case: TinyCase = request.param
+def _run(case: TinyCase, tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
     folder = write_tiny_checkpoint(case.config, tmp_path_factory.mktemp(case.id), tiny_tokenizer)
     return TinyRun(str(folder), tiny_prompts, hf_references(folder, tiny_prompts))
 
 
-def test_a_mixed_batch_matches_transformers(tiny_run: TinyRun) -> None:
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: case.id)
+def tiny_run(request, tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
+    return _run(request.param, tmp_path_factory, tiny_tokenizer, tiny_prompts)
+
+
+def sharding_cases() -> list[TinyCase]:
+    """Per family, the first case whose shapes shard over TP_SIZE ranks: sharding is the
+    family's layers', which its other cases' options do not change."""
+    first: dict[type, TinyCase] = {}
+    for case in CASES:
+        if type(case.config) in first:
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            case.config.save_pretrained(folder)
+            if tensor_parallel_refusal(folder, TP_SIZE) is None:
+                first[type(case.config)] = case
+    return list(first.values())
+
+
+@pytest.fixture(scope="module", params=sharding_cases(), ids=lambda case: case.id)
+def family_run(request, tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
+    return _run(request.param, tmp_path_factory, tiny_tokenizer, tiny_prompts)
+
+
+def test_a_mixed_batch_and_one_request_at_a_time_match_transformers(tiny_run: TinyRun) -> None:
+    """One engine serves both runs: the mixed batch, where prompts longer than CHUNK_TOKENS
+    (the step's token budget) prefill in chunks; then, the prefix cache emptied, each
+    prompt alone, the last finding its first 32 tokens (two blocks) in the longest one's."""
     with tiny_run.llm() as llm:
-        # Prompts longer than CHUNK_TOKENS (the step's token budget) prefill in chunks.
         tiny_run.check(llm, batched=True)
-
-
-def test_one_request_at_a_time_matches_transformers_with_prefix_cache_hits(
-    tiny_run: TinyRun,
-) -> None:
-    with tiny_run.llm() as llm:
+        kv = llm.engine.scheduler.kv
+        assert kv.reset_prefix_cache()  # nothing runs: every block is free to forget
+        hits = kv.stats().prefix_cache_hits
         tiny_run.check(llm, batched=False)
-        # The last prompt's first 32 tokens (two blocks) came from the longest one's.
-        assert llm.engine.scheduler.kv.stats().prefix_cache_hits >= 2 * 16
+        assert kv.stats().prefix_cache_hits - hits >= 2 * 16
 
 
-def test_tensor_parallel_worker_processes_match_transformers(tiny_run: TinyRun) -> None:
-    refusal = tensor_parallel_refusal(tiny_run.model)
-    if refusal is not None:
-        pytest.skip(f"its shapes do not shard over {TP_SIZE} ranks: {refusal}")
-    # One engine of TP_SIZE worker processes per case (~4 s, most of it starting them).
-    with tiny_run.tensor_parallel_llm() as llm:
-        largest = tiny_run.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
+def test_tensor_parallel_worker_processes_match_transformers(family_run: TinyRun) -> None:
+    """Per family (sharding_cases), one engine of TP_SIZE worker processes (~4 s, most of
+    it starting them)."""
+    with family_run.tensor_parallel_llm() as llm:
+        largest = family_run.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
     print(f"TP={TP_SIZE}: largest logprob difference {largest:.1e}")
 
 

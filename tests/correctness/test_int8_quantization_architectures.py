@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from correctness.architecture_cases import all_cases
+from correctness.architecture_cases import one_case_per_family
 from correctness.tiny_checkpoints import TinyCase, TinyRun, write_tiny_checkpoint
 from plugserve import SamplingParams
 from plugserve.worker.layers.linear import Linear
@@ -31,15 +31,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 INT8_MEAN_LOGPROB_TOLERANCE = 0.1
-
-
-def one_case_per_family() -> list[TinyCase]:
-    """The first case of each transformers config class: quantization touches the
-    linears, which a family's other cases (biases aside) share; CI time stays modest."""
-    first: dict[type, TinyCase] = {}
-    for case in all_cases():
-        first.setdefault(type(case.config), case)
-    return list(first.values())
 
 
 def _prompt_logprobs(llm, prompt: list[int]) -> list[float]:

@@ -1,13 +1,13 @@
-"""Every registered combination of scheduler × transport × executor × attention backend
-that can run on this machine serves one shared scenario through the real server, in
-float32 (or, for a backend that does not compute in float32, its first dtype): an fp32
-cell's greedy output equals the Hugging Face reference token for token (so every other
-fp32 cell's). Each attention backend also serves in each of its other dtypes (bf16) over
-a covering set of cells, in which every executor, scheduler and transport appears: a bf16
-cell agrees with Hugging Face bf16 by tests/correctness/agreement.py's criterion. bf16
-changes only the numeric path (executor × attention), which the full float32 product
-already crosses with every scheduler and transport; the covering set keeps the suite's
-time in bounds as plugins are added.
+"""Every registered combination of transport × executor × attention backend that can run
+on this machine, each scheduler in at least one of them, serves one shared scenario through
+the real server, in float32 (or, for a backend that does not compute in float32, its first
+dtype): an fp32 cell's greedy output equals the Hugging Face reference token for token (so
+every other fp32 cell's). Each attention backend also serves in each of its other dtypes
+(bf16) over a covering set of cells, in which every executor, scheduler and transport
+appears: a bf16 cell agrees with Hugging Face bf16 by tests/correctness/agreement.py's
+criterion. bf16 changes only the numeric path (executor × attention), which the float32
+cells already cross with every transport; the covering set keeps the suite's time in
+bounds as plugins are added.
 
 The cells come from the plugin registry: a newly installed plugin joins with no edit
 here. A component that cannot run on this machine says why through an optional
@@ -112,6 +112,19 @@ def _covering(names: dict[str, list[str]]) -> list[tuple[str, ...]]:
     return [tuple(n[i % len(n)] for n in names.values()) for i in range(rows)]
 
 
+def _product_cycling_schedulers(names: dict[str, list[str]]) -> list[tuple[str, ...]]:
+    """Every combination of the slots other than the scheduler, each with a scheduler taken
+    in turn so that every scheduler appears (more rows where there are more schedulers).
+    With the scenario's few prompts under max_num_seqs nothing waits or is preempted, so
+    no policy changes a cell's steps here: where requests contend, the policies are proven
+    by tests/unit/engine and tests/plugins."""
+    schedulers = names["scheduler"]
+    rest = [names[slot] for slot in SLOTS if slot != "scheduler"]
+    combos = list(itertools.product(*rest))
+    rows = max(len(combos), len(schedulers))
+    return [(schedulers[i % len(schedulers)], *combos[i % len(combos)]) for i in range(rows)]
+
+
 def matrix_cells() -> list:
     registry = get_registry()
     impls = {slot: registry.implementations(slot) for slot in SLOTS}
@@ -123,7 +136,7 @@ def matrix_cells() -> list:
         # the full product, the others a covering set.
         dtypes = [d for d in DTYPES if d in (cls.dtypes if has_dtypes(cls) else DTYPES)]
         others = {slot: names[slot] for slot in SLOTS[:-1]}
-        full = itertools.product(*others.values(), [attention])
+        full = _product_cycling_schedulers({**others, "attention": [attention]})
         covering = _covering({**others, "attention": [attention]})
         combos += [(c, dtypes[0]) for c in full]
         combos += [(c, dtype) for dtype in dtypes[1:] for c in covering]

@@ -17,3 +17,12 @@ def all_cases() -> list[TinyCase]:
     for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         cases += importlib.import_module(f"{__name__}.{module.name}").CASES
     return cases
+
+
+def one_case_per_family() -> list[TinyCase]:
+    """The first case of each transformers config class: what a family's layers do to the
+    linears (their sharding, their quantization) its other cases share, biases aside."""
+    first: dict[type, TinyCase] = {}
+    for case in all_cases():
+        first.setdefault(type(case.config), case)
+    return list(first.values())
