@@ -123,9 +123,11 @@ def _build(source: Path, target: Path) -> None:
         except FileNotFoundError:
             raise RuntimeError(f"no C++ compiler: {cmd[0]} not found (set $CXX)") from None
         if done.returncode != 0:
-            error = (done.stderr or done.stdout).strip().splitlines()
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            # The first error, not the first line: torch's headers open with warnings.
+            errors = [line for line in lines if "error" in line] or lines
             compiler = os.environ.get("CXX", "g++")
-            raise RuntimeError(f"{compiler} failed: {error[0] if error else done.returncode}")
+            raise RuntimeError(f"{compiler} failed: {errors[0] if errors else done.returncode}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
