@@ -36,7 +36,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from .conftest import MODEL, ServerProcess, assert_openai_error, running_server
+from .conftest import MODEL, ServerProcess, assert_openai_error
 
 CHECKS = [
     not_a_server_error,
@@ -73,9 +73,10 @@ def ieee_floats() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server("zmq", tmp_path_factory.mktemp("fuzz")) as server:
-        yield server
+def server(zmq_server: ServerProcess) -> ServerProcess:
+    """The session's shared zmq server: fuzzing must leave it as it found it, which the
+    greedy answers before and after show."""
+    return zmq_server
 
 
 def greedy_answers(server: ServerProcess) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -100,12 +101,18 @@ def test_metrics_count_engine_steps_and_the_time_in_the_forward_pass(server: Ser
     assert 0 < forward_s <= step_s
 
 
-def test_an_api_key_guards_the_v1_routes_only(tmp_path):
-    settings = (*SERVER_SETTINGS, "--api-key", "s3cret")
-    with (
-        running_server("zmq", tmp_path, settings=settings) as server,
-        httpx.Client(timeout=30) as http,
-    ):
+@pytest.fixture(scope="module")
+def guarded_bf16_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the two tests that need settings of their own: an API key (which
+    guards /v1/ only) and bf16 weights (which the weight-read bench reads)."""
+    settings = (*SERVER_SETTINGS, "--dtype", "bfloat16", "--api-key", "s3cret")
+    with running_server("zmq", tmp_path_factory.mktemp("guarded-bf16"), settings=settings) as s:
+        yield s
+
+
+def test_an_api_key_guards_the_v1_routes_only(guarded_bf16_server: ServerProcess):
+    server = guarded_bf16_server
+    with httpx.Client(timeout=30) as http:
         refused = http.get(server.url("/v1/models"))
         wrong = http.get(server.url("/v1/models"), headers={"authorization": "Bearer nope"})
         allowed = http.get(server.url("/v1/models"), headers={"authorization": "Bearer s3cret"})
@@ -119,15 +126,12 @@ def test_an_api_key_guards_the_v1_routes_only(tmp_path):
     assert allowed.headers[API_SERVER_HEADER] == health.headers[API_SERVER_HEADER]
 
 
-def test_the_engine_measures_the_floor_on_its_own_weights(tmp_path):
+def test_the_engine_measures_the_floor_on_its_own_weights(guarded_bf16_server: ServerProcess):
     """GET /bench/weight_read: the engine reads its packed weights between two steps and
     answers the batch-1 bandwidth floor; where it keeps no single weight buffer (fp32
     here), it says so in OpenAI's error shape; bad arguments are 400s."""
-    settings = (*SERVER_SETTINGS, "--dtype", "bfloat16")
-    with (
-        running_server("zmq", tmp_path, settings=settings) as server,
-        httpx.Client(timeout=30) as http,
-    ):
+    server = guarded_bf16_server
+    with httpx.Client(timeout=30) as http:
         read = http.get(server.url("/bench/weight_read"), params={"seconds": 0.2})
         too_long = http.get(server.url("/bench/weight_read"), params={"seconds": 60})
         no_engine = http.get(server.url("/bench/weight_read"), params={"engine": 2})
