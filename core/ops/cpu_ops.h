@@ -116,7 +116,10 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
 #endif
       for (; i < n; ++i) {
         const float g = to_float(gate[i]);
-        store(dst + i, g / (1.0f + std::exp(-g)) * to_float(up[i]));
+        // Clamped as exp16 clamps: under -ffast-math an infinite exp is undefined, and
+        // g / (1 + exp(-g)) came out NaN for g below about -88.
+        const float e = std::exp(std::min(std::max(-g, -87.0f), 88.0f));
+        store(dst + i, g / (1.0f + e) * to_float(up[i]));
       }
     }
   });

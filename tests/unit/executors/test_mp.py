@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from correctness.agreement import NEAR_TIE
 
 from plugserve import LLM, SamplingParams
 from plugserve.config import load_config
@@ -113,9 +114,9 @@ def test_tp2_matches_uni_and_shuts_down(uni_tokens: list[list[int]]) -> None:
 def test_tp2_in_bf16_runs_the_fused_cpu_layers_and_follows_uni() -> None:
     """bf16 on CPU: each rank runs FusedCpuDecoderLayer over its shard, its row-parallel
     projections summed over ranks. The sums' order differs from one rank's, so greedy
-    tokens may part where uni's two best tokens are all but tied (measured: a gap of 0.012
-    in logprob at the 6th token of one prompt); there TP picks uni's runner-up. A broken
-    shard or all-reduce parts where uni's choice is clear."""
+    tokens may part where uni's two best tokens are a near-tie by the bf16 criterion
+    (tests/correctness/agreement.py: within a few units of a bf16 logit); there TP picks
+    uni's runner-up. A broken shard or all-reduce parts where uni's choice is clear."""
     engine = {**ENGINE, "dtype": "bfloat16"}
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outputs = {}
@@ -141,7 +142,7 @@ def test_tp2_in_bf16_runs_the_fused_cpu_layers_and_follows_uni() -> None:
             continue
         best, runner_up = sorted(uni.logprobs[parted].values(), key=lambda lp: -lp.logprob)[:2]
         assert tp2.token_ids[parted] in uni.logprobs[parted], (uni.token_ids, tp2.token_ids)
-        assert best.logprob - runner_up.logprob < 0.05, (parted, best, runner_up)
+        assert best.logprob - runner_up.logprob <= NEAR_TIE, (parted, best, runner_up)
 
 
 def test_tp1_matches_uni_and_a_worker_exception_surfaces(uni_tokens: list[list[int]]) -> None:
