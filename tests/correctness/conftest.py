@@ -56,8 +56,18 @@ def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
+# The bf16 sets' continuation length: offline (test_bf16_matches_hf.py) and served
+# (tests/integration/test_bf16_served.py) share the prompts and so the references, which
+# are computed once per session.
+BF16_NEW_TOKENS = 32
+
+
 @pytest.fixture(scope="session")
 def mixed_prompts(tokenizer) -> list[list[int]]:
+    return mixed_prompt_ids(tokenizer)
+
+
+def mixed_prompt_ids(tokenizer) -> list[list[int]]:
     """Eight prompts of 10–400 tokens, each starting at a different place in the corpus."""
     ids = tokenizer.encode(CORPUS * 2)
     prompts = []

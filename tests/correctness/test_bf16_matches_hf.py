@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from correctness.agreement import assert_agrees, clear_first_tokens
+from correctness.conftest import BF16_NEW_TOKENS
 from plugserve import LLM, SamplingParams
 from plugserve.worker import cpu_linear
 from plugserve.worker.kernel_plan import KernelPlan
@@ -27,7 +28,7 @@ from tests.kernel_support import (
     plan_setting,
 )
 
-NEW_TOKENS = 32
+NEW_TOKENS = BF16_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """The configuration the benchmarks serve, end to end: bfloat16 in an engine process on all
 its threads (one-row steps shared with the matmuls' helper thread, exponent-coded weights
 where the CPU runs cpu_gemm.cpp), behind the HTTP server, on both transports. Its answers
-agree with Hugging Face bf16 by tests/correctness/agreement.py's criterion, for prompts
-sent together (batched steps) and one at a time (one-row steps)."""
+agree with Hugging Face bf16 by tests/correctness/agreement.py's criterion, for the offline
+bf16 test's prompts sent together (batched steps) and one at a time (one-row steps)."""
 
 from __future__ import annotations
 
@@ -11,25 +11,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from correctness.agreement import Reference, assert_agrees, assert_clear_first_tokens
-from correctness.conftest import CORPUS
+from correctness.agreement import Reference, assert_agrees, clear_first_tokens
+from correctness.conftest import BF16_NEW_TOKENS, mixed_prompt_ids
 
 from integration.conftest import MAX_MODEL_LEN, ServerProcess, greedy_completion, running_server
 from plugserve.worker import cpu_linear
 from plugserve.worker.kernel_plan import TILED
 from tests.kernel_support import pinned_plan
 
-MAX_TOKENS = 24
-TEXT_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village, there lived an old clockmaker who",
-    "Photosynthesis is the process by which",
-    "The three primary colors are",
-]
-# Two long prompts as token ids (prefills of several hundred tokens): slices of the
-# correctness corpus whose first tokens are clear (assert_clear_first_tokens checks).
-LONG_PROMPT_SLICES = [(0, 215), (20, 420)]
+# The offline bf16 test's prompts and length (tests/correctness/test_bf16_matches_hf.py):
+# token ids of 10-400 tokens (prefills of several hundred among them), and references
+# that the session has then computed already.
+MAX_TOKENS = BF16_NEW_TOKENS
 SETTINGS = [
     "--dtype", "bfloat16",
     "--kv-cache-memory", "64MiB",
@@ -39,22 +32,27 @@ SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_path) -> list[str | list[int]]:
+def prompts_and_references(smollm2_path, hf_greedy_references) -> tuple[list, list[Reference]]:
+    """The prompts whose first token Hugging Face's bf16 scores prefer clearly here, and
+    their references (as in test_bf16_matches_hf.py: at most two of eight left out)."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(smollm2_path).encode(CORPUS)
-    return [*TEXT_PROMPTS, *(ids[start:end] for start, end in LONG_PROMPT_SLICES)]
+    ids = mixed_prompt_ids(AutoTokenizer.from_pretrained(smollm2_path))
+    references = hf_greedy_references(ids, MAX_TOKENS, torch.bfloat16)
+    clear = clear_first_tokens(references)
+    assert sum(clear) >= len(ids) - 2, [len(p) for p in ids]
+    kept = [(p, r) for p, r, ok in zip(ids, references, clear, strict=True) if ok]
+    return [p for p, _ in kept], [r for _, r in kept]
 
 
 @pytest.fixture(scope="module")
-def hf_bf16(smollm2_path, prompts, hf_greedy_references) -> list[Reference]:
-    from transformers import AutoTokenizer
+def prompts(prompts_and_references) -> list[list[int]]:
+    return prompts_and_references[0]
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    references = hf_greedy_references(ids, MAX_TOKENS, torch.bfloat16)
-    assert_clear_first_tokens(references, [p if isinstance(p, str) else len(p) for p in prompts])
-    return references
+
+@pytest.fixture(scope="module")
+def hf_bf16(prompts_and_references) -> list[Reference]:
+    return prompts_and_references[1]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +96,7 @@ def test_served_bf16_agrees_with_hf_bf16(
     steps_before = bf16_server.metrics()["engine_steps_total"]
     answers = asyncio.run(_complete(bf16_server, prompts, together))
     for prompt, reference, answer in zip(prompts, hf_bf16, answers, strict=True):
-        label = repr(prompt) if isinstance(prompt, str) else f"{len(prompt)}-token prompt"
+        label = f"{len(prompt)}-token prompt"
         assert_agrees(label, reference, answer.token_ids, answer.logprobs)
     steps = bf16_server.wait_idle()["engine_steps_total"] - steps_before
     # One at a time, every decode step is a one-row step (the coded, helper-shared path).
