@@ -431,6 +431,14 @@ def server(
         yield server
 
 
+@pytest.fixture(name="server")
+def transport_agnostic_server(zmq_server: ServerProcess) -> ServerProcess:
+    """`server` for a module whose tests do not depend on the transport (it imports this
+    as `server`): the session's shared zmq server, where the shared `server` would run
+    each test once per transport."""
+    return zmq_server
+
+
 @pytest.fixture
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
     with server.openai_client() as client:

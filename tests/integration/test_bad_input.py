@@ -10,7 +10,14 @@ import httpx
 import openai
 import pytest
 
-from .conftest import COMPLETION_PROMPTS, MAX_MODEL_LEN, MODEL, ServerProcess, assert_openai_error
+from .conftest import (
+    COMPLETION_PROMPTS,
+    MAX_MODEL_LEN,
+    MODEL,
+    ServerProcess,
+    assert_openai_error,
+    transport_agnostic_server,  # noqa: F401 (the module's `server`)
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -8,7 +8,13 @@ import subprocess
 
 import pytest
 
-from .conftest import MODEL, REPO_ROOT, ServerProcess, plugserve_command
+from .conftest import (
+    MODEL,
+    REPO_ROOT,
+    ServerProcess,
+    plugserve_command,
+    transport_agnostic_server,  # noqa: F401 (the module's `server`)
+)
 
 NUM_PROMPTS = 4
 NUM_WARMUPS = 1

@@ -26,6 +26,7 @@ from .conftest import (
     plugserve_command,
     process_cmdline,
     running_server,
+    transport_agnostic_server,  # noqa: F401 (the module's `server`)
 )
 
 

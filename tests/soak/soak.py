@@ -21,7 +21,7 @@ Afterwards (`SoakReport.failures`):
   the engine core, …) is within 10 % of what it was after the warm-up.
 
 `make soak` runs main(): a thousand requests through each transport (--requests), printing
-the figures. tests/soak/test_soak.py runs a short one in `make test`.
+the figures. tests/integration/test_soak.py runs a short one in `make test`.
 """
 
 from __future__ import annotations

@@ -8,29 +8,24 @@ resident memory is within 10 % of its value after the warm-up."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-from tests.integration.conftest import TRANSPORTS, require_bundled_transport, running_server
+from tests.integration.conftest import ServerProcess
 from tests.soak.soak import soak
 
 REQUESTS = 100  # per transport
 CONCURRENCY = 16
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_short_soak_leaves_the_server_as_it_found_it(transport: str, tmp_path: Path):
-    require_bundled_transport(transport)
-    with running_server(transport, tmp_path) as server:
-        report = soak(
-            server,
-            requests=REQUESTS,
-            concurrency=CONCURRENCY,
-            num_specs=12,
-            max_tokens=(1, 4, 8),
-            prompt_words=(1, 4, 16, 64),  # up to ~90 tokens
-        )
+def test_a_short_soak_leaves_the_server_as_it_found_it(server: ServerProcess):
+    """On the session's shared server of each transport: the soak's checks are relative
+    to its own warm-up, and every other test leaves that server as it found it too."""
+    report = soak(
+        server,
+        requests=REQUESTS,
+        concurrency=CONCURRENCY,
+        num_specs=12,
+        max_tokens=(1, 4, 8),
+        prompt_words=(1, 4, 16, 64),  # up to ~90 tokens
+    )
     print(report.summary())
     assert not report.failures(), "\n".join([report.summary(), *report.failures()])
     assert report.requests == REQUESTS
