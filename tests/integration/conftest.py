@@ -431,11 +431,11 @@ def server(
         yield server
 
 
-@pytest.fixture(name="server")
 def transport_agnostic_server(zmq_server: ServerProcess) -> ServerProcess:
-    """`server` for a module whose tests do not depend on the transport (it imports this
-    as `server`): the session's shared zmq server, where the shared `server` would run
-    each test once per transport."""
+    """`server` for a module whose tests do not depend on the transport, which declares it
+    as its own fixture (`server = pytest.fixture(name="server")(transport_agnostic_server)`):
+    the session's shared zmq server, where the shared `server` runs each test once per
+    transport. Not a fixture here, where it would replace `server` for every module."""
     return zmq_server
 
 

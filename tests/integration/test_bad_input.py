@@ -16,8 +16,11 @@ from .conftest import (
     MODEL,
     ServerProcess,
     assert_openai_error,
-    transport_agnostic_server,  # noqa: F401 (the module's `server`)
+    transport_agnostic_server,
 )
+
+# Transport-agnostic: the shared zmq server serves every test here once.
+server = pytest.fixture(name="server")(transport_agnostic_server)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -13,8 +13,11 @@ from .conftest import (
     REPO_ROOT,
     ServerProcess,
     plugserve_command,
-    transport_agnostic_server,  # noqa: F401 (the module's `server`)
+    transport_agnostic_server,
 )
+
+# Transport-agnostic: the shared zmq server serves every test here once.
+server = pytest.fixture(name="server")(transport_agnostic_server)
 
 NUM_PROMPTS = 4
 NUM_WARMUPS = 1

@@ -26,8 +26,11 @@ from .conftest import (
     plugserve_command,
     process_cmdline,
     running_server,
-    transport_agnostic_server,  # noqa: F401 (the module's `server`)
+    transport_agnostic_server,
 )
+
+# Transport-agnostic: the shared zmq server serves every test here once.
+server = pytest.fixture(name="server")(transport_agnostic_server)
 
 
 @pytest.mark.parametrize(
