@@ -33,9 +33,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check core plugins tests benchmarks
 	$(BIN)/ruff format --check core plugins tests benchmarks
 
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass. Two
+# workers: the integration servers run one engine thread each, so one worker alone leaves
+# a core idle; a module's tests stay on one worker (tests/conftest.py).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
