@@ -134,13 +134,3 @@ def hf_greedy_references(hf_reference_model):
         return computed[key]
 
     return references
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's `--dist loadgroup` (make test): a module's tests stay together on
-    one worker, so that its module-scoped servers and engines start once; a module may name
-    a group of its own (xdist_group) to share a worker with another that computes the same
-    session-scoped references."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

@@ -29,8 +29,6 @@ from tests.kernel_support import (
 )
 
 NEW_TOKENS = BF16_NEW_TOKENS
-# One worker for both bf16 modules: their Hugging Face references are computed once.
-pytestmark = pytest.mark.xdist_group("bf16-references")
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,6 @@ from tests.kernel_support import pinned_plan
 # token ids of 10-400 tokens (prefills of several hundred among them), and references
 # that the session has then computed already.
 MAX_TOKENS = BF16_NEW_TOKENS
-# One worker for both bf16 modules: their Hugging Face references are computed once.
-pytestmark = pytest.mark.xdist_group("bf16-references")
 SETTINGS = [
     "--dtype", "bfloat16",
     "--kv-cache-memory", "64MiB",
