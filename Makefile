@@ -33,13 +33,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check core plugins tests benchmarks
 	$(BIN)/ruff format --check core plugins tests benchmarks
 
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass. Two
-# workers: the integration servers run one engine thread each, so one worker alone leaves
-# a core idle; a module's tests stay on one worker (its module-scoped servers start once),
-# and modules go out in the suite's order, its few long correctness tests first (xdist's
-# default reorder sends the modules with the most tests first and left those to the end).
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
