@@ -70,7 +70,7 @@ def test_chunked_prefill_matches_hf(mixed_prompts, hf_greedy, release):
 
 
 def test_preemption_matches_hf(mixed_prompts, hf_greedy, release):
-    # 40 blocks of 16 tokens hold the longest request (464 tokens) but not all eight.
+    # 40 blocks of 16 tokens hold the longest request (432 tokens) but not all eight.
     llm = make_llm(num_kv_blocks=40)
     release(llm)
     assert generate_ids(llm, mixed_prompts) == hf_greedy
