@@ -1,8 +1,12 @@
 """The configuration the benchmarks serve, end to end: bfloat16 in an engine process on all
 its threads (one-row steps shared with the matmuls' helper thread, exponent-coded weights
-where the CPU runs cpu_gemm.cpp), behind the HTTP server, on both transports. Its answers
-agree with Hugging Face bf16 by tests/correctness/agreement.py's criterion, for the offline
-bf16 test's prompts sent together (batched steps) and one at a time (one-row steps)."""
+where the CPU runs cpu_gemm.cpp), behind the HTTP server. Its answers agree with Hugging
+Face bf16 by tests/correctness/agreement.py's criterion, for the offline bf16 test's prompts
+sent together (batched steps) and one at a time (one-row steps).
+
+Through the zmq transport alone: a transport moves the frames the engine wrote, whatever
+dtype computed them, and bf16 through shm is served by the matrix's bf16 cells
+(tests/matrix/test_matrix.py), held to the same criterion."""
 
 from __future__ import annotations
 
@@ -14,7 +18,13 @@ import torch
 from correctness.agreement import Reference, assert_agrees, clear_first_tokens
 from correctness.conftest import BF16_NEW_TOKENS, mixed_prompt_ids
 
-from integration.conftest import MAX_MODEL_LEN, ServerProcess, greedy_completion, running_server
+from integration.conftest import (
+    MAX_MODEL_LEN,
+    ServerProcess,
+    greedy_completion,
+    require_bundled_transport,
+    running_server,
+)
 from plugserve.worker import cpu_linear
 from plugserve.worker.kernel_plan import TILED
 from tests.kernel_support import pinned_plan
@@ -56,11 +66,12 @@ def hf_bf16(prompts_and_references) -> list[Reference]:
 
 
 @pytest.fixture(scope="module")
-def bf16_server(transport: str, tmp_path_factory) -> Iterator[ServerProcess]:
+def bf16_server(tmp_path_factory) -> Iterator[ServerProcess]:
     # No --num-threads: the engine takes every core, as served, so one-row steps can share
     # their work with the helper thread.
-    log_dir = tmp_path_factory.mktemp(f"bf16-{transport}")
-    with running_server(transport, log_dir, settings=SETTINGS) as server:
+    require_bundled_transport("zmq")
+    log_dir = tmp_path_factory.mktemp("bf16-zmq")
+    with running_server("zmq", log_dir, settings=SETTINGS) as server:
         yield server
 
 
