@@ -127,13 +127,19 @@ def _plans_to_try() -> list[KernelPlan]:
 
 @pytest.mark.parametrize("plan", _plans_to_try(), ids=plan_setting)
 def test_every_plan_the_chooser_can_make_serves_the_model(
-    plan: KernelPlan, bf16_prompts, hf_bf16, monkeypatch
+    plan: KernelPlan, bf16_prompts, hf_bf16, monkeypatch, request
 ) -> None:
     """Whatever the chooser may pick for a bucket, the engine starts and runs it: packed
     linears, the fused CPU decoder (with its one cpu_gemm mode), the LM head, batched and
-    one request at a time; and its answers meet the bf16 criterion."""
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, plan_setting(plan))
-    llm = LLM(model="smollm2-135m-instruct", dtype="bfloat16", kv_cache_memory="64MiB")
+    one request at a time; and its answers meet the bf16 criterion. The pinned plan's
+    engine is the module's own (`bf16_llm`, the same settings), whose answers to every
+    prompt of the set test_bf16_greedy_tokens_and_logprobs_match_hf_bf16 holds to it."""
+    pinned = plan == pinned_plan()
+    if pinned:
+        llm = request.getfixturevalue("bf16_llm")
+    else:
+        monkeypatch.setenv(cpu_linear.KERNEL_ENV, plan_setting(plan))
+        llm = LLM(model="smollm2-135m-instruct", dtype="bfloat16", kv_cache_memory="64MiB")
     try:
         model = llm.engine.executor.runner.model
         if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
@@ -144,6 +150,8 @@ def test_every_plan_the_chooser_can_make_serves_the_model(
             assert (decoder is not None) == any(own_buckets)
             if decoder is not None:
                 assert any(decoder.runs_bucket)
+        if pinned:
+            return
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
         prompts, references = bf16_prompts[:3], hf_bf16[:3]
         requests = [{"prompt_token_ids": p} for p in prompts]
@@ -157,5 +165,6 @@ def test_every_plan_the_chooser_can_make_serves_the_model(
                 ]
                 assert_agrees(f"{label}, {len(prompt)} tokens", reference, ours.token_ids, chosen)
     finally:
-        del llm
-        gc.collect()
+        if not pinned:
+            del llm
+            gc.collect()
