@@ -8,6 +8,7 @@ tensor-parallel worker processes, one case per family (tests/correctness/tiny_ch
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 
 import pytest
 
@@ -27,14 +28,26 @@ from correctness.tiny_checkpoints import (
 CASES = all_cases()
 
 
-def _run(case: TinyCase, tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
-    folder = write_tiny_checkpoint(case.config, tmp_path_factory.mktemp(case.id), tiny_tokenizer)
-    return TinyRun(str(folder), tiny_prompts, hf_references(folder, tiny_prompts))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_tokenizer, tiny_prompts) -> Callable[[TinyCase], TinyRun]:
+    """run(case): its checkpoint and transformers' references, written and computed once
+    for both tests that take the case."""
+    made: dict[str, TinyRun] = {}
+
+    def run(case: TinyCase) -> TinyRun:
+        if case.id not in made:
+            folder = write_tiny_checkpoint(
+                case.config, tmp_path_factory.mktemp(case.id), tiny_tokenizer
+            )
+            made[case.id] = TinyRun(str(folder), tiny_prompts, hf_references(folder, tiny_prompts))
+        return made[case.id]
+
+    return run
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: case.id)
-def tiny_run(request, tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
-    return _run(request.param, tmp_path_factory, tiny_tokenizer, tiny_prompts)
+def tiny_run(request, runs) -> TinyRun:
+    return runs(request.param)
 
 
 def sharding_cases() -> list[TinyCase]:
@@ -52,8 +65,8 @@ def sharding_cases() -> list[TinyCase]:
 
 
 @pytest.fixture(scope="module", params=sharding_cases(), ids=lambda case: case.id)
-def family_run(request, tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
-    return _run(request.param, tmp_path_factory, tiny_tokenizer, tiny_prompts)
+def family_run(request, runs) -> TinyRun:
+    return runs(request.param)
 
 
 def test_a_mixed_batch_and_one_request_at_a_time_match_transformers(tiny_run: TinyRun) -> None:
