@@ -1,8 +1,8 @@
 """The GPU check's verdict and table, from the parts the steps saved.
 
 Writes results.json (everything) into the output folder and prints a short summary
-with the throughput table last. Exit status 0 only when (a) and (b) passed and (c)
-produced its rows.
+with the throughput table last. Exit status 0 only when (a), (b) and (d) passed, each
+planted bug made (b) fail, and (c) produced its rows.
 
     python benchmarks/gpu/report.py OUT_DIR
 """
@@ -15,22 +15,21 @@ from pathlib import Path
 
 import common
 
+AGREEMENT = "agreement"
+PLANTS = ("agreement_plant_rope", "agreement_plant_page")
+SERVED = ("serve_flashinfer", "serve_torch")
+THROUGHPUT = ("bandwidth", "plugserve_flashinfer", "hf", "profile_flashinfer")
 
-def main() -> int:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    parts = {
-        name: common.load(name)
-        for name in ("kernels", "greedy", "bandwidth", "plugserve_flashinfer", "hf")
-    }
-    (out / "results.json").write_text(json.dumps(parts, indent=2) + "\n")
-    kernels, greedy = parts["kernels"], parts["greedy"]
-    bandwidth, ours, theirs = parts["bandwidth"], parts["plugserve_flashinfer"], parts["hf"]
 
-    def verdict(part: dict | None) -> str:
-        return "not run" if part is None else ("PASS" if part["passed"] else "FAIL")
+def verdict(part: dict | None, *, planted: bool = False) -> str:
+    if part is None:
+        return "not run"
+    if planted:  # a planted bug must be caught
+        return "caught (FAIL as it must)" if not part["passed"] else "MISSED (passed)"
+    return "PASS" if part["passed"] else "FAIL"
 
-    print()
+
+def print_kernels(kernels: dict | None) -> None:
     print(f"(a) FlashInfer vs torch backend, random paged bf16 inputs: {verdict(kernels)}")
     if kernels:
         trials = kernels["trials"]
@@ -41,44 +40,98 @@ def main() -> int:
             f"{max(t['rel_err_graph_vs_eager'] for t in trials):.2e}; "
             f"{len(trials)} trials, base seed {kernels['base_seed']}"
         )
-    print(f"(b) greedy tokens, random 1B bf16, flashinfer stacks vs torch: {verdict(greedy)}")
-    if greedy:
-        for name, stack in greedy["stacks"].items():
-            if stack.get("error"):
-                print(f"    {name}: FAILED: {stack['error']}")
-                continue
-            ties = [s for s in stack["sequences"] if not s["identical"]]
-            detail = "; ".join(
-                f"token {s['position']} gap {s['gap_ref']:.3f}/{s['gap_cand']:.3f} "
-                f"tol {s['tol']:.3f} {'tie' if s['accepted'] else 'NOT a tie'}"
-                for s in ties
-            )
-            print(
-                f"    {name}: {stack['identical']}/{greedy['prompts']} identical"
-                + (f"; diverged: {detail}" if ties else "")
-            )
+
+
+def print_agreement(name: str, part: dict | None) -> None:
+    planted = name != AGREEMENT
+    title = f"planted bug {part['plant']}" if planted and part else name
+    print(f"(b) {title}: {verdict(part, planted=planted)}")
+    if not part:
+        return
+    for stack, s in part["stacks"].items():
+        if "error" in s:
+            print(f"    {stack}: FAILED: {s['error']}")
+            continue
+        m = s["summary"]
+        print(
+            f"    {stack:<18} KL mean {m['kl_mean']:.2e} max {m['kl_max']:.2e}; |dlogp| p99 "
+            f"decode {m['decode_diff_p99']:.4f} prompt {m['prompt_diff_p99']:.4f}; wide-gap "
+            f"flips {s['wide'][1]}/{s['wide'][0]}"
+            + ("; " + "; ".join(s["failures"]) if s.get("failures") else "")
+        )
+
+
+def print_served(part: dict | None, name: str) -> None:
+    print(f"(d) plugserve serve, {name.removeprefix('serve_')}: {verdict(part)}")
+    if not part:
+        return
+    if "error" in part:
+        print(f"    {part['error'][:300]}")
+    failed = [k for k, c in part["checks"].items() if not c["passed"]]
+    print(
+        f"    start-up {part.get('startup_s', float('nan')):.0f} s; checks "
+        f"{len(part['checks']) - len(failed)}/{len(part['checks'])}"
+        + (f" (failed: {', '.join(failed)})" if failed else "")
+        + f"; exit after SIGTERM {part.get('exit_code')}"
+    )
+    for label, b in part["bench"].items():
+        print(
+            f"    {label}: {b['output_throughput']:.0f} output tok/s, TTFT p50 "
+            f"{b['median_ttft_ms']:.1f} ms, ITL p50 {b['median_itl_ms']:.2f} ms, "
+            f"p99 {b['p99_itl_ms']:.2f} ms"
+        )
+
+
+def print_throughput(parts: dict[str, dict | None]) -> bool:
+    bandwidth, ours, theirs = parts["bandwidth"], parts["plugserve_flashinfer"], parts["hf"]
     complete = bool(ours and theirs and bandwidth)
     print(
-        f"(c) 8B-shaped bf16, {ours and len(ours['rows'])} batch sizes: {'reported' if complete else 'INCOMPLETE'}"
+        f"(c) 8B-shaped bf16, {ours and len(ours['rows'])} batch sizes: "
+        f"{'reported' if complete else 'INCOMPLETE'}"
     )
-    if ours and bandwidth:
-        floor_ms = ours["weight_bytes"] / bandwidth["bytes_per_s"] * 1e3
+    if not (ours and bandwidth):
+        return complete
+    floor_ms = ours["weight_bytes"] / bandwidth["bytes_per_s"] * 1e3
+    print(
+        f"    {bandwidth['gpu']}: copy bandwidth {bandwidth['bytes_per_s'] / 1e12:.2f} TB/s; "
+        f"a decode step reads {ours['weight_bytes'] / 1e9:.1f} GB of weights -> HBM floor "
+        f"{floor_ms:.2f} ms; plugserve start-up {ours['startup_s']:.0f} s"
+    )
+    profile = parts["profile_flashinfer"]
+    for p in profile["profiles"] if profile else []:
         print(
-            f"    {bandwidth['gpu']}: copy bandwidth {bandwidth['bytes_per_s'] / 1e12:.2f} TB/s; "
-            f"a decode step reads {ours['weight_bytes'] / 1e9:.1f} GB of weights -> HBM floor "
-            f"{floor_ms:.2f} ms; plugserve start-up {ours['startup_s']:.0f} s"
+            f"    profile batch {p['batch']}: {p['wall_ms_per_step']:.2f} ms a step, kernels "
+            f"{p['device_ms_per_step']:.2f} ms ({p['kernel_launches_per_step']:.0f} launches)"
         )
-        print()
+    print()
+    print(f"{'system':<24} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'floor ms':>8} {'ratio':>6}")
+    for row in ours["rows"] + (theirs["rows"] if theirs else []):
         print(
-            f"{'system':<24} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'floor ms':>8} {'ratio':>6}"
+            f"{row['system']:<24} {row['batch']:>5} {row['tokens_per_s']:>9.0f} "
+            f"{row['decode_step_ms']:>8.2f} {floor_ms:>8.2f} "
+            f"{row['decode_step_ms'] / floor_ms:>6.2f}"
         )
-        for row in ours["rows"] + (theirs["rows"] if theirs else []):
-            print(
-                f"{row['system']:<24} {row['batch']:>5} {row['tokens_per_s']:>9.0f} "
-                f"{row['decode_step_ms']:>8.2f} {floor_ms:>8.2f} "
-                f"{row['decode_step_ms'] / floor_ms:>6.2f}"
-            )
-    passed = bool(kernels and kernels["passed"] and greedy and greedy["passed"] and complete)
+    return complete
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    names = ("kernels", AGREEMENT, *PLANTS, *SERVED, *THROUGHPUT)
+    parts = {name: common.load(name) for name in names}
+    (out / "results.json").write_text(json.dumps(parts, indent=2) + "\n")
+    print()
+    print_kernels(parts["kernels"])
+    for name in (AGREEMENT, *PLANTS):
+        print_agreement(name, parts[name])
+    for name in SERVED:
+        print_served(parts[name], name)
+    complete = print_throughput(parts)
+    passed = (
+        all(parts[n] and parts[n]["passed"] for n in ("kernels", AGREEMENT, *SERVED))
+        and all(parts[n] and not parts[n]["passed"] for n in PLANTS)
+        and complete
+    )
     return 0 if passed else 1
 
 

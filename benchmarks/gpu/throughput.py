@@ -14,7 +14,12 @@ Face `generate`, on the same GPU, at batch 1, 64 and 256 (128-token prompts, exa
   decode step time is (time for 128 new tokens - time for 1) / 127.
 
     python benchmarks/gpu/throughput.py bandwidth
-    python benchmarks/gpu/throughput.py plugserve --model DIR [--attention flashinfer]
+    python benchmarks/gpu/throughput.py plugserve --model DIR [--attention flashinfer] [--profile]
+
+With --profile, afterwards torch.profiler records PROFILED_STEPS decode steps (prefill
+excluded) at batch 1 and 64 and saves, per batch: wall time per step, device kernel time
+per step (busy share of the step), kernel launches per step, and the kernels and host
+ops that take the most time, so that a step's bound (device or host) is read, not guessed.
     python benchmarks/gpu/throughput.py hf --model DIR
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import common
 import torch
@@ -30,6 +36,8 @@ import torch
 from plugserve.bench.roofline import weight_bytes_per_step
 
 BATCHES = (1, 64, 256)
+PROFILED_BATCHES = (1, 64)
+PROFILED_STEPS = 20
 PROMPT_LEN = 128
 NEW_TOKENS = 128
 
@@ -61,7 +69,7 @@ def _prompts(model_dir: str) -> list[list[int]]:
     return common.random_prompts(max(BATCHES), PROMPT_LEN, vocab, seed=3)
 
 
-def plugserve(model_dir: str, attention: str, eager: bool) -> int:
+def plugserve(model_dir: str, attention: str, eager: bool, profile: bool = False) -> int:
     from plugserve import LLM, SamplingParams
 
     prompts = _prompts(model_dir)
@@ -79,11 +87,19 @@ def plugserve(model_dir: str, attention: str, eager: bool) -> int:
         )
     step_times: list[float] = []
     engine_step = llm.engine.step
+    # Set by profile_decode: (first step to record, profiler).
+    recording: dict[str, Any] = {}
 
     def timed_step():  # type: ignore[no-untyped-def]
+        if recording and len(step_times) == recording["first"]:
+            recording["profiler"].start()
         start = time.perf_counter()
         out = engine_step()
         step_times.append(time.perf_counter() - start)
+        if recording and len(step_times) == recording["first"] + PROFILED_STEPS:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            recording["profiler"].stop()
         return out
 
     llm.engine.step = timed_step  # type: ignore[method-assign]
@@ -112,7 +128,65 @@ def plugserve(model_dir: str, attention: str, eager: bool) -> int:
             "weight_bytes": weight_bytes_per_step(model_dir),
         },
     )
+    if profile:
+        profiles = []
+        for batch in PROFILED_BATCHES:
+            step_times.clear()
+            profiler = torch.profiler.profile(
+                activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+            )
+            # Step 0 is the prefill; a few decode steps settle before recording.
+            recording.update(first=4, profiler=profiler)
+            run(batch, 4 + PROFILED_STEPS + 4)
+            recording.clear()
+            profiles.append(
+                _profile_summary(label, batch, profiler, step_times[4 : 4 + PROFILED_STEPS])
+            )
+        common.save(f"profile_{attention}", {"profiles": profiles})
     return 0
+
+
+def _profile_summary(label: str, batch: int, profiler: Any, steps: list[float]) -> dict:
+    """Per decode step: wall time, device kernel time and launches; the top kernels
+    (device time) and host ops (self CPU time), each over the recorded steps."""
+    events = profiler.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    top_kernels = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    top_host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:12]
+    wall_ms = statistics.median(steps) * 1e3
+    summary = {
+        "system": label,
+        "batch": batch,
+        "steps": len(steps),
+        "wall_ms_per_step": wall_ms,
+        "device_ms_per_step": device_us / 1e3 / len(steps),
+        "kernel_launches_per_step": launches / len(steps),
+        "top_kernels": [
+            [e.key[:90], e.count / len(steps), e.self_device_time_total / 1e3 / len(steps)]
+            for e in top_kernels
+        ],
+        "top_host_ops": [
+            [e.key[:90], e.count / len(steps), e.self_cpu_time_total / 1e3 / len(steps)]
+            for e in top_host
+        ],
+    }
+    print(
+        f"(c) profile {label} batch {batch}: {wall_ms:.2f} ms a step, kernels "
+        f"{summary['device_ms_per_step']:.2f} ms "
+        f"({summary['kernel_launches_per_step']:.0f} launches)",
+        flush=True,
+    )
+    for name, count, ms in summary["top_kernels"]:
+        print(f"    device {ms:7.3f} ms/step {count:6.1f}x  {name}")
+    for name, count, ms in summary["top_host_ops"]:
+        print(f"    host   {ms:7.3f} ms/step {count:6.1f}x  {name}")
+    return summary
 
 
 def hf(model_dir: str) -> int:
@@ -175,13 +249,14 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--attention", default="flashinfer")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--profile", action="store_true", help="profile decode steps afterwards")
     p = sub.add_parser("hf")
     p.add_argument("--model", required=True)
     args = parser.parse_args()
     if args.command == "bandwidth":
         return bandwidth()
     if args.command == "plugserve":
-        return plugserve(args.model, args.attention, args.eager)
+        return plugserve(args.model, args.attention, args.eager, args.profile)
     return hf(args.model)
 
 
