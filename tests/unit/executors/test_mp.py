@@ -26,7 +26,7 @@ from correctness.agreement import NEAR_TIE
 
 from plugserve import LLM, SamplingParams
 from plugserve.config import load_config
-from plugserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from plugserve.datatypes import CachedRequestData, SchedulerOutput
 from plugserve.sampling_params import StructuredOutputsParams
 from plugserve_plugins.executors.mp import MultiprocExecutor
 

@@ -73,12 +73,3 @@ def test_editing_a_header_rebuilds_only_the_libraries_that_include_it(
     append_comment(include / "row_pool.h")  # the plugin's, and cpu_gemm.h's
     after_pool_header = keys()
     assert all(after_pool_header[name] != after_gemm_header[name] for name in before)
-
-
-def test_the_old_import_paths_still_work_for_one_release() -> None:
-    from plugserve.worker import cpp_extension, cpu_linear
-
-    assert cpp_extension.load is ops.load
-    assert cpp_extension.unavailable_reason is ops.unavailable_reason
-    assert cpu_linear.huge_page_buffer is ops.huge_page_buffer
-    assert cpu_linear.HUGE_PAGE_BYTES == ops.HUGE_PAGE_BYTES
