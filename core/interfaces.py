@@ -556,36 +556,3 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights under Hugging Face names."""
         ...
-
-
-# The capability Protocols and their checks lived here until they moved to
-# plugserve.capabilities; a plugin written against these names keeps working for one
-# release (imported on first use, so this module still imports no other).
-_MOVED_TO_CAPABILITIES = frozenset(
-    {
-        "ReportsUnavailability",
-        "reports_unavailability",
-        "HasTensorParallelLimit",
-        "has_tensor_parallel_limit",
-        "SupportsWeightReadProbe",
-        "supports_weight_read_probe",
-        "SupportsCudaGraphs",
-        "supports_cuda_graphs",
-        "SupportsFusedCpuLayer",
-        "supports_fused_cpu_layer",
-        "HasDtypes",
-        "has_dtypes",
-        "SupportsWeightPostProcessing",
-        "supports_weight_post_processing",
-        "SupportsWeightBuffer",
-        "supports_weight_buffer",
-    }
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_CAPABILITIES:
-        from plugserve import capabilities
-
-        return getattr(capabilities, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

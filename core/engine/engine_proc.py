@@ -45,9 +45,6 @@ from plugserve.capabilities import supports_weight_read_probe
 from plugserve.config import StackConfig
 from plugserve.device import resolve_device
 from plugserve.engine.core import EngineCore
-
-# engine_process_name moved to plugserve.engine.entrypoint, which the API server imports
-# without this module's imports; still importable from here for one release.
 from plugserve.engine.entrypoint import engine_process_name
 from plugserve.interfaces import EngineChannel
 from plugserve.logging_utils import configure_process_logging

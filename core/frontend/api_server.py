@@ -26,12 +26,8 @@ from plugserve.frontend.middleware import (
     Traffic,
 )
 from plugserve.frontend.routes import bench, health, metrics, openai, responses, tokens
-
-# error_response and HEALTH_TIMEOUT_S moved to routes/shared.py; still importable from
-# here for one release.
 from plugserve.frontend.routes.shared import (
     ERROR_RESPONSES,
-    HEALTH_TIMEOUT_S,
     error_response,
     internal_error_response,
 )
@@ -39,7 +35,7 @@ from plugserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["API_SERVER_HEADER", "HEALTH_TIMEOUT_S", "build_app", "error_response"]
+__all__ = ["build_app"]
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

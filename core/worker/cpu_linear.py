@@ -32,10 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from plugserve import ops
-
-# Moved to plugserve.ops; re-exported here for one release, for plugins that took them
-# from this module.
-from plugserve.ops import HUGE_PAGE_BYTES, huge_page_buffer  # noqa: F401
+from plugserve.ops import huge_page_buffer
 from plugserve.worker.kernel_plan import (
     AMX,
     KERNELS_BY_NAME,

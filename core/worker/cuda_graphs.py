@@ -8,7 +8,7 @@ to the nearest captured batch size; every other step runs eagerly.
 What a graph captures is fixed: tensor addresses and launch shapes. So the model reads
 its token ids and positions from static buffers owned here, and the attention backend
 must write each step's metadata into static buffers of its own. A backend opts in with
-two methods, interfaces.SupportsCudaGraphs (FlashInferAttention has them; the torch
+two methods, capabilities.SupportsCudaGraphs (FlashInferAttention has them; the torch
 backend does not, as its kernels' shapes follow each step's longest context):
 
 - `init_cuda_graphs(sizes, max_blocks_per_req)`: allocate those buffers, once, after

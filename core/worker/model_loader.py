@@ -2,8 +2,7 @@
 model class built on the target device in the target dtype.
 
 Where the folder comes from (built-in names, GGUF conversion) is plugserve.model_files,
-which every process can import without torch; the names that used to live here are
-re-exported below for one release.
+which every process can import without torch.
 """
 
 from __future__ import annotations
@@ -18,21 +17,7 @@ from typing import Any
 import torch
 
 from plugserve.capabilities import supports_weight_post_processing
-
-# Moved to plugserve.model_files (the API server resolves models without importing the
-# worker) and plugserve.user_cache; still importable from here for one release.
-from plugserve.model_files import (  # noqa: F401
-    BUILTIN_MODELS,
-    convert_gguf,
-    file_sha256,
-    hf_tensor_name,
-    load_tokenizer,
-    resolve_model_path,
-    safetensors_files,
-    unpermute_rotary,
-    write_sharded_safetensors,
-)
-from plugserve.user_cache import cache_root  # noqa: F401
+from plugserve.model_files import safetensors_files
 
 # A progress bar while weights load: where stderr is a terminal (for any but a tiny
 # checkpoint), and in a log file only for a checkpoint this large (then at most one update

@@ -35,15 +35,7 @@ from plugserve.capabilities import (
 )
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
-
-# resolve_device and resolve_dtype moved to plugserve.device (the engine process asks
-# without importing the runner); still importable from here for one release.
-from plugserve.device import (  # noqa: F401 (resolve_dtype: the re-export)
-    choose_dtype,
-    dtype_name,
-    resolve_device,
-    resolve_dtype,
-)
+from plugserve.device import choose_dtype, dtype_name, resolve_device
 from plugserve.interfaces import AttentionSpec, KVCacheInfo, LayerAttention
 from plugserve.model_files import check_architecture, resolve_model_path
 from plugserve.plugins import PluginRegistry, get_registry

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from plugserve import __version__
-from plugserve.frontend.api_server import API_SERVER_HEADER
+from plugserve.frontend.middleware import API_SERVER_HEADER
 from tests.kernel_support import pinned_plan
 
 from .conftest import (

@@ -16,39 +16,11 @@ from plugserve.interfaces import AttentionBackend
 from plugserve.worker import cpu_ops
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
-from plugserve.worker.layers.direct_call import direct_call
-from plugserve.worker.layers.embedding import VocabParallelEmbedding
-from plugserve.worker.layers.linear import Linear, RowParallelLinear
 from plugserve.worker.layers.mlp import GatedMLP
 from plugserve.worker.layers.norm import RMSNorm
-from plugserve.worker.layers.rotary import (
-    RopeStep,
-    RotaryEmbedding,
-    rope_inv_freq,
-    rope_parameters,
-)
 from plugserve.worker.models.decoder import DecoderForCausalLM, head_dim_of, num_kv_heads_of
 from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
 from plugserve.worker.parallel import ParallelContext
-
-# The layers lived in this module before plugserve.worker.layers: their names stay
-# importable from here for one release (Linear, RMSNorm, RotaryEmbedding, ...).
-__all__ = [
-    "Linear",
-    "LlamaDecoderLayer",
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "RMSNorm",
-    "RopeStep",
-    "RotaryEmbedding",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "direct_call",
-    "rope_inv_freq",
-    "rope_parameters",
-]
-
-LlamaDecoderLayer = PreNormDecoderLayer  # its name before the layer was shared
 
 
 def llama_layer(
@@ -110,10 +82,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     @staticmethod
     def qkv_bias(hf_config: Any) -> bool:
-        """Whether q, k and v have biases beyond attention_bias's."""
-        # Before Qwen2ForCausalLM had a class of its own this one built Qwen2's biases from
-        # a Qwen2 config; it still does, for one release.
-        return getattr(hf_config, "model_type", "") == "qwen2"
+        """Whether q, k and v have biases beyond attention_bias's: Llama's have none."""
+        return False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)

@@ -31,9 +31,9 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
 class FusedCpuDecoderLayer:
-    """Called like LlamaDecoderLayer: (x, residual, rotary, rope) → (MLP output, residual).
+    """Called like PreNormDecoderLayer: (x, residual, rotary, rope) → (MLP output, residual).
 
-    Built from a loaded (and, where supported, packed) LlamaDecoderLayer; shares its tensors.
+    Built from a loaded (and, where supported, packed) PreNormDecoderLayer; shares its tensors.
     """
 
     def __init__(self, layer: Any, cos_sin: torch.Tensor) -> None:

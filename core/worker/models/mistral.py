@@ -25,10 +25,6 @@ def sliding_window_layers(hf_config: Any) -> list[LayerAttention]:
 class MistralForCausalLM(LlamaForCausalLM):
     """interfaces.CausalLM for Mistral checkpoints (HF names), tied or untied head."""
 
-    @staticmethod
-    def qkv_bias(hf_config: Any) -> bool:
-        return False
-
     @classmethod
     def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
         return sliding_window_layers(hf_config)

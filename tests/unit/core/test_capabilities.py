@@ -54,11 +54,3 @@ def test_the_bundled_executors_and_model_declare_what_they_offer() -> None:
 
     assert capabilities.supports_weight_post_processing(LlamaForCausalLM)
     assert capabilities.supports_weight_buffer(LlamaForCausalLM)
-
-
-def test_the_capabilities_stay_importable_from_interfaces_for_one_release() -> None:
-    from plugserve.interfaces import SupportsCudaGraphs, has_dtypes, supports_weight_buffer
-
-    assert SupportsCudaGraphs is capabilities.SupportsCudaGraphs
-    assert has_dtypes is capabilities.has_dtypes
-    assert supports_weight_buffer is capabilities.supports_weight_buffer

@@ -426,12 +426,3 @@ def test_a_packed_block_computes_what_it_did_and_refuses_a_second_load() -> None
     torch.testing.assert_close(block.mlp(x), expected, atol=0.02, rtol=0.02)
     with pytest.raises(RuntimeError, match="packed"):
         load_checkpoint(block, checkpoint.items(), FUSED)
-
-
-def test_the_layers_old_names_stay_importable_from_the_llama_module() -> None:
-    from plugserve.worker.layers import linear, norm, rotary
-    from plugserve.worker.models import llama
-
-    assert llama.Linear is linear.Linear and llama.RMSNorm is norm.RMSNorm
-    assert llama.RotaryEmbedding is rotary.RotaryEmbedding
-    assert llama.rope_inv_freq is rotary.rope_inv_freq

@@ -21,13 +21,10 @@ from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
 from plugserve.model_files import load_tokenizer
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.kernel_plan import ROW_BUCKETS
+from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.linear import Linear
 from plugserve.worker.model_loader import load_model
-from plugserve.worker.models.llama import (
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    Qwen2ForCausalLM,
-)
+from plugserve.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
 from plugserve.worker.parallel import ParallelContext
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
@@ -311,7 +308,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     own_kernel = kernel in ("own", "mixed")  # every weight has cpu_gemm's layout
     assert isinstance(fast.decoder, FusedCpuDecoder) == own_kernel
     assert plain.decoder is None
-    assert all(isinstance(f, LlamaDecoderLayer) for f in plain.layer_fns)
+    assert all(isinstance(f, PreNormDecoderLayer) for f in plain.layer_fns)
     if kernel == "unpacked":  # ...through the Linear modules when nothing is packed
         assert all(m.packed is None for m in fast.modules() if isinstance(m, Linear))
         assert all(isinstance(f.qkv_proj, Linear) for f in fast.layer_fns)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from plugserve.interfaces import AttentionBatch, AttentionSpec
-from plugserve.worker.models.llama import LlamaForCausalLM
+from plugserve.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from plugserve.worker.parallel import (
     HeadShard,
     ParallelContext,
@@ -196,7 +196,10 @@ def _logits(name: str, weights: dict[str, torch.Tensor], parallel: ParallelConte
         )
     )
     backend.allocate_kv_cache(32)
-    model = LlamaForCausalLM(hf_config=config, attention=backend, parallel=parallel).eval()
+    model_class = (
+        Qwen2ForCausalLM if getattr(config, "model_type", "") == "qwen2" else LlamaForCausalLM
+    )
+    model = model_class(hf_config=config, attention=backend, parallel=parallel).eval()
     model.load_weights(weights.items())
     blocks = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
     table = np.asarray(blocks, dtype=np.int32)
