@@ -18,7 +18,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from correctness.tiny_checkpoints import put_in_hub_cache
+from correctness.tiny_checkpoints import put_in_hub_cache, tiny
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
@@ -183,13 +183,7 @@ def test_serve_reports_weights_that_do_not_fit_in_one_line(
     process prints a traceback."""
     folder = write_folder(tmp_path / "m")  # a Llama config.json, one tensor 'w'
     config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **tiny(num_hidden_layers=1, max_position_embeddings=256),
         architectures=["LlamaForCausalLM"],
     )
     config.save_pretrained(str(folder))

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from correctness.tiny_checkpoints import tiny
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from plugserve import ops
@@ -202,16 +203,9 @@ def test_varlen_prefill_and_decode_match_transformers(smollm2: tuple[Any, Any, A
 
 # --------------------------------------------------------------------------- tiny models
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
+# tiny()'s layers with a vocabulary of 128 (these models need no tokenizer) and an MLP
+# 96 wide; test_mistral, test_moe and test_phi3 build on the same sizes.
+SIZES = tiny(vocab_size=128, intermediate_size=96, max_position_embeddings=256)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +213,7 @@ TINY = dict(
     [
         pytest.param(
             LlamaConfig(
-                **TINY,
+                **SIZES,
                 attention_bias=True,
                 mlp_bias=True,
                 tie_word_embeddings=False,
@@ -236,13 +230,13 @@ TINY = dict(
         ),
         pytest.param(
             LlamaConfig(
-                **TINY,
+                **SIZES,
                 tie_word_embeddings=True,
                 rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
             ),
             id="llama-tied-linear-rope",
         ),
-        pytest.param(Qwen2Config(**TINY, tie_word_embeddings=False), id="qwen2-qkv-bias"),
+        pytest.param(Qwen2Config(**SIZES, tie_word_embeddings=False), id="qwen2-qkv-bias"),
     ],
 )
 def test_tiny_random_models_match_transformers(config: Any) -> None:
@@ -266,8 +260,8 @@ MIXED_PLAN = "own/tiled,own,onednn,onednn,onednn/fused-mlp"
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(LlamaConfig(**TINY, tie_word_embeddings=True), id="llama-tied"),
-        pytest.param(Qwen2Config(**TINY, tie_word_embeddings=False), id="qwen2-qkv-bias"),
+        pytest.param(LlamaConfig(**SIZES, tie_word_embeddings=True), id="llama-tied"),
+        pytest.param(Qwen2Config(**SIZES, tie_word_embeddings=False), id="qwen2-qkv-bias"),
     ],
 )
 @pytest.mark.parametrize("kernel", ["own", "onednn", "mixed", "unpacked"])
@@ -355,8 +349,8 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(LlamaConfig(**TINY, tie_word_embeddings=True), id="tied"),
-        pytest.param(LlamaConfig(**TINY, tie_word_embeddings=False), id="untied"),
+        pytest.param(LlamaConfig(**SIZES, tie_word_embeddings=True), id="tied"),
+        pytest.param(LlamaConfig(**SIZES, tie_word_embeddings=False), id="untied"),
     ],
 )
 @pytest.mark.parametrize("rows", [1, 3])
@@ -389,7 +383,7 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
     # cpu_gemm's vector kernel for every row count, as the stack runs it (a measured plan
     # may give some buckets AMX tiles, which run layer by layer).
     monkeypatch.setenv(cpu_linear.KERNEL_ENV, ",".join(["own"] * len(ROW_BUCKETS)))
-    config = LlamaConfig(**TINY, tie_word_embeddings=True)
+    config = LlamaConfig(**SIZES, tie_word_embeddings=True)
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
@@ -427,7 +421,7 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
 @pytest.mark.usefixtures("own_kernel")
 @needs_fused_ops
 def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_layer() -> None:
-    model, _ = bf16_model(LlamaConfig(**TINY), num_blocks=4)
+    model, _ = bf16_model(LlamaConfig(**SIZES), num_blocks=4)
     model.process_weights_after_loading()
     decoder = model.decoder
     assert isinstance(decoder, FusedCpuDecoder)
@@ -439,7 +433,7 @@ def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_laye
         decode_layers(decoder.stack, qkv, residual, positions, 0, 0)
     # The two-layer stack against a backend whose cache holds one layer.
     one_layer = make_backend(
-        LlamaConfig(**{**TINY, "num_hidden_layers": 1}), num_blocks=4, dtype=torch.bfloat16
+        LlamaConfig(**{**SIZES, "num_hidden_layers": 1}), num_blocks=4, dtype=torch.bfloat16
     )
     one_layer.prepare(
         AttentionBatch(
@@ -465,7 +459,7 @@ def test_a_tensor_parallel_shard_keeps_the_all_reduce_of_its_row_parallel_layers
     packed weights, but the row-parallel ones (o_proj, down_proj) through their modules,
     whose forward sums the partial products over ranks."""
     model, _ = bf16_model(
-        LlamaConfig(**TINY), num_blocks=1, parallel=ParallelContext(rank=0, world_size=2)
+        LlamaConfig(**SIZES), num_blocks=1, parallel=ParallelContext(rank=0, world_size=2)
     )
     model.process_weights_after_loading()
     assert model.decoder is None  # its one op per stretch has no all-reduce
@@ -478,7 +472,7 @@ def test_a_tensor_parallel_shard_keeps_the_all_reduce_of_its_row_parallel_layers
 
 
 def test_load_weights_rejects_unknown_and_missing_tensors() -> None:
-    config = LlamaConfig(**TINY)
+    config = LlamaConfig(**SIZES)
     model = LlamaForCausalLM(hf_config=config, attention=make_backend(config, num_blocks=1))
     weights = dict(AutoModelForCausalLM.from_config(config).state_dict())
     with pytest.raises(ValueError, match="no place"):

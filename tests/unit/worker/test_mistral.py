@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_llama import BLOCK_SIZE, PagedRunner
+from test_llama import BLOCK_SIZE, SIZES, PagedRunner
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from plugserve.interfaces import FULL_ATTENTION, AttentionSpec, LayerAttention
@@ -18,27 +18,17 @@ from plugserve.worker.models.llama_cpu import FusedCpuDecoder
 from plugserve.worker.models.mistral import MistralForCausalLM
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 
-# Shapes the CPU kernels pack (test_llama.py's TINY), with head_dim 32 where hidden_size /
-# num_heads is 16.
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+
+def mistral_config(**options: Any) -> MistralConfig:
+    """test_llama.py's sizes, with head_dim 32 where hidden_size / num_heads is 16."""
+    return MistralConfig(**SIZES, head_dim=32, **options)
 
 
 def test_every_layer_slides_over_the_configs_window_or_none() -> None:
-    windowed = MistralConfig(**TINY, sliding_window=12)
+    windowed = mistral_config(sliding_window=12)
     assert MistralForCausalLM.attention_layers(windowed) == [LayerAttention(sliding_window=12)] * 2
     assert (
-        MistralForCausalLM.attention_layers(MistralConfig(**TINY, sliding_window=None))
+        MistralForCausalLM.attention_layers(mistral_config(sliding_window=None))
         == [FULL_ATTENTION] * 2
     )
 
@@ -71,7 +61,7 @@ def bf16_mistral(config: Any, weights: dict[str, torch.Tensor]) -> MistralForCau
 @pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason="cpu_ops.cpp not built")
 @pytest.mark.usefixtures("own_kernel")
 def test_bf16_on_cpu_runs_the_fused_decoder_with_head_dim_32_and_a_window() -> None:
-    config = MistralConfig(**TINY, sliding_window=8)
+    config = mistral_config(sliding_window=8)
     torch.manual_seed(0)
     weights = AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
     plain, fast = bf16_mistral(config, weights), bf16_mistral(config, weights)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_llama import PagedRunner, make_backend
+from test_llama import SIZES, PagedRunner, make_backend
 from torch import nn
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -342,26 +342,23 @@ def test_two_ranks_each_holding_a_slice_of_every_expert_give_the_unsharded_outpu
 
 # --------------------------------------------------------------------------- bf16 on CPU
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    num_experts_per_tok=2,
-)
-
 
 @pytest.mark.parametrize(
     "config",
     [
         pytest.param(
-            Qwen3MoeConfig(**TINY, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[0]),
+            Qwen3MoeConfig(
+                **SIZES,
+                num_experts_per_tok=2,
+                num_experts=8,
+                moe_intermediate_size=32,
+                mlp_only_layers=[0],
+            ),
             id="qwen3-moe-dense-layer-0",
         ),
-        pytest.param(MixtralConfig(**TINY, num_local_experts=4), id="mixtral"),
+        pytest.param(
+            MixtralConfig(**SIZES, num_experts_per_tok=2, num_local_experts=4), id="mixtral"
+        ),
     ],
 )
 def test_bf16_on_cpu_packs_router_and_attention_and_keeps_the_experts_stacked(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_llama import PagedRunner, make_backend
+from test_llama import SIZES, PagedRunner, make_backend
 from transformers import AutoModelForCausalLM, Phi3Config
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
@@ -187,11 +187,10 @@ def test_bf16_on_cpu_runs_the_fused_decoder_where_every_head_rotates_whole(
     """Llama's fused bf16 CPU decoder (longrope's scaled table in its rotary op) where
     heads rotate whole; the generic path, same logits within bf16 rounding, where part
     of each head stays unrotated (the fused op has no partial rotary)."""
-    # Shapes the CPU kernels pack (test_llama.py's TINY): head_dim 16.
-    sizes = {**SHARDED, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96}
-    sizes |= {"num_attention_heads": 4, "num_key_value_heads": 2}
+    # test_llama.py's sizes (head_dim 16), with SHARDED's positions and untied head.
     config = Phi3Config(
-        **sizes,
+        **{**SIZES, "max_position_embeddings": SHARDED["max_position_embeddings"]},
+        tie_word_embeddings=False,
         original_max_position_embeddings=16,
         rope_parameters=longrope(16, int(16 * partial) // 2, partial_rotary_factor=partial),
     )
