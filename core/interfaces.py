@@ -6,7 +6,9 @@ an `Options` pydantic model, `options=` validated from its block under `plugins:
 stack.yaml. The hot path calls these objects directly, never through pluggy.
 
 What a part may offer beyond its slot's Protocol is a capability, declared in
-plugserve.capabilities with a `supports_x(obj)` check.
+plugserve.capabilities with a `supports_x(obj)` check. RankedPolicy, beside the
+SchedulingPolicy Protocol, is a base class: a scheduling policy written on it is only its
+rank function.
 
 The types these Protocols speak in (Request, SchedulerOutput, ModelRunnerOutput) live in
 plugserve.datatypes; this module imports no engine, worker or frontend module.
@@ -14,7 +16,10 @@ plugserve.datatypes; this module imports no engine, worker or frontend module.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -240,6 +245,55 @@ class SchedulingPolicy(Protocol):
         holds the running requests not yet scheduled this step, in admission order, the
         one that needs blocks among them; choosing that one makes it give way."""
         ...
+
+
+class RankedPolicy(ABC):
+    """A SchedulingPolicy that is its rank function: a subclass defines only `rank`.
+
+    Waiting requests run lowest rank first, equal ranks in arrival order; a preempted
+    request rejoins at the place its rank and arrival give it, ahead of later arrivals of
+    its rank. The running request with the highest (rank, arrival) is preempted first."""
+
+    def __init__(self) -> None:
+        # (rank, arrival, insertion count, request): the count differs between any two
+        # entries, so the heap never compares two Requests.
+        self._heap: list[tuple[Any, float, int, Request]] = []
+        self._insertions = itertools.count()
+
+    @abstractmethod
+    def rank(self, request: Request) -> Any:
+        """The request's key, lower runs first: any ordered value (a number, a tuple).
+        Read when the request joins the queue and again when a victim is chosen."""
+
+    def _order(self, request: Request) -> tuple[Any, float]:
+        return (self.rank(request), request.arrival_time)
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (*self._order(request), next(self._insertions), request))
+
+    def prepend(self, request: Request) -> None:
+        # Its arrival time already keeps a preempted request ahead of later arrivals.
+        self.add(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._heap = [entry for entry in self._heap if id(entry[-1]) not in gone]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[-1] for entry in sorted(self._heap, key=lambda entry: entry[:3]))
+
+    def select_victim(self, running: Sequence[Request]) -> Request:
+        return max(running, key=self._order)
 
 
 @dataclass(frozen=True)
