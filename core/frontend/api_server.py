@@ -25,12 +25,19 @@ from plugserve.frontend.middleware import (
     ServerGate,
     Traffic,
 )
-from plugserve.frontend.routes import bench, health, metrics, openai, responses, tokens
-from plugserve.frontend.routes.shared import (
+from plugserve.frontend.routes.bench import route as bench
+from plugserve.frontend.routes.chat import route as chat
+from plugserve.frontend.routes.completions import route as completions
+from plugserve.frontend.routes.endpoint_flow import (
     ERROR_RESPONSES,
     error_response,
     internal_error_response,
 )
+from plugserve.frontend.routes.health import route as health
+from plugserve.frontend.routes.metrics import route as metrics
+from plugserve.frontend.routes.models import route as models
+from plugserve.frontend.routes.responses import route as responses
+from plugserve.frontend.routes.tokens import route as tokens
 from plugserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -88,7 +95,7 @@ def build_app(
     app = FastAPI(
         title="plugserve", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES
     )
-    # What the routers take through their dependencies (routes/shared.py).
+    # What the routers take through their dependencies (routes/endpoint_flow.py).
     app.state.engine_client = client
     app.state.openai_serving = serving
     app.state.admission = admission or Admission(None, max_num_seqs=1)
@@ -108,8 +115,8 @@ def build_app(
             allow_headers=["*"],
             expose_headers=[REQUEST_ID_HEADER, API_SERVER_HEADER],
         )
-    routers = (openai.router, responses.router, tokens.router, health.router, bench.router)
-    for router in (*routers, metrics.router):
+    endpoints = (chat, completions, models, responses, tokens, health, bench, metrics)
+    for router in (endpoint.router for endpoint in endpoints):
         app.include_router(router)
     return app
 

@@ -36,30 +36,37 @@ class LogprobsFormatter:
             self._token_text[token_id] = text
         return text
 
-    def format(
-        self, entries: list[tuple[int, Logprobs]], chat: bool, tokens_as_ids: bool
+    def _text_of(self, tokens_as_ids: bool) -> Callable[[int], str]:
+        return _token_id_text if tokens_as_ids else self.text_of
+
+    def chat(self, entries: list[tuple[int, Logprobs]], tokens_as_ids: bool) -> dict[str, Any]:
+        """Chat's shape (also the Responses API's): one `content` entry per token."""
+        text_of = self._text_of(tokens_as_ids)
+        content = []
+        for token_id, lp in entries:
+            text = text_of(token_id)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": json_logprob(lp.sampled_logprob),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": text_of(t),
+                            "logprob": json_logprob(v),
+                            "bytes": list(text_of(t).encode()),
+                        }
+                        for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def completion(
+        self, entries: list[tuple[int, Logprobs]], tokens_as_ids: bool
     ) -> dict[str, Any]:
-        text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else self.text_of
-        if chat:
-            content = []
-            for token_id, lp in entries:
-                text = text_of(token_id)
-                content.append(
-                    {
-                        "token": text,
-                        "logprob": json_logprob(lp.sampled_logprob),
-                        "bytes": list(text.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": text_of(t),
-                                "logprob": json_logprob(v),
-                                "bytes": list(text_of(t).encode()),
-                            }
-                            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                        ],
-                    }
-                )
-            return {"content": content}
+        """Completions' shape: parallel lists, each token's text offset among them."""
+        text_of = self._text_of(tokens_as_ids)
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = 0
         for token_id, lp in entries:
@@ -95,7 +102,7 @@ def prompt_logprobs_entries(
     """vLLM's `prompt_logprobs` of a completion choice: per prompt token, None for the
     first, else {token id: {logprob, rank, decoded_token}} for the prompt's token and then
     the top alternatives (ranked 1, 2, …)."""
-    text_of: Callable[[int], str] = _token_id_text if tokens_as_ids else formatter.text_of
+    text_of = formatter._text_of(tokens_as_ids)
     out: list[dict[str, dict[str, Any]] | None] = []
     for token_id, lp in zip(prompt, entries, strict=True):
         if lp is None:

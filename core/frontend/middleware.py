@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from plugserve.frontend.routes.shared import error_response, internal_error_response
+from plugserve.frontend.routes.endpoint_flow import error_response, internal_error_response
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,10 @@ is a 400 naming it, never silently dropped. The few fields OpenAI's SDKs send wi
 effect on the output (IGNORED_FIELDS) are declared, accepted and logged at debug level.
 docs/api.md lists every field with its status.
 
-Responses are built as plain dicts in serving.py: their shape is OpenAI's and nothing
-on our side reads them back.
+What every request body shares lives here: the strict base model, messages, output
+constraints, tools and the sampling fields of chat and text completions. Each endpoint's
+own body is in its folder (routes/<family>/protocol.py). Responses are built as plain
+dicts: their shape is OpenAI's and nothing on our side reads them back.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ IGNORED_FIELDS = (
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     # OpenAI pads streamed chunks against side channels; plugserve sends no padding.
     include_obfuscation: bool | None = None
@@ -47,7 +49,7 @@ class StreamOptions(_Strict):
 # ------------------------------------------------------------------ messages
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
@@ -64,30 +66,30 @@ def _only_text_parts(content: Any) -> Any:
 Content = Annotated[str | list[TextPart], BeforeValidator(_only_text_parts)]
 
 
-class SystemMessage(_Strict):
+class SystemMessage(StrictModel):
     role: Literal["system", "developer"]
     content: Content
     name: str | None = None
 
 
-class UserMessage(_Strict):
+class UserMessage(StrictModel):
     role: Literal["user"]
     content: Content
     name: str | None = None
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCallParam(_Strict):
+class ToolCallParam(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class AssistantMessage(_Strict):
+class AssistantMessage(StrictModel):
     role: Literal["assistant"]
     content: Content | None = None
     tool_calls: list[ToolCallParam] | None = None
@@ -101,7 +103,7 @@ class AssistantMessage(_Strict):
         return self
 
 
-class ToolMessage(_Strict):
+class ToolMessage(StrictModel):
     role: Literal["tool"]
     content: Content
     tool_call_id: str
@@ -115,7 +117,7 @@ ChatMessage = Annotated[
 # ------------------------------------------------------------------ constraints
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -123,7 +125,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -134,7 +136,7 @@ class ResponseFormat(_Strict):
         return self
 
 
-class StructuredOutputsRequest(_Strict):
+class StructuredOutputsRequest(StrictModel):
     """vLLM's `structured_outputs` extra: exactly one of these."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -147,7 +149,7 @@ class StructuredOutputsRequest(_Strict):
 # ------------------------------------------------------------------ tools
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -155,16 +157,16 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -172,7 +174,10 @@ class NamedToolChoice(_Strict):
 # ------------------------------------------------------------------ requests
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(StrictModel):
+    """The fields chat and text completions share; each says how it asks for a length
+    and for logprobs (`requested_max_tokens`, `num_logprobs`)."""
+
     model: str
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -219,7 +224,7 @@ class _SamplingRequest(_Strict):
     safety_identifier: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> _SamplingRequest:
+    def _check(self) -> SamplingRequest:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 16:
             raise ValueError("stop accepts at most 16 strings")
@@ -279,131 +284,10 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check_chat(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true "
-                "(set add_generation_prompt to false to continue the last message)"
-            )
-        return self
-
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        raise NotImplementedError
 
     @property
     def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def effective_tool_choice(self) -> str | NamedToolChoice:
-        """OpenAI's default: "auto" when tools are given, "none" otherwise."""
-        if self.tool_choice is not None:
-            return self.tool_choice
-        return "auto" if self.tools else "none"
-
-    def conversation(self) -> list[dict[str, Any]]:
-        """The messages as the renderer takes them (OpenAI's JSON shape)."""
-        return [m.model_dump(exclude_none=True, exclude={"refusal"}) for m in self.messages]
-
-    def tool_dicts(self) -> list[dict[str, Any]] | None:
-        if not self.tools:
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
-    suffix: None = None
-    # vLLM's: each prompt token's logprob (and top alternatives) given those before it.
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: text, or token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------------ tokens (vLLM)
-
-
-class TokenizeRequest(_Strict):
-    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    # Default: true for a prompt, false for messages (the template writes its own).
-    add_special_tokens: bool | None = None
-    return_token_strs: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[Tool] | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        if self.prompt is not None:
-            chat_only = {
-                "add_generation_prompt",
-                "continue_final_message",
-                "tools",
-                "chat_template",
-                "chat_template_kwargs",
-            } & self.model_fields_set
-            if chat_only:
-                raise ValueError(f"{', '.join(sorted(chat_only))}: only with messages")
-        elif self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true "
-                "(set add_generation_prompt to false to continue the last message)"
-            )
-        return self
-
-    def conversation(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True, exclude={"refusal"}) for m in self.messages or []]
-
-    def tool_dicts(self) -> list[dict[str, Any]] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int]
+        raise NotImplementedError

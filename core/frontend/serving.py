@@ -1,7 +1,9 @@
-"""Chat and text completions over the AsyncEngineClient: streamed (SSE) and not.
-
-Each choice of a request (n > 1) is its own engine request; their deltas are merged as
-they come. Validation happens here, before anything reaches the engine.
+"""The serving layer the generating endpoints share (chat and text completions, and the
+Responses API through chat), owned by none of them: the served model, its renderer and
+generation defaults, the checks every request passes, how a request's fields become
+SamplingParams, its engine requests (one per prompt and choice, merged as their deltas
+come), and the parts of OpenAI's answer shape every completion has (id, usage, SSE
+chunks). What an answer's choices look like is each endpoint's own (routes/<family>/).
 """
 
 from __future__ import annotations
@@ -10,48 +12,27 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from plugserve.datatypes import Logprobs
-from plugserve.frontend.constraints import check_tools, request_constraint
 from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
-from plugserve.frontend.logprobs import LogprobsFormatter, prompt_logprobs_entries
-from plugserve.frontend.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    NamedToolChoice,
-    TokenizeRequest,
-)
+from plugserve.frontend.logprobs import LogprobsFormatter
+from plugserve.frontend.protocol import SamplingRequest
 from plugserve.frontend.request_log import logged
-from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
 from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces import Renderer, StructuredOutputBackend, ToolParser
-from plugserve.sampling_params import SamplingParams
+from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SSE_DONE", "InvalidRequest", "ModelNotFound", "OpenAIServing", "sse_event"]
-
 
 @dataclass
-class _Choice:
-    index: int
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens: int = 0
-    prompt_logprobs: list[Logprobs | None] | None = None
-
-
-@dataclass
-class _Prepared:
+class Prepared:
     """A validated request: prompts as token ids and the params for each."""
 
     request_id: str
@@ -60,8 +41,6 @@ class _Prepared:
     priority: int
     tokens_as_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-    # Chat: how each choice's text becomes content and tool calls (tool_choice).
-    make_output: Callable[[], ChoiceOutput] = ChoiceOutput
 
     @property
     def num_engine_requests(self) -> int:
@@ -76,9 +55,34 @@ class _Prepared:
         return msgspec.structs.replace(params, seed=params.seed + choice)
 
 
-def render_chat_request(
-    renderer: Renderer, body: ChatCompletionRequest | TokenizeRequest
-) -> list[int]:
+@dataclass
+class CollectedChoice:
+    """One choice of a non-streamed answer, its deltas put together."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+
+class ChatPrompt(Protocol):
+    """A body that carries a conversation to render: a chat completion's, a tokenize's."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template: str | None
+    chat_template_kwargs: dict[str, Any] | None
+
+    def conversation(self) -> list[dict[str, Any]]: ...
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None: ...
+
+
+def render_chat_request(renderer: Renderer, body: ChatPrompt) -> list[int]:
     """A chat request's prompt ids (its messages, tools and template options), as the
     engine is sent them; a conversation the template refuses is a 400 on `messages`."""
     try:
@@ -122,7 +126,7 @@ class OpenAIServing:
         self.tokenizer = renderer.tokenizer
         self.structured_output_backend = structured_output_backend
         self.tool_parser = tool_parser
-        self._logprobs = LogprobsFormatter(renderer.tokenizer)
+        self.logprobs = LogprobsFormatter(renderer.tokenizer)
 
     @property
     def max_model_len(self) -> int:
@@ -131,18 +135,27 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ validation
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise ModelNotFound(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`."
             )
 
-    def _params(
+    def log_ignored(self, body: SamplingRequest) -> None:
+        if logger.isEnabledFor(logging.DEBUG) and (ignored := body.ignored_fields()):
+            logger.debug("request fields accepted and ignored: %s", ", ".join(ignored))
+
+    def sampling_params(
         self,
-        body: ChatCompletionRequest | CompletionRequest,
+        body: SamplingRequest,
         prompt_len: int,
-        constraint: Any = None,
+        *,
+        prompt_param: str,
+        constraint: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """The params of a prompt of `prompt_len` tokens, checked against the context
+        and the vocabulary; `prompt_param` is the field a prompt too long is blamed on."""
         if prompt_len == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
         room = self.max_model_len - prompt_len
@@ -150,7 +163,7 @@ class OpenAIServing:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt has {prompt_len} tokens, leaving no room to generate.",
-                "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                prompt_param,
             )
         max_tokens = body.requested_max_tokens
         if max_tokens is not None and max_tokens > room:
@@ -173,7 +186,7 @@ class OpenAIServing:
                 logit_bias=logit_bias,
                 bad_words_token_ids=bad_words,
                 structured_outputs=constraint,
-                prompt_logprobs=getattr(body, "prompt_logprobs", None),
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
@@ -210,77 +223,9 @@ class OpenAIServing:
                     sequences.append(ids)
         return sequences
 
-    def _log_ignored(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        if logger.isEnabledFor(logging.DEBUG) and (ignored := body.ignored_fields()):
-            logger.debug("request fields accepted and ignored: %s", ", ".join(ignored))
-
-    def prepare_chat(self, body: ChatCompletionRequest, request_id: str | None = None) -> _Prepared:
-        """`request_id`: the response's id (default: chatcmpl-<random>)."""
-        self._check_model(body.model)
-        self._log_ignored(body)
-        check_tools(body)
-        constraint = request_constraint(body, self.structured_output_backend)
-        prompt = render_chat_request(self.renderer, body)
-        params = self._params(body, len(prompt), constraint)
-        return _Prepared(
-            request_id or f"chatcmpl-{uuid.uuid4().hex}",
-            [prompt],
-            params,
-            body.priority,
-            body.return_tokens_as_token_ids,
-            make_output=self._choice_output(body),
-        )
-
-    def _choice_output(self, body: ChatCompletionRequest) -> Callable[[], ChoiceOutput]:
-        choice = body.effective_tool_choice
-        if isinstance(choice, NamedToolChoice):
-            name = choice.function.name
-            return lambda: NamedCall(name)
-        if choice == "required":
-            return RequiredCalls
-        if choice == "auto" and body.tools and self.tool_parser is not None:
-            parser_cls, tools = self.tool_parser, body.tool_dicts() or []
-            parallel = body.parallel_tool_calls
-            return lambda: AutoCalls(
-                parser_cls(tokenizer=self.tokenizer, tools=tools), parallel=parallel
-            )
-        return ChoiceOutput
-
-    def prepare_completion(
-        self, body: CompletionRequest, request_id: str | None = None
-    ) -> _Prepared:
-        """`request_id`: the response's id (default: cmpl-<random>)."""
-        self._check_model(body.model)
-        self._log_ignored(body)
-        constraint = request_constraint(body, self.structured_output_backend)
-        try:
-            raw = body.prompts()
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), "prompt") from exc
-        vocab = len(self.tokenizer)
-        prompts = []
-        for p in raw:
-            if isinstance(p, str):
-                prompts.append(self.renderer.encode(p))
-            elif any(not 0 <= t < vocab for t in p):
-                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
-            else:
-                prompts.append(list(p))
-        params = [self._params(body, len(p), constraint) for p in prompts]
-        # max_tokens defaults per prompt to what fits; keep the smallest so one params
-        # object serves all prompts.
-        chosen = min(params, key=lambda sp: sp.max_tokens or 0)
-        return _Prepared(
-            request_id or f"cmpl-{uuid.uuid4().hex}",
-            prompts,
-            chosen,
-            body.priority,
-            body.return_tokens_as_token_ids,
-        )
-
     # ------------------------------------------------------------------ running
 
-    def run(self, prep: _Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
+    def run(self, prep: Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Every choice of every prompt, merged as their deltas come: (choice index,
         delta); logged when done with `log_requests`."""
         if not self.log_requests:
@@ -288,7 +233,7 @@ class OpenAIServing:
         num_prompt_tokens = sum(len(p) for p in prep.prompts)  # as usage counts them
         return logged(prep.request_id, num_prompt_tokens, self._merged(prep))
 
-    async def _merged(self, prep: _Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
+    async def _merged(self, prep: Prepared) -> AsyncIterator[tuple[int, RequestDelta]]:
         n = prep.params.n
         # The response id may be the client's (X-Request-Id), which need not be unique;
         # the engines' ids must be.
@@ -339,8 +284,12 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def complete(self, prep: _Prepared, chat: bool) -> dict[str, Any]:
-        choices = [_Choice(i) for i in range(len(prep.prompts) * prep.params.n)]
+    # ------------------------------------------------------------------ answer shape
+
+    async def collect(self, prep: Prepared) -> tuple[list[CollectedChoice], int]:
+        """Every choice of a non-streamed answer, and the most prompt tokens any of them
+        found cached."""
+        choices = [CollectedChoice(i) for i in range(prep.num_engine_requests)]
         cached = 0
         async for index, delta in self.run(prep):
             choice = choices[index]
@@ -353,53 +302,28 @@ class OpenAIServing:
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs = delta.prompt_logprobs
             cached = max(cached, delta.num_cached_tokens)
-        body = {
+        return choices, cached
+
+    def answer(
+        self,
+        prep: Prepared,
+        object_name: str,
+        choices: list[dict[str, Any]],
+        num_output_tokens: int,
+        cached: int,
+    ) -> dict[str, Any]:
+        """A non-streamed completion in OpenAI's shape: `object_name` and the endpoint's
+        `choices` in the frame every completion shares."""
+        return {
             "id": prep.request_id,
-            "object": "chat.completion" if chat else "text_completion",
+            "object": object_name,
             "created": prep.created,
             "model": self.model_name,
-            "choices": [self._final_choice(c, chat, prep) for c in choices],
-            "usage": self._usage(prep, sum(c.num_output_tokens for c in choices), cached),
+            "choices": choices,
+            "usage": self.usage(prep, num_output_tokens, cached),
         }
-        return body
 
-    def _final_choice(self, c: _Choice, chat: bool, prep: _Prepared) -> dict[str, Any]:
-        text = "".join(c.text)
-        logprobs = None
-        if prep.params.logprobs is not None:
-            logprobs = self._logprobs.format(c.logprobs, chat, prep.tokens_as_ids)
-        if chat:
-            content, tool_calls = prep.make_output().final(text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            return {
-                "index": c.index,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": _finish_reason(c.finish_reason, bool(tool_calls)),
-                "stop_reason": c.stop_reason,
-            }
-        body = {
-            "index": c.index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        if prep.params.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self._prompt_logprobs(prep, c.index, c.prompt_logprobs)
-        return body
-
-    def _prompt_logprobs(
-        self, prep: _Prepared, index: int, entries: list[Logprobs | None] | None
-    ) -> list[Any] | None:
-        if entries is None:  # the request ended before its first token
-            return None
-        prompt = prep.prompts[index // prep.params.n]
-        return prompt_logprobs_entries(self._logprobs, prompt, entries, prep.tokens_as_ids)
-
-    def _usage(self, prep: _Prepared, completion_tokens: int, cached: int) -> dict[str, Any]:
+    def usage(self, prep: Prepared, completion_tokens: int, cached: int) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prep.prompts)
         return {
             "prompt_tokens": prompt_tokens,
@@ -408,77 +332,71 @@ class OpenAIServing:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    async def stream(
-        self, prep: _Prepared, chat: bool, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        """Server-sent events: one chunk per delta, [DONE] last."""
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        head = {
+    def chunks(self, prep: Prepared, object_name: str, include_usage: bool) -> StreamedChunks:
+        return StreamedChunks(self, prep, object_name, include_usage)
+
+
+class StreamedChunks:
+    """The server-sent chunks of one streamed completion: each carries the answer's id,
+    object, created and model (and, with include_usage, a null usage); then the usage
+    over every choice, then [DONE]."""
+
+    def __init__(
+        self, serving: OpenAIServing, prep: Prepared, object_name: str, include_usage: bool
+    ) -> None:
+        self.serving = serving
+        self.prep = prep
+        self.include_usage = include_usage
+        self.head = {
             "id": prep.request_id,
-            "object": kind,
+            "object": object_name,
             "created": prep.created,
-            "model": self.model_name,
+            "model": serving.model_name,
         }
-        num_choices = len(prep.prompts) * prep.params.n
-        num_output = [0] * num_choices
-        outputs = [prep.make_output() for _ in range(num_choices)]
-        cached = 0
-        if chat:
-            for i in range(num_choices):
-                first = {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield sse_event({**head, "choices": [first]})
-        async for index, delta in self.run(prep):
-            num_output[index] = delta.num_output_tokens
-            cached = max(cached, delta.num_cached_tokens)
-            if not (delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs):
-                continue  # nothing a client could show yet (held-back text)
-            logprobs = None
-            if prep.params.logprobs is not None and delta.logprobs:
-                logprobs = self._logprobs.format(
-                    list(zip(delta.token_ids, delta.logprobs, strict=False)),
-                    chat,
-                    prep.tokens_as_ids,
-                )
-            if not chat:
-                choices: list[dict[str, Any]] = [{"index": index, "text": delta.text}]
-                if delta.prompt_logprobs is not None:
-                    choices[0]["prompt_logprobs"] = self._prompt_logprobs(
-                        prep, index, delta.prompt_logprobs
-                    )
-            else:
-                output = outputs[index]
-                deltas = output.feed(delta.text)
-                if delta.finished:
-                    deltas += output.finish()
-                elif not deltas and logprobs is None:
-                    continue  # the text may open a tool call: held back for now
-                choices = [{"index": index, "delta": d} for d in deltas or [{}]]
-            for n_chunk, choice in enumerate(choices):
-                choice["logprobs"] = logprobs if n_chunk == 0 else None
-                choice["finish_reason"] = None
-                if n_chunk == len(choices) - 1 and delta.finished:
-                    called = chat and outputs[index].num_calls > 0
-                    choice["finish_reason"] = _finish_reason(delta.finish_reason, called)
-                    choice["stop_reason"] = delta.stop_reason
-                chunk = {**head, "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse_event(chunk)
-        if include_usage:
-            yield sse_event(
-                {**head, "choices": [], "usage": self._usage(prep, sum(num_output), cached)}
-            )
+        self._num_output = [0] * prep.num_engine_requests
+        self._cached = 0
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """The request's deltas (serving.run), counted for the usage at the end."""
+        async for index, delta in self.serving.run(self.prep):
+            self._num_output[index] = delta.num_output_tokens
+            self._cached = max(self._cached, delta.num_cached_tokens)
+            yield index, delta
+
+    def opening(self, choice: dict[str, Any]) -> bytes:
+        """A chunk sent before any delta (chat's role), without the usage field."""
+        return sse_event({**self.head, "choices": [choice]})
+
+    def choices(
+        self,
+        choices: list[dict[str, Any]],
+        delta: RequestDelta,
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+    ) -> Iterator[bytes]:
+        """One chunk per choice entry made of `delta`: the first carries its logprobs,
+        the last, when the delta finished the choice, its `finish_reason`."""
+        for n_chunk, choice in enumerate(choices):
+            choice["logprobs"] = logprobs if n_chunk == 0 else None
+            choice["finish_reason"] = None
+            if n_chunk == len(choices) - 1 and delta.finished:
+                choice["finish_reason"] = finish_reason
+                choice["stop_reason"] = delta.stop_reason
+            chunk = {**self.head, "choices": [choice]}
+            if self.include_usage:
+                chunk["usage"] = None
+            yield sse_event(chunk)
+
+    def end(self) -> Iterator[bytes]:
+        if self.include_usage:
+            usage = self.serving.usage(self.prep, sum(self._num_output), self._cached)
+            yield sse_event({**self.head, "choices": [], "usage": usage})
         yield SSE_DONE
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """A choice that ended with tool calls (not cut short) says so, as OpenAI's do."""
-    return "tool_calls" if called and reason == "stop" else reason
+def has_news(delta: RequestDelta) -> bool:
+    """Whether a client could be shown anything of `delta` (text may be held back)."""
+    return bool(delta.text or delta.finished or delta.logprobs or delta.prompt_logprobs)
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from plugserve.frontend.routes.shared import HEALTH_TIMEOUT_S
+from plugserve.frontend.routes.endpoint_flow import HEALTH_TIMEOUT_S
 
 from .conftest import (
     CHAT_CONVERSATIONS,

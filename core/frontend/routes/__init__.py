@@ -1,10 +1,12 @@
-"""The API server's HTTP routes, one router per endpoint family:
+"""The API server's HTTP endpoints, one folder per endpoint family, each holding its
+route (route.py) and, where they are its own, its serving (serving.py) and request
+bodies (protocol.py):
 
-- openai.py: /v1/chat/completions, /v1/completions, /v1/models
-- health.py: /health, /version
-- metrics.py: /metrics (Prometheus)
-- bench.py: /bench/weight_read
+- chat/: /v1/chat/completions          - completions/: /v1/completions
+- responses/: /v1/responses            - models/: /v1/models
+- tokens/: /tokenize, /detokenize      - health/: /health, /ping, /version
+- metrics/: /metrics                   - bench/: /bench/weight_read
 
-api_server.build_app includes them; what they share (the engine client, the OpenAI
-serving layer, OpenAI's error shape) is in shared.py.
+What they share is owned by none: endpoint_flow.py (dependencies, OpenAI's error shape,
+a generating request from a valid body to its last byte) over frontend/serving.py.
 """

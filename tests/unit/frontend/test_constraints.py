@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
-from plugserve.frontend.constraints import check_tools, forced_tool_schema, request_constraint
+from plugserve.frontend.constraints import request_constraint
 from plugserve.frontend.errors import InvalidRequest
-from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
+from plugserve.frontend.routes.chat.tools import check_tools, forced_tool_schema
+from plugserve.frontend.routes.completions.protocol import CompletionRequest
 from plugserve.sampling_params import StructuredOutputsParams as SOP
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -24,6 +26,11 @@ TOOLS = [
 def chat(**fields: Any) -> ChatCompletionRequest:
     messages = [{"role": "user", "content": "Hi"}]
     return ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
+
+
+def chat_constraint(body: ChatCompletionRequest, backend: Any = None) -> SOP | None:
+    """A chat request's constraint as chat asks for it: a forced tool call is one."""
+    return request_constraint(body, backend, tool_schema=forced_tool_schema(body))
 
 
 class RejectsEverything:
@@ -62,7 +69,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
     ],
 )  # fmt: skip
 def test_each_field_becomes_one_constraint(fields, expected):
-    assert request_constraint(chat(**fields), None) == expected
+    assert chat_constraint(chat(**fields)) == expected
     if "tools" not in fields:
         body = CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
         assert request_constraint(body, None) == expected
@@ -78,7 +85,7 @@ def test_each_field_becomes_one_constraint(fields, expected):
 )
 def test_two_constraints_are_a_400_naming_both(fields, named):
     with pytest.raises(InvalidRequest, match="at most one output constraint") as exc:
-        request_constraint(chat(**fields), None)
+        chat_constraint(chat(**fields))
     assert named in str(exc.value)
 
 
@@ -93,15 +100,15 @@ def test_two_constraints_are_a_400_naming_both(fields, named):
 )  # fmt: skip
 def test_a_malformed_constraint_is_a_400_naming_its_field(fields, param, fragment):
     with pytest.raises(InvalidRequest, match=fragment) as exc:
-        request_constraint(chat(**fields), None)
+        chat_constraint(chat(**fields))
     assert exc.value.param == param
 
 
 def test_the_backends_validate_decides_and_its_reason_is_passed_on():
     with pytest.raises(InvalidRequest, match="guided_regex: cannot compile regex") as exc:
-        request_constraint(chat(guided_regex="(a"), RejectsEverything)
+        chat_constraint(chat(guided_regex="(a"), RejectsEverything)
     assert exc.value.param == "guided_regex"
-    assert request_constraint(chat(), RejectsEverything) is None  # nothing to validate
+    assert chat_constraint(chat(), RejectsEverything) is None  # nothing to validate
 
 
 def test_required_is_an_array_of_calls_to_the_offered_functions():
@@ -125,7 +132,7 @@ def test_a_named_function_is_generated_as_its_parameters():
     named = {"type": "function", "function": {"name": "get_weather"}}
     body = chat(tools=TOOLS, tool_choice=named)
     assert forced_tool_schema(body) == WEATHER
-    assert request_constraint(body, None) == SOP(json=json.dumps(WEATHER))
+    assert chat_constraint(body) == SOP(json=json.dumps(WEATHER))
     assert forced_tool_schema(chat(tools=TOOLS, tool_choice="auto")) is None
 
 

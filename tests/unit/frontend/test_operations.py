@@ -12,9 +12,10 @@ import pytest
 
 from plugserve.frontend.admission import Admission, Overloaded
 from plugserve.frontend.middleware import ServerGate, Traffic
-from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from plugserve.frontend.protocol_responses import ResponsesRequest
-from plugserve.frontend.serving_responses import _Events, _StreamedItems
+from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
+from plugserve.frontend.routes.completions.protocol import CompletionRequest
+from plugserve.frontend.routes.responses.protocol import ResponsesRequest
+from plugserve.frontend.routes.responses.serving import _Events, _StreamedItems
 from plugserve.generation_defaults import GenerationDefaults
 from plugserve.sampling_params import SamplingParams
 

@@ -8,13 +8,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from plugserve.frontend.protocol import (
-    IGNORED_FIELDS,
-    AssistantMessage,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ToolMessage,
-)
+from plugserve.frontend.protocol import IGNORED_FIELDS, AssistantMessage, ToolMessage
+from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
+from plugserve.frontend.routes.completions.protocol import CompletionRequest
 
 USER = {"role": "user", "content": "Hi"}
 
@@ -130,7 +126,7 @@ def test_response_format_json_schema_needs_its_schema_block():
 
 
 def test_responses_stream_options_take_only_what_the_responses_api_has():
-    from plugserve.frontend.protocol_responses import ResponsesRequest
+    from plugserve.frontend.routes.responses.protocol import ResponsesRequest
 
     body = {"model": "m", "input": "hi", "stream": True}
     ResponsesRequest.model_validate({**body, "stream_options": {"include_obfuscation": False}})
@@ -142,7 +138,7 @@ def test_responses_stream_options_take_only_what_the_responses_api_has():
 
 def test_responses_include_is_implemented_or_refused_by_name():
     from plugserve.frontend.errors import InvalidRequest
-    from plugserve.frontend.protocol_responses import ResponsesRequest
+    from plugserve.frontend.routes.responses.protocol import ResponsesRequest
 
     body = {"model": "m", "input": "hi"}
     for nothing in ([], None):

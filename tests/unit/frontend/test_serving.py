@@ -15,9 +15,17 @@ import pytest
 from plugserve.datatypes import Logprobs
 from plugserve.frontend.errors import InvalidRequest
 from plugserve.frontend.logprobs import LogprobsFormatter, prompt_logprobs_entries
-from plugserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
+from plugserve.frontend.routes.chat.serving import ChatServing
+from plugserve.frontend.routes.chat.tool_calls import (
+    AutoCalls,
+    ChoiceOutput,
+    NamedCall,
+    RequiredCalls,
+)
+from plugserve.frontend.routes.completions.protocol import CompletionRequest
+from plugserve.frontend.routes.completions.serving import CompletionServing
 from plugserve.frontend.serving import OpenAIServing
-from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
 from plugserve.plugins import get_registry
 from plugserve_plugins.text.hf_renderer import HFRenderer
 
@@ -37,13 +45,13 @@ def serving(smollm2_path: Path) -> OpenAIServing:
 
 def completion(serving: OpenAIServing, **fields: Any):
     body = CompletionRequest.model_validate({"model": "m", "prompt": "Hi", **fields})
-    return serving.prepare_completion(body)
+    return CompletionServing(serving).prepare(body)
 
 
 def chat(serving: OpenAIServing, **fields: Any):
     messages = [{"role": "user", "content": "Hi"}]
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
-    return serving.prepare_chat(body)
+    return ChatServing(serving).prepare(body)
 
 
 def test_bad_words_are_banned_as_written_and_after_a_space(serving):
@@ -114,10 +122,10 @@ def test_logprobs_json_cannot_carry_are_rendered_as_vllm_renders_them():
     formatter = LogprobsFormatter(tokenizer)
     inf, nan = float("-inf"), float("nan")
     entry = Logprobs(nan, 1, [5, 6, 7], [-0.5, inf, float("inf")])
-    chat_entry = formatter.format([(5, entry)], chat=True, tokens_as_ids=False)["content"][0]
+    chat_entry = formatter.chat([(5, entry)], tokens_as_ids=False)["content"][0]
     assert chat_entry["logprob"] == -9999.0
     assert [t["logprob"] for t in chat_entry["top_logprobs"]] == [-0.5, -9999.0, -9999.0]
-    text = formatter.format([(5, entry)], chat=False, tokens_as_ids=False)
+    text = formatter.completion([(5, entry)], tokens_as_ids=False)
     assert text["token_logprobs"] == [-9999.0]
     assert text["top_logprobs"] == [{"<5>": -0.5, "<6>": -9999.0, "<7>": -9999.0}]
     [first, second] = prompt_logprobs_entries(formatter, [1, 5], [None, entry], False)

@@ -8,7 +8,12 @@ import json
 
 import pytest
 
-from plugserve.frontend.tool_calls import AutoCalls, ChoiceOutput, NamedCall, RequiredCalls
+from plugserve.frontend.routes.chat.tool_calls import (
+    AutoCalls,
+    ChoiceOutput,
+    NamedCall,
+    RequiredCalls,
+)
 from plugserve.plugins import get_registry
 
 ARGS = '{"city": "Paris, \\"FR\\" {x}"}'  # braces and quotes inside a string

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API over the chat serving layer: a request is served as the chat
-completion it describes (protocol_responses.py), and its one choice's text and tool calls
+"""OpenAI's Responses API over chat's serving: a request is served as the chat
+completion it describes (protocol.py), and its one choice's text and tool calls
 become the response's output items: a `message` with one `output_text` part, and a
 `function_call` item per call.
 
@@ -29,10 +29,11 @@ from pydantic import ValidationError
 from plugserve.datatypes import Logprobs
 from plugserve.frontend.engine_client import EngineDeadError, RequestDelta, RequestError
 from plugserve.frontend.errors import InvalidRequest, internal_error_message
-from plugserve.frontend.protocol import ChatCompletionRequest
-from plugserve.frontend.protocol_responses import ResponsesRequest
-from plugserve.frontend.serving import OpenAIServing, _Prepared
-from plugserve.frontend.tool_calls import ChoiceOutput
+from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
+from plugserve.frontend.routes.chat.serving import ChatServing, PreparedChat
+from plugserve.frontend.routes.chat.tool_calls import ChoiceOutput
+from plugserve.frontend.routes.responses.protocol import ResponsesRequest
+from plugserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -46,7 +47,7 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def prepare(self, body: ResponsesRequest, request_id: str) -> _Prepared:
+    def prepare(self, body: ResponsesRequest, request_id: str) -> PreparedChat:
         """Validate `body` as the chat request it describes; InvalidRequest if it is not one."""
         body.check()
         try:
@@ -55,7 +56,7 @@ class ResponsesServing:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"])
             raise InvalidRequest(f"input: {where}: {err['msg']}", "input") from exc
-        return self.serving.prepare_chat(chat, f"resp_{request_id}")
+        return ChatServing(self.serving).prepare(chat, f"resp_{request_id}")
 
     # ------------------------------------------------------------------ shapes
 
@@ -67,10 +68,10 @@ class ResponsesServing:
         entries: list[tuple[int, Logprobs]] = list(
             zip(delta.token_ids, delta.logprobs, strict=False)
         )
-        return self.serving._logprobs.format(entries, chat=True, tokens_as_ids=False)["content"]
+        return self.serving.logprobs.chat(entries, tokens_as_ids=False)["content"]
 
     def _response(
-        self, body: ResponsesRequest, prep: _Prepared, status: str, output: list[Any]
+        self, body: ResponsesRequest, prep: PreparedChat, status: str, output: list[Any]
     ) -> dict[str, Any]:
         return {
             "id": prep.request_id,
@@ -97,7 +98,7 @@ class ResponsesServing:
         response["usage"] = usage
 
     @staticmethod
-    def _usage(prep: _Prepared, output_tokens: int, cached: int) -> dict[str, Any]:
+    def _usage(prep: PreparedChat, output_tokens: int, cached: int) -> dict[str, Any]:
         input_tokens = len(prep.prompts[0])
         return {
             "input_tokens": input_tokens,
@@ -109,7 +110,7 @@ class ResponsesServing:
 
     # ------------------------------------------------------------------ non-streamed
 
-    async def create(self, body: ResponsesRequest, prep: _Prepared) -> dict[str, Any]:
+    async def create(self, body: ResponsesRequest, prep: PreparedChat) -> dict[str, Any]:
         text: list[str] = []
         logprobs: list[dict[str, Any]] = []
         finish_reason, output_tokens, cached = None, 0, 0
@@ -134,7 +135,7 @@ class ResponsesServing:
 
     # ------------------------------------------------------------------ streamed
 
-    async def stream(self, body: ResponsesRequest, prep: _Prepared) -> AsyncIterator[bytes]:
+    async def stream(self, body: ResponsesRequest, prep: PreparedChat) -> AsyncIterator[bytes]:
         events = _Events()
         response = self._response(body, prep, "in_progress", [])
         yield events.send("response.created", response=response)

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from plugserve.frontend.metrics import CONTENT_TYPE
-from plugserve.frontend.routes.shared import EngineClient, error_response
+from plugserve.frontend.routes.endpoint_flow import EngineClient, error_response
 
 router = APIRouter()
 

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from plugserve import __version__
 from plugserve.frontend.engine_client import EngineDeadError
-from plugserve.frontend.routes.shared import HEALTH_TIMEOUT_S, EngineClient, error_response
+from plugserve.frontend.routes.endpoint_flow import HEALTH_TIMEOUT_S, EngineClient, error_response
 
 router = APIRouter()
 

@@ -1,31 +1,31 @@
-"""vLLM's /tokenize and /detokenize (serving_tokens.py)."""
+"""vLLM's /tokenize and /detokenize (serving.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from plugserve.frontend.errors import InvalidRequest, ModelNotFound
-from plugserve.frontend.protocol import DetokenizeRequest, TokenizeRequest
-from plugserve.frontend.routes.shared import Serving, error_response
-from plugserve.frontend.serving_tokens import TokenServing
+from plugserve.frontend.errors import InvalidRequest
+from plugserve.frontend.routes.endpoint_flow import Serving, invalid_request_response
+from plugserve.frontend.routes.tokens.protocol import DetokenizeRequest, TokenizeRequest
+from plugserve.frontend.routes.tokens.serving import TokenServing
+from plugserve.frontend.serving import OpenAIServing
 
 router = APIRouter()
 
 
-def _tokens(serving: Any) -> TokenServing:
+def _tokens(serving: OpenAIServing) -> TokenServing:
     return TokenServing(serving.renderer, serving.model_name, serving.max_model_len)
 
 
-def _answer(work: Any) -> Response:
+def _answer(work: Callable[[], dict[str, Any]]) -> Response:
     try:
         return JSONResponse(work())
-    except ModelNotFound as exc:
-        return error_response(404, str(exc), "invalid_request_error", "model")
     except InvalidRequest as exc:
-        return error_response(400, str(exc), "invalid_request_error", exc.param)
+        return invalid_request_response(exc)
 
 
 @router.post("/tokenize")

@@ -1,14 +1,18 @@
-"""OpenAI's Responses API: POST /v1/responses, streamed or not (serving_responses.py)."""
+"""OpenAI's Responses API: POST /v1/responses, streamed or not (serving.py)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from plugserve.frontend.protocol_responses import ResponsesRequest
-from plugserve.frontend.routes.openai import answer
-from plugserve.frontend.routes.shared import STREAMED_RESPONSES, EngineClient, Serving
-from plugserve.frontend.serving_responses import ResponsesServing
+from plugserve.frontend.routes.endpoint_flow import (
+    STREAMED_RESPONSES,
+    EngineClient,
+    Serving,
+    answer,
+)
+from plugserve.frontend.routes.responses.protocol import ResponsesRequest
+from plugserve.frontend.routes.responses.serving import ResponsesServing
 
 router = APIRouter()
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from plugserve.frontend.engine_client import EngineDeadError
-from plugserve.frontend.routes.shared import HEALTH_TIMEOUT_S, EngineClient, error_response
+from plugserve.frontend.routes.endpoint_flow import HEALTH_TIMEOUT_S, EngineClient, error_response
 
 router = APIRouter()
 

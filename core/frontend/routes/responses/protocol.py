@@ -15,20 +15,20 @@ from plugserve.frontend.protocol import (
     IGNORED_FIELDS,
     FunctionDefinition,
     JsonSchemaFormat,
-    _Strict,
+    StrictModel,
 )
 
 # ------------------------------------------------------------------ input items
 
 
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # on output_text echoed back; not rendered
     logprobs: list[Any] | None = None
 
 
-class InputMessage(_Strict):
+class InputMessage(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
@@ -36,7 +36,7 @@ class InputMessage(_Strict):
     status: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     """A call the model made in a previous turn, echoed back."""
 
     type: Literal["function_call"]
@@ -47,7 +47,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutput(_Strict):
+class FunctionCallOutput(StrictModel):
     """The result of a call, for the model's next turn."""
 
     type: Literal["function_call_output"]
@@ -79,12 +79,12 @@ class FunctionTool(FunctionDefinition):
     type: Literal["function"]
 
 
-class NamedFunctionChoice(_Strict):
+class NamedFunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     """`text.format`: text, any JSON object, or a JSON schema (flattened: name, schema…)."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -94,7 +94,7 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: None = None
 
@@ -107,7 +107,7 @@ OUTPUT_LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = (OUTPUT_LOGPROBS,)
 
 
-class ResponsesStreamOptions(_Strict):
+class ResponsesStreamOptions(StrictModel):
     """The Responses API's stream options: only obfuscation (usage is always in the last
     event), so chat's include_usage is rejected here by name."""
 
@@ -115,7 +115,7 @@ class ResponsesStreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
-from plugserve.frontend.protocol import DetokenizeRequest, TokenizeRequest
+from plugserve.frontend.routes.tokens.protocol import DetokenizeRequest, TokenizeRequest
 from plugserve.frontend.serving import render_chat_request
 from plugserve.interfaces import Renderer
 

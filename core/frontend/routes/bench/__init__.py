@@ -1,0 +1,1 @@
+"""/bench/weight_read, the bandwidth floor of a batch-1 step."""

@@ -1,0 +1,1 @@
+"""POST /v1/chat/completions: the route, its serving (tools and tool calls included) and its body."""

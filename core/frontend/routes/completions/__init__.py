@@ -1,0 +1,1 @@
+"""POST /v1/completions: the route, its serving and its body."""

@@ -1,0 +1,1 @@
+"""/health, /ping and /version."""

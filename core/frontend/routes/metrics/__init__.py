@@ -1,0 +1,1 @@
+"""/metrics, in Prometheus text format."""

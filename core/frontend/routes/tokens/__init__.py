@@ -1,0 +1,1 @@
+"""vLLM's /tokenize and /detokenize: the route, its serving and its bodies."""
