@@ -8,6 +8,8 @@
   `execute_model` and `sample_tokens` (datatypes/grammar_output.py).
 - `ModelRunnerOutput`, `Logprobs`: what the executor hands back; `Logprobs` also
   travels on to the API server inside EngineCoreOutput (datatypes/runner_output.py).
+- `RequestDelta`: what the API server's engine client yields for one request, to the
+  endpoints and to an endpoint plugin (datatypes/request_delta.py).
 
 The Protocols in plugserve.interfaces, the plugins, the wire messages, the engine, the
 frontend and the worker import these from here. This package imports only the standard
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from plugserve.datatypes.grammar_output import GrammarOutput
 from plugserve.datatypes.request import Request, RequestStatus
+from plugserve.datatypes.request_delta import RequestDelta
 from plugserve.datatypes.runner_output import Logprobs, ModelRunnerOutput
 from plugserve.datatypes.scheduler_output import (
     CachedRequestData,
@@ -34,6 +37,7 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "Request",
+    "RequestDelta",
     "RequestStatus",
     "SchedulerOutput",
 ]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plugserve.config import StackConfig
-from plugserve.datatypes import Logprobs
+from plugserve.datatypes import RequestDelta
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.metrics import FrontendMetrics
 from plugserve.interfaces import ClientChannel, Detokenizer
@@ -66,27 +66,6 @@ class RequestError(RuntimeError):
         super().__init__(message)
         self.status = 400 if in_request else 500
         self.error_type = "invalid_request_error" if in_request else "server_error"
-
-
-@dataclass
-class RequestDelta:
-    """What one engine step added to one request, as the serving layer streams it."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[Logprobs] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_output_tokens: int  # so far, including this delta
-    num_cached_tokens: int
-    # With the first delta of a request that asked for prompt_logprobs: one entry per
-    # prompt token, None for the first.
-    prompt_logprobs: list[Logprobs | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

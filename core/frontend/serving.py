@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from plugserve.datatypes import Logprobs
-from plugserve.frontend.engine_client import AsyncEngineClient, RequestDelta
+from plugserve.datatypes import Logprobs, RequestDelta
+from plugserve.frontend.engine_client import AsyncEngineClient
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
 from plugserve.frontend.logprobs import LogprobsFormatter
 from plugserve.frontend.protocol import SamplingRequest

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from plugserve.datatypes import RequestDelta
 from plugserve.frontend.constraints import request_constraint
-from plugserve.frontend.engine_client import RequestDelta
 from plugserve.frontend.protocol import NamedToolChoice
 from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
 from plugserve.frontend.routes.chat.tool_calls import (

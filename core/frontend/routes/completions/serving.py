@@ -8,9 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from plugserve.datatypes import Logprobs
+from plugserve.datatypes import Logprobs, RequestDelta
 from plugserve.frontend.constraints import request_constraint
-from plugserve.frontend.engine_client import RequestDelta
 from plugserve.frontend.errors import InvalidRequest
 from plugserve.frontend.logprobs import prompt_logprobs_entries
 from plugserve.frontend.routes.completions.protocol import CompletionRequest

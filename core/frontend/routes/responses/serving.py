@@ -26,8 +26,8 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from plugserve.datatypes import Logprobs
-from plugserve.frontend.engine_client import EngineDeadError, RequestDelta, RequestError
+from plugserve.datatypes import Logprobs, RequestDelta
+from plugserve.frontend.engine_client import EngineDeadError, RequestError
 from plugserve.frontend.errors import InvalidRequest, internal_error_message
 from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
 from plugserve.frontend.routes.chat.serving import ChatServing, PreparedChat
