@@ -9,9 +9,12 @@ hot path calls them directly. A plugin module implements any subset of these wit
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:
+    from plugserve.interfaces import ApiServer
 
 hookspec = pluggy.HookspecMarker("plugserve")
 
@@ -58,6 +61,24 @@ def register_metrics(registry: Any, model_name: str) -> None:
     (`server.api_server_count` > 1) the values of such metrics are summed over the
     processes through prometheus-client's multiprocess mode, and a Gauge needs a
     `multiprocess_mode` saying how to combine them.
+    """
+
+
+@hookspec
+def register_routes(server: ApiServer) -> None:
+    """Add HTTP endpoints to the API server. Called once in every API-server process while
+    its app is built, after its engines have started, with `server`
+    (interfaces.ApiServer): `server.include_router(router)` serves a `fastapi.APIRouter`'s
+    routes; `server.engine_client`, `server.renderer`, `server.config`,
+    `server.model_name` and `server.max_model_len` are what they serve with.
+
+    The routes pass the gate every request passes (the API key on /v1/ paths, the request
+    id, 503 while draining). What a route raises before its response starts is answered
+    in OpenAI's error shape: an `HTTPException` with its status, and what the engine
+    client raises (429 with Retry-After past `engine.max_waiting_requests`, which counts
+    each of its requests as it counts the bundled endpoints'; 503 once an engine is dead).
+    A method and path already served, by a bundled endpoint or another plugin, is an
+    error naming both. The bundled endpoints register through this hook too, first.
     """
 
 

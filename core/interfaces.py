@@ -20,7 +20,7 @@ import heapq
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -31,7 +31,13 @@ if TYPE_CHECKING:
     import torch
 
     from plugserve.config import StackConfig
-    from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, Request, SchedulerOutput
+    from plugserve.datatypes import (
+        GrammarOutput,
+        ModelRunnerOutput,
+        Request,
+        RequestDelta,
+        SchedulerOutput,
+    )
     from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -127,6 +133,51 @@ class ToolParser(Protocol):
     def finish_streaming(self) -> tuple[str, list[ToolCall]]:
         """Streamed: the output ended. Returns what was held back: text that turned out
         not to be a call, and a last call the model did not close."""
+        ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The API server's handle on its engines, as an endpoint plugin generates through it."""
+
+    @property
+    def is_dead(self) -> bool:
+        """True once an engine has died: nothing more will be generated."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestDelta]:
+        """Submit one request (one sequence, whatever `params.n`) and yield its deltas
+        until the one that finishes it; leaving the iteration early aborts it.
+        `request_id` must be unique among the requests in flight. The engine's failure
+        on this request raises in the iteration, as does a dead engine."""
+        ...
+
+
+@runtime_checkable
+class ApiServer(Protocol):
+    """One API-server process as `register_routes` shows it to a plugin: where its routes
+    go, and what they serve with."""
+
+    config: StackConfig  # the server's validated stack.yaml and overrides
+    model_name: str  # as clients name it (server.served_model_name, else the model)
+    renderer: Renderer  # the stack's renderer: the served tokenizer and chat template
+    engine_client: EngineClient
+
+    @property
+    def max_model_len(self) -> int:
+        """The context the engines were started with: prompt and output tokens together."""
+        ...
+
+    def include_router(self, router: Any) -> None:
+        """Serve a `fastapi.APIRouter`'s routes from this API server. A method and path
+        that another plugin or a bundled endpoint already serves is an error naming both."""
         ...
 
 

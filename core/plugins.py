@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -121,13 +121,19 @@ class PluginRegistry:
         self._dist_of_plugin[name] = distribution
 
     def _register_builtins(self) -> None:
-        # The model architectures that ship inside the core itself (by reference: loading
-        # the registry imports no model code).
+        # What ships inside the core itself: the model architectures (by reference: loading
+        # the registry imports no model code) and the API server's endpoints (their route
+        # modules imported only when an API server builds its app).
         from plugserve import builtin_models
+        from plugserve.frontend import routes as builtin_routes
 
-        if not self._pm.is_registered(builtin_models):
-            self._pm.register(builtin_models, name="plugserve.models")
-            self._dist_of_plugin["plugserve.models"] = BUILTIN_DISTRIBUTION
+        for name, module in (
+            ("plugserve.models", builtin_models),
+            ("plugserve.routes", builtin_routes),
+        ):
+            if not self._pm.is_registered(module):
+                self._pm.register(module, name=name)
+                self._dist_of_plugin[name] = BUILTIN_DISTRIBUTION
 
     def _load_named_modules(self) -> None:
         # Like pytest's `-p module`: plugins from importable modules that no distribution
@@ -244,6 +250,23 @@ class PluginRegistry:
         """Let every plugin add its metrics to an API server's /metrics (hookspecs)."""
         self.load()
         self._pm.hook.register_metrics(registry=registry, model_name=model_name)
+
+    def register_routes(self, server_for: Callable[[str, str], Any]) -> None:
+        """Let every plugin add endpoints to an API server (hookspecs), the bundled ones
+        first: each plugin's hook gets `server_for(plugin, distribution)`, an ApiServer
+        bound to that plugin, so that a route two plugins claim is blamed on both."""
+        self.load()
+        # Registration order, in which a plugin registered directly precedes the builtins.
+        impls = sorted(
+            self._pm.hook.register_routes.get_hookimpls(),
+            key=lambda impl: self._distribution(impl.plugin_name) != BUILTIN_DISTRIBUTION,
+        )
+        for impl in impls:
+            dist = self._distribution(impl.plugin_name)
+            impl.function(server=server_for(impl.plugin_name, dist))
+
+    def _distribution(self, plugin: str) -> str:
+        return self._dist_of_plugin.get(plugin, "<unknown>")
 
     def has_observers(self, hook_name: str) -> bool:
         self.load()

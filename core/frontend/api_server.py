@@ -1,7 +1,7 @@
-"""The FastAPI app of one API server: the routers (routes/: OpenAI, Responses, tokens,
-health, metrics, bench) assembled with OpenAI's error shape for every error, the gate
-every request passes (middleware.py: API key, request id, draining), CORS when origins
-are allowed, and the lifespan that shuts the engine client down."""
+"""The FastAPI app of one API server: the endpoints every plugin registers, the bundled
+ones first (route_registration.py, routes/), with OpenAI's error shape for every error,
+the gate every request passes (middleware.py: API key, request id, draining), CORS when
+origins are allowed, and the lifespan that shuts the engine client down."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plugserve import __version__
+from plugserve.config import StackConfig
 from plugserve.frontend.admission import Admission
 from plugserve.frontend.engine_client import AsyncEngineClient
 from plugserve.frontend.middleware import (
@@ -25,20 +26,14 @@ from plugserve.frontend.middleware import (
     ServerGate,
     Traffic,
 )
-from plugserve.frontend.routes.bench import route as bench
-from plugserve.frontend.routes.chat import route as chat
-from plugserve.frontend.routes.completions import route as completions
+from plugserve.frontend.route_registration import ENGINE_ERROR_HANDLERS, register_routes
 from plugserve.frontend.routes.endpoint_flow import (
     ERROR_RESPONSES,
     error_response,
     internal_error_response,
 )
-from plugserve.frontend.routes.health import route as health
-from plugserve.frontend.routes.metrics import route as metrics
-from plugserve.frontend.routes.models import route as models
-from plugserve.frontend.routes.responses import route as responses
-from plugserve.frontend.routes.tokens import route as tokens
 from plugserve.frontend.serving import OpenAIServing
+from plugserve.plugins import PluginRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +72,15 @@ def build_app(
     api_key: str | None,
     server_name: str = "ApiServer",
     *,
+    config: StackConfig,
+    registry: PluginRegistry,
     allowed_origins: list[str] | None = None,
     admission: Admission | None = None,
 ) -> FastAPI:
     """The app of one API server, `server_name` (its process name): every response says
     which API server process answered, in x-plugserve-api-server ("ApiServer_1 pid=42"),
-    since several may share the port. `allowed_origins`: CORS (none: no CORS headers);
+    since several may share the port. Its endpoints are those `registry`'s plugins
+    register, given `config`. `allowed_origins`: CORS (none: no CORS headers);
     `admission`: the bound on queued requests (none: unbounded). `app.state.traffic`
     counts the requests in flight and turns new ones away while shutdown drains them."""
     identity = f"{server_name} pid={os.getpid()}"
@@ -101,6 +99,8 @@ def build_app(
     app.state.admission = admission or Admission(None, max_num_seqs=1)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    for exc_type, handler in ENGINE_ERROR_HANDLERS.items():
+        app.add_exception_handler(exc_type, handler)
     # The gate answers a route's exception; this answers one raised outside it (in CORS),
     # which starlette would otherwise answer with a plain-text page.
     app.add_exception_handler(Exception, _server_error)
@@ -115,9 +115,15 @@ def build_app(
             allow_headers=["*"],
             expose_headers=[REQUEST_ID_HEADER, API_SERVER_HEADER],
         )
-    endpoints = (chat, completions, models, responses, tokens, health, bench, metrics)
-    for router in (endpoint.router for endpoint in endpoints):
-        app.include_router(router)
+    register_routes(
+        app,
+        registry,
+        config=config,
+        client=client,
+        renderer=serving.renderer,
+        model_name=serving.model_name,
+        admission=app.state.admission,
+    )
     return app
 
 

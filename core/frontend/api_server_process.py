@@ -238,6 +238,8 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
         serving,
         config.server.api_key or os.environ.get(API_KEY_ENV) or None,
         server_name=setup.name,
+        config=config,
+        registry=registry,
         allowed_origins=config.server.allowed_origins,
         admission=admission,
     )

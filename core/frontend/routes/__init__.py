@@ -9,4 +9,34 @@ bodies (protocol.py):
 
 What they share is owned by none: endpoint_flow.py (dependencies, OpenAI's error shape,
 a generating request from a valid body to its last byte) over frontend/serving.py.
+
+They join the app through the `register_routes` hook, as a plugin's endpoints do
+(frontend/route_registration.py).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plugserve import hookimpl
+
+if TYPE_CHECKING:
+    from plugserve.interfaces import ApiServer
+
+
+@hookimpl
+def register_routes(server: ApiServer) -> None:
+    """The bundled endpoints, registered as a plugin's are (the registry calls this first).
+    Imported here, not above: every process loads the registry, only an API server
+    builds an app."""
+    from plugserve.frontend.routes.bench import route as bench
+    from plugserve.frontend.routes.chat import route as chat
+    from plugserve.frontend.routes.completions import route as completions
+    from plugserve.frontend.routes.health import route as health
+    from plugserve.frontend.routes.metrics import route as metrics
+    from plugserve.frontend.routes.models import route as models
+    from plugserve.frontend.routes.responses import route as responses
+    from plugserve.frontend.routes.tokens import route as tokens
+
+    for endpoint in (chat, completions, models, responses, tokens, health, bench, metrics):
+        server.include_router(endpoint.router)

@@ -39,8 +39,8 @@ async def _openai_serving(request: Request) -> OpenAIServing:
     return request.app.state.openai_serving
 
 
-EngineClient = Annotated[AsyncEngineClient, Depends(_engine_client)]
-Serving = Annotated[OpenAIServing, Depends(_openai_serving)]
+EngineClientDep = Annotated[AsyncEngineClient, Depends(_engine_client)]
+ServingDep = Annotated[OpenAIServing, Depends(_openai_serving)]
 
 
 # ------------------------------------------------------------------ error shape

@@ -170,6 +170,21 @@ def test_loading_the_registry_imports_no_model_code():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_loading_the_registry_imports_no_endpoint_code():
+    """Every process loads the registry, the engines too; only an API server builds its
+    endpoints (register_routes), so no route module, nor FastAPI, is imported before."""
+    probe = (
+        "import sys\n"
+        "from plugserve.plugins import SLOT_HOOKS, PluginRegistry\n"
+        "registry = PluginRegistry()\n"
+        "for slot in SLOT_HOOKS:\n"
+        "    registry.implementations(slot)\n"
+        "print([m for m in sys.modules if m.startswith(('fastapi', 'plugserve.frontend.'))])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['plugserve.frontend.routes']", out.stdout
+
+
 def test_every_bundled_entry_point_is_installed_and_registers_what_it_names():
     """Each plugin pyproject.toml declares is installed as declared, imports, and registers
     at least one implementation whose class imports: a plugin module that is missing or

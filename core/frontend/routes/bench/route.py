@@ -7,13 +7,17 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from plugserve.frontend.engine_client import EngineDeadError
-from plugserve.frontend.routes.endpoint_flow import HEALTH_TIMEOUT_S, EngineClient, error_response
+from plugserve.frontend.routes.endpoint_flow import (
+    HEALTH_TIMEOUT_S,
+    EngineClientDep,
+    error_response,
+)
 
 router = APIRouter()
 
 
 @router.get("/bench/weight_read")
-async def weight_read(client: EngineClient, seconds: float = 1.0, engine: int = 0) -> Response:
+async def weight_read(client: EngineClientDep, seconds: float = 1.0, engine: int = 0) -> Response:
     """The bandwidth floor of a batch-1 step, measured on the engine's own weights:
     it reads them for `seconds` between two steps (running requests wait)."""
     if not 0 < seconds <= 10:

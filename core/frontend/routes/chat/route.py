@@ -9,8 +9,8 @@ from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
 from plugserve.frontend.routes.chat.serving import ChatServing
 from plugserve.frontend.routes.endpoint_flow import (
     STREAMED_RESPONSES,
-    EngineClient,
-    Serving,
+    EngineClientDep,
+    ServingDep,
     answer,
 )
 
@@ -19,7 +19,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", responses=STREAMED_RESPONSES)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, client: EngineClient, serving: Serving
+    body: ChatCompletionRequest, request: Request, client: EngineClientDep, serving: ServingDep
 ) -> Response:
     chat = ChatServing(serving)
     return await answer(

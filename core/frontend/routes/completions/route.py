@@ -9,8 +9,8 @@ from plugserve.frontend.routes.completions.protocol import CompletionRequest
 from plugserve.frontend.routes.completions.serving import CompletionServing
 from plugserve.frontend.routes.endpoint_flow import (
     STREAMED_RESPONSES,
-    EngineClient,
-    Serving,
+    EngineClientDep,
+    ServingDep,
     answer,
 )
 
@@ -19,7 +19,7 @@ router = APIRouter()
 
 @router.post("/v1/completions", responses=STREAMED_RESPONSES)
 async def completions(
-    body: CompletionRequest, request: Request, client: EngineClient, serving: Serving
+    body: CompletionRequest, request: Request, client: EngineClientDep, serving: ServingDep
 ) -> Response:
     completion = CompletionServing(serving)
     return await answer(

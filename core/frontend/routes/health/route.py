@@ -8,7 +8,11 @@ from fastapi.responses import Response
 
 from plugserve import __version__
 from plugserve.frontend.engine_client import EngineDeadError
-from plugserve.frontend.routes.endpoint_flow import HEALTH_TIMEOUT_S, EngineClient, error_response
+from plugserve.frontend.routes.endpoint_flow import (
+    HEALTH_TIMEOUT_S,
+    EngineClientDep,
+    error_response,
+)
 
 router = APIRouter()
 
@@ -17,7 +21,7 @@ router = APIRouter()
 @router.get("/health", response_class=Response)
 @router.get("/ping", response_class=Response)
 @router.post("/ping", response_class=Response)
-async def health(client: EngineClient) -> Response:
+async def health(client: EngineClientDep) -> Response:
     try:
         await client.check_health(HEALTH_TIMEOUT_S)
     except EngineDeadError as exc:

@@ -8,13 +8,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from plugserve.frontend.routes.endpoint_flow import Serving
+from plugserve.frontend.routes.endpoint_flow import ServingDep
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(serving: Serving) -> dict[str, Any]:
+async def models(serving: ServingDep) -> dict[str, Any]:
     """vLLM's model card: `root` is the model as configured, `parent` null (no
     adapters), `permission` the one entry vLLM sends."""
     created = int(time.time())

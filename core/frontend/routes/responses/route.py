@@ -7,8 +7,8 @@ from fastapi.responses import Response
 
 from plugserve.frontend.routes.endpoint_flow import (
     STREAMED_RESPONSES,
-    EngineClient,
-    Serving,
+    EngineClientDep,
+    ServingDep,
     answer,
 )
 from plugserve.frontend.routes.responses.protocol import ResponsesRequest
@@ -19,7 +19,7 @@ router = APIRouter()
 
 @router.post("/v1/responses", responses=STREAMED_RESPONSES)
 async def create_response(
-    body: ResponsesRequest, request: Request, client: EngineClient, serving: Serving
+    body: ResponsesRequest, request: Request, client: EngineClientDep, serving: ServingDep
 ) -> Response:
     responses = ResponsesServing(serving)
     return await answer(

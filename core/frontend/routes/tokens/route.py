@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from plugserve.frontend.errors import InvalidRequest
-from plugserve.frontend.routes.endpoint_flow import Serving, invalid_request_response
+from plugserve.frontend.routes.endpoint_flow import ServingDep, invalid_request_response
 from plugserve.frontend.routes.tokens.protocol import DetokenizeRequest, TokenizeRequest
 from plugserve.frontend.routes.tokens.serving import TokenServing
 from plugserve.frontend.serving import OpenAIServing
@@ -29,10 +29,10 @@ def _answer(work: Callable[[], dict[str, Any]]) -> Response:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, serving: Serving) -> Response:
+async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
     return _answer(lambda: _tokens(serving).tokenize(body))
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, serving: Serving) -> Response:
+async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> Response:
     return _answer(lambda: _tokens(serving).detokenize(body))
