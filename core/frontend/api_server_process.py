@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 
 from plugserve.config import StackConfig
 from plugserve.frontend.admission import Admission
@@ -33,9 +34,10 @@ from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.middleware import Traffic
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.generation_defaults import GenerationDefaults
+from plugserve.interfaces import Renderer
 from plugserve.logging_utils import configure_process_logging
 from plugserve.model_files import resolve_model_path
-from plugserve.plugins import get_registry
+from plugserve.plugins import PluginRegistry, get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +206,48 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
     finally:
         if not renderer_built.done():  # the engines failed first; let the thread finish
             await asyncio.wait([renderer_built])
+    try:
+        app = _build_app(config, setup, registry, client, renderer, model_path)
+    except BaseException:  # a plugin's hook, say: the engines must not outlive the failure
+        await client.shutdown()
+        raise
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
+        ),
+        setup,
+        app.state.traffic,
+        config.server.shutdown_timeout,
+    )
+    if setup.sockets is None:
+        url = http_url(config.server.host, config.server.port)
+        logger.info("serving %s on %s", app.state.openai_serving.model_name, url)
+    try:
+        await server.serve(sockets=setup.sockets)
+    finally:
+        await client.shutdown()
+    if not server.started and exit_code == 0:
+        return 1  # the port could not be bound, or startup failed
+    return exit_code
+
+
+def _build_app(
+    config: StackConfig,
+    setup: ApiServerSetup,
+    registry: PluginRegistry,
+    client: AsyncEngineClient,
+    renderer: Renderer,
+    model_path: str,
+) -> FastAPI:
+    """The app once the engines and the renderer are ready: the serving layer over the
+    model's generation defaults, the admission bound, every plugin's metrics and
+    endpoints."""
+    stack = config.stack
     client.use_tokenizer(renderer.tokenizer, renderer.eos_token_id)
     model_name = config.server.served_model_name or config.model
     assert client.metrics is not None  # made once the engines are ready
@@ -233,7 +277,7 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
         num_engines=engine.data_parallel_size,
         api_server_count=config.server.api_server_count,
     )
-    app = build_app(
+    return build_app(
         client,
         serving,
         config.server.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -243,26 +287,3 @@ async def run_api_server(config: StackConfig, setup: ApiServerSetup) -> int:
         allowed_origins=config.server.allowed_origins,
         admission=admission,
     )
-    server = _Server(
-        uvicorn.Config(
-            app,
-            host=config.server.host,
-            port=config.server.port,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
-        ),
-        setup,
-        app.state.traffic,
-        config.server.shutdown_timeout,
-    )
-    if setup.sockets is None:
-        url = http_url(config.server.host, config.server.port)
-        logger.info("serving %s on %s", model_name, url)
-    try:
-        await server.serve(sockets=setup.sockets)
-    finally:
-        await client.shutdown()
-    if not server.started and exit_code == 0:
-        return 1  # the port could not be bound, or startup failed
-    return exit_code

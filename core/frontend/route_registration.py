@@ -28,6 +28,7 @@ from plugserve.sampling_params import SamplingParams
 
 # FastAPI's own routes (/openapi.json, /docs, /redoc) are claimed in its name.
 APP_ITSELF = "FastAPI (the app itself)"
+ANY_METHOD = "*"
 
 
 class RouteOwners:
@@ -35,25 +36,27 @@ class RouteOwners:
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self._owner: dict[tuple[str, str], str] = {}
+        self._owners: dict[str, dict[str, str]] = {}  # path -> method -> owner
         for route in app.routes:
-            for key in _keys(route):
-                self._owner[key] = APP_ITSELF
+            self._claim(route, APP_ITSELF)
 
     def include(self, router: Any, owner: str) -> None:
         """Serve `router`'s routes as `owner`'s; PluginError if one is already served."""
-        keys = [key for route in router.routes for key in _keys(route)]
-        for method, path in keys:
-            other = self._owner.get((method, path))
-            if other is not None:
-                raise PluginError(f"{method} {path} is served by {other} and by {owner}")
-        self._owner.update(dict.fromkeys(keys, owner))
+        for route in router.routes:
+            self._claim(route, owner)
         self.app.include_router(router)
 
-
-def _keys(route: Any) -> list[tuple[str, str]]:
-    # A route without methods (a websocket, a mount) claims its path for every method.
-    return [(method, route.path) for method in sorted(getattr(route, "methods", None) or {"*"})]
+    def _claim(self, route: Any, owner: str) -> None:
+        # A route without methods (a websocket, a mount) takes its path for every method.
+        methods = getattr(route, "methods", None) or {ANY_METHOD}
+        claimed = self._owners.setdefault(route.path, {})
+        for method in sorted(methods):
+            other = claimed.get(method) or claimed.get(ANY_METHOD)
+            if other is None and method == ANY_METHOD and claimed:
+                other = next(iter(claimed.values()))
+            if other is not None and other != owner:
+                raise PluginError(f"{method} {route.path} is served by {other} and by {owner}")
+            claimed[method] = owner
 
 
 class AdmittedEngineClient:

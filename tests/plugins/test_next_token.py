@@ -5,6 +5,8 @@ OpenAI's shape — without a line of plugserve changed."""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +16,10 @@ import pytest
 from tests.integration.conftest import (
     MAX_MODEL_LEN,
     MODEL,
+    STARTUP_TIMEOUT_S,
     ServerProcess,
     assert_openai_error,
+    is_engine,
     running_server,
 )
 
@@ -86,3 +90,24 @@ def test_plugserve_finds_it_as_a_third_party_distribution():
     assert entry_point.dist is not None
     assert entry_point.dist.metadata["Name"] == "plugserve-next-token"
     assert Path(entry_point.load().__file__).parent.name == "plugserve_next_token"
+
+
+def test_a_second_plugin_claiming_its_route_stops_the_server_naming_both(tmp_path: Path):
+    """At start-up, once the engines are up: the server exits, engines and all, rather
+    than serve one of the two."""
+    pythonpath = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
+    )
+    env = {"PLUGSERVE_PLUGIN_MODULES": "rival_next_token", "PYTHONPATH": pythonpath}
+    server = ServerProcess("zmq", tmp_path / "server.log", env=env)
+    try:
+        server.popen.wait(STARTUP_TIMEOUT_S)
+    finally:
+        server.kill_all()
+    assert server.popen.returncode != 0
+    assert (
+        "POST /v1/next_token is served by plugin 'next_token' (distribution "
+        "'plugserve-next-token') and by plugin 'rival_next_token'" in server.log_text()
+    )
+    [engine] = re.findall(r"engine core 0 ready \(pid (\d+)\)", server.log_text())
+    assert not is_engine(int(engine))
