@@ -8,10 +8,12 @@ stack.yaml. The hot path calls these objects directly, never through pluggy.
 What a part may offer beyond its slot's Protocol is a capability, declared in
 plugserve.capabilities with a `supports_x(obj)` check. RankedPolicy, beside the
 SchedulingPolicy Protocol, is a base class: a scheduling policy written on it is only its
-rank function.
+rank function. ApiServer and EngineClient are no slot's: they are what the
+`register_routes` hook hands a plugin that adds endpoints.
 
-The types these Protocols speak in (Request, SchedulerOutput, ModelRunnerOutput) live in
-plugserve.datatypes; this module imports no engine, worker or frontend module.
+The types these Protocols speak in (Request, SchedulerOutput, ModelRunnerOutput,
+RequestDelta) live in plugserve.datatypes; this module imports no engine, worker or
+frontend module.
 """
 
 from __future__ import annotations
