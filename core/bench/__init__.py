@@ -17,7 +17,8 @@ client can sit side by side:
     plugserve bench serve --base-url http://127.0.0.1:8000 --max-concurrency 8 --ignore-eos
 
 dataset: the random prompts; metrics: RequestOutput, vLLM's metrics and table; client:
-the flags, the requests, the run and the entry point.
+the flags, the requests, the run and the entry point. server_process and plugserve_server:
+the server the tests and the benchmarks drive, as a child process.
 """
 
 from plugserve.bench.client import (
