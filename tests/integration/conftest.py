@@ -1,20 +1,16 @@
 """The server under test: `plugserve serve` started as a real subprocess, once per
 transport, plus the offline `LLM` whose greedy text the server must reproduce.
 
-Every wait is bounded. A server is always stopped (SIGTERM, then SIGKILL) and its
-engine process checked gone, whether its tests passed or not.
+The subprocess is plugserve.bench's server harness, which the benchmarks run too: every
+wait is bounded, and a server is always stopped (SIGTERM, then SIGKILL) and checked to
+leave no process behind, whether its tests passed or not.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +18,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
+from plugserve.bench.plugserve_server import PlugserveServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
@@ -43,78 +41,10 @@ SERVER_SETTINGS = (
     # SIGTERM drains: a test that stops its server mid-request waits this long at most.
     "--shutdown-timeout", "10",
 )  # fmt: skip
-STARTUP_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 30.0
-
-ENGINE_TITLE = "plugserve::EngineCore"
-API_SERVER_TITLE = "plugserve::ApiServer"
-# With --api-server-count N > 1: the launcher and its children ApiServer_0 … ApiServer_{N-1}.
-LAUNCHER_TITLE = "plugserve::Launcher"
-API_SERVER_CHILD_TITLE = "plugserve::ApiServer_"
 API_SERVER_HEADER = "x-plugserve-api-server"  # which API-server process answered
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
-    """Poll `predicate` until it returns something truthy; return that, or the last
-    (falsy) value once `timeout` seconds have passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def plugserve_command() -> list[str]:
-    """The console script of the environment running the tests (.venv/bin/plugserve)."""
-    script = Path(sys.executable).parent / "plugserve"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "plugserve.cli"]
-
-
-def process_cmdline(pid: int) -> str:
-    """The command line as ps shows it (setproctitle rewrites it); '' if pid is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
-
-
-def children_of(pid: int) -> list[int]:
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
-def pid_alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def is_engine(pid: int) -> bool:
-    return pid_alive(pid) and ENGINE_TITLE in process_cmdline(pid)
-
-
-def is_api_server_child(pid: int) -> bool:
-    return pid_alive(pid) and API_SERVER_CHILD_TITLE in process_cmdline(pid)
 
 
 def running_thread_samples(pid: int, samples: int = 50, interval: float = 0.01) -> int:
@@ -164,200 +94,31 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
 # --------------------------------------------------------------------------- the server
 
 
-class ServerProcess:
-    """One `plugserve serve` subprocess; its output goes to a log file."""
-
-    def __init__(
-        self,
-        transport: str,
-        log_path: Path,
-        *,
-        settings: Sequence[str] = SERVER_SETTINGS,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.transport = transport
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [
-            *plugserve_command(),
-            "serve",
-            "--port", str(self.port),
-            "--stack.transport", transport,
-            *settings,
-        ]  # fmt: skip
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-        with open(log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                command,
-                cwd=REPO_ROOT,
-                env=full_env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self.pid = self.popen.pid
-        self._engine_pids: list[int] = []
-        self._api_server_pids: list[int] = []
-
-    # ------------------------------------------------------------------ life cycle
-
-    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"plugserve serve exited with {self.popen.returncode} while starting:\n"
-                    + self.log_tail()
-                )
-            # The log line first: a 200 from some other server that took the port
-            # must not pass for ours.
-            if f"running on {self.base_url}" in self.log_text():
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(self.url("/health"), timeout=10).status_code == 200:
-                        self._engine_pids = self.engine_pids()
-                        self._api_server_pids = self.api_server_pids()
-                        return
-            time.sleep(0.25)
-        raise TimeoutError(f"no healthy server within {timeout:.0f} s:\n" + self.log_tail())
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
-        """SIGTERM, then SIGKILL; returns the exit code. Fails if the server did not exit
-        on SIGTERM or left its engine or API-server processes behind."""
-        engines = self._engine_pids
-        api_servers = self._api_server_pids
-        killed = False
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                killed = True
-                self.popen.kill()
-                self.popen.wait(10)
-
-        def orphans() -> list[int]:
-            return [pid for pid in engines if is_engine(pid)] + [
-                pid for pid in api_servers if is_api_server_child(pid)
-            ]
-
-        left = [] if wait_until(lambda: not orphans(), 10) else orphans()
-        for pid in left:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        assert not killed, f"the server ignored SIGTERM for {timeout:.0f} s:\n{self.log_tail()}"
-        assert not left, f"processes {left} outlived their server:\n{self.log_tail()}"
-        return self.popen.returncode
-
-    def kill_all(self) -> None:
-        """Last resort for a test that failed half-way: nothing may outlive the test.
-        (Pids are checked by title or through Popen, never reused blindly.)"""
-        for pid in self._engine_pids + self._api_server_pids:
-            if is_engine(pid) or is_api_server_child(pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        if self.popen.poll() is None:
-            self.popen.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(10)
-
-    # ------------------------------------------------------------------ inspection
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def engine_pids(self) -> list[int]:
-        """The server's children titled plugserve::EngineCore (one per data-parallel rank)."""
-        if self._engine_pids:
-            return self._engine_pids
-        return [c for c in children_of(self.pid) if ENGINE_TITLE in process_cmdline(c)]
-
-    def api_server_pids(self) -> list[int]:
-        """With --api-server-count N > 1, the children titled plugserve::ApiServer_<i>,
-        in index order; [] for a server that is its own (only) API server."""
-        if self._api_server_pids:
-            return self._api_server_pids
-        children = [
-            c for c in children_of(self.pid) if API_SERVER_CHILD_TITLE in process_cmdline(c)
-        ]
-        return sorted(children, key=lambda pid: process_cmdline(pid).split()[0])
-
-    def engine_pid(self) -> int:
-        """The engine of a server with one engine."""
-        engines = self.engine_pids()
-        assert len(engines) == 1, f"engine processes among the server's children: {engines}"
-        return engines[0]
-
-    def metrics(self) -> dict[str, float]:
-        response = httpx.get(self.url("/metrics"), timeout=10)
-        assert response.status_code == 200, response.text
-        values = {}
-        for line in response.text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.split()
-                values[name.removeprefix("plugserve_")] = float(value)
-        return values
-
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
-        """Poll /metrics until no request runs or waits, the KV cache is empty and the
-        engine's step counter stood still since the previous poll (the engine's figures
-        come with its outputs, and the step that drops a last finished request from the
-        runner is reported after it); returns the last metrics either way."""
-        last: dict[str, float] = {}
-
-        def idle() -> bool:
-            steps = last.get("engine_steps_total")
-            last.update(self.metrics())
-            return (
-                last["num_requests_running"] == 0
-                and last["num_requests_waiting"] == 0
-                and last["kv_cache_usage"] == 0
-                and last["engine_steps_total"] == steps
-            )
-
-        wait_until(idle, timeout, interval=0.2)
-        return last
-
-    def openai_client(self, **kwargs: Any) -> openai.OpenAI:
-        # No retries: a test must see the first answer, and a 503 must not be retried.
-        options = {"max_retries": 0, "timeout": 120.0, **kwargs}
-        return openai.OpenAI(base_url=self.url("/v1"), api_key="unused", **options)
-
-    def async_openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
-        options = {"max_retries": 0, "timeout": 300.0, **kwargs}
-        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key="unused", **options)
+def server_under_test(
+    transport: str,
+    log_path: Path,
+    *,
+    settings: Sequence[str] = SERVER_SETTINGS,
+    env: dict[str, str] | None = None,
+) -> PlugserveServer:
+    """A server with the tests' settings, offline, run from the repository root (where
+    the test plugins that PLUGSERVE_PLUGIN_MODULES names import from); not launched."""
+    return PlugserveServer(
+        log_path,
+        transport=transport,
+        settings=settings,
+        env={"HF_HUB_OFFLINE": "1", **(env or {})},
+        cwd=REPO_ROOT,
+    )
 
 
-@contextlib.contextmanager
 def running_server(
     transport: str, log_dir: Path, *, check_exit: bool = True, **kwargs: Any
-) -> Iterator[ServerProcess]:
+) -> contextlib.AbstractContextManager[PlugserveServer]:
     """A healthy server for the duration of the block; stopped afterwards. With
     `check_exit`, a server that was still up must exit 0 on SIGTERM."""
-    server = ServerProcess(transport, log_dir / f"server-{transport}.log", **kwargs)
-    with serving(server, check_exit=check_exit):
-        yield server
-
-
-@contextlib.contextmanager
-def serving(server: ServerProcess, *, check_exit: bool = True) -> Iterator[ServerProcess]:
-    """`running_server` for a server already launched (ServerProcess only starts the
-    process): waits until it is healthy, then stops it as `running_server` does."""
-    try:
-        server.wait_healthy()
-        yield server
-        was_running = server.popen.poll() is None
-        code = server.stop()
-        if check_exit and was_running:
-            assert code == 0, f"exit code {code} after SIGTERM:\n{server.log_tail()}"
-    finally:
-        server.kill_all()
+    server = server_under_test(transport, log_dir / f"server-{transport}.log", **kwargs)
+    return server.running(check_exit=check_exit)
 
 
 @dataclass
@@ -410,7 +171,7 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def zmq_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def zmq_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlugserveServer]:
     """The shared zmq server, up for the whole session: besides the tests of both
     transports, the modules that want a default zmq server and leave it as they found it
     use it rather than starting their own (~14 s each to start and stop)."""
@@ -422,7 +183,7 @@ def zmq_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
 @pytest.fixture(scope="session")
 def server(
     transport: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> Iterator[ServerProcess]:
+) -> Iterator[PlugserveServer]:
     """One shared server per transport for the tests that leave it as they found it."""
     if transport == "zmq":
         yield request.getfixturevalue("zmq_server")
@@ -431,7 +192,7 @@ def server(
         yield server
 
 
-def transport_agnostic_server(zmq_server: ServerProcess) -> ServerProcess:
+def transport_agnostic_server(zmq_server: PlugserveServer) -> PlugserveServer:
     """`server` for a module whose tests do not depend on the transport, which declares it
     as its own fixture (`server = pytest.fixture(name="server")(transport_agnostic_server)`):
     the session's shared zmq server, where the shared `server` runs each test once per
@@ -440,7 +201,7 @@ def transport_agnostic_server(zmq_server: ServerProcess) -> ServerProcess:
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(server: PlugserveServer) -> Iterator[openai.OpenAI]:
     with server.openai_client() as client:
         yield client
 

@@ -23,24 +23,26 @@ import httpx
 import openai
 import pytest
 
+from plugserve.bench.plugserve_server import (
+    LAUNCHER_TITLE,
+    PlugserveServer,
+    is_api_server_child,
+    is_engine,
+    plugserve_command,
+)
+from plugserve.bench.processes import process_cmdline
+from plugserve.bench.server_process import free_port, wait_until
+
 from .conftest import (
     API_SERVER_HEADER,
     CHAT_CONVERSATIONS,
     COMPLETION_PROMPTS,
-    LAUNCHER_TITLE,
     LONG_MAX_TOKENS,
     MAX_TOKENS,
     MODEL,
     REPO_ROOT,
     SERVER_SETTINGS,
-    ServerProcess,
-    free_port,
-    is_api_server_child,
-    is_engine,
-    plugserve_command,
-    process_cmdline,
     running_server,
-    wait_until,
 )
 
 TWO_API_SERVERS = (*SERVER_SETTINGS, "--api-server-count", "2")
@@ -54,7 +56,7 @@ LONG = {
 }
 
 
-def identities(server: ServerProcess) -> dict[str, str]:
+def identities(server: PlugserveServer) -> dict[str, str]:
     """x-plugserve-api-server value → process title, for each API-server child."""
     pids = server.api_server_pids()
     return {
@@ -100,7 +102,7 @@ async def _chat(
     return text, raw.headers[API_SERVER_HEADER]
 
 
-async def _workload(server: ServerProcess) -> tuple[list[str], list[str]]:
+async def _workload(server: PlugserveServer) -> tuple[list[str], list[str]]:
     """Every request at once, each on a connection of its own: (texts in request order,
     the API server that answered each)."""
     async with server.async_openai_client() as client:
@@ -182,7 +184,7 @@ def test_two_api_servers_share_two_engines(tmp_path, reference):
 
 
 async def _streams_on_both_api_servers(
-    server: ServerProcess, connections: contextlib.AsyncExitStack
+    server: PlugserveServer, connections: contextlib.AsyncExitStack
 ) -> list[AsyncIterator[Any]]:
     """Long streamed completions, each on a new connection, until each API server has
     one generating (the kernel picks the API server of each new connection)."""
@@ -210,7 +212,7 @@ async def _drain(stream: AsyncIterator[Any]) -> None:
 def test_a_killed_engine_fails_requests_on_every_api_server_and_the_server_exits(
     transport, tmp_path
 ):
-    async def main(server: ServerProcess) -> None:
+    async def main(server: PlugserveServer) -> None:
         async with (
             contextlib.AsyncExitStack() as connections,
             server.async_openai_client(timeout=60) as client,

@@ -10,11 +10,12 @@ import httpx
 import openai
 import pytest
 
+from plugserve.bench.plugserve_server import PlugserveServer
+
 from .conftest import (
     COMPLETION_PROMPTS,
     MAX_MODEL_LEN,
     MODEL,
-    ServerProcess,
     assert_openai_error,
     transport_agnostic_server,
 )
@@ -73,7 +74,7 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | bytes, int, str | None]] = [
 ]  # fmt: skip
 
 
-def send(http: httpx.Client, server: ServerProcess, path: str, body: dict | bytes):
+def send(http: httpx.Client, server: PlugserveServer, path: str, body: dict | bytes):
     if isinstance(body, bytes):
         headers = {"content-type": "application/json"}
         return http.post(server.url(path), content=body, headers=headers)
@@ -91,7 +92,7 @@ def engine_counters(metrics: dict[str, float]) -> tuple[float, float]:
     ids=[case[0] for case in BAD_REQUESTS],
 )
 def test_bad_request_gets_an_openai_error_and_never_reaches_the_engine(
-    server: ServerProcess, path: str, body: dict | bytes, status: int, param: str | None
+    server: PlugserveServer, path: str, body: dict | bytes, status: int, param: str | None
 ):
     before = server.metrics()
     with httpx.Client(timeout=30) as http:
@@ -113,7 +114,9 @@ def test_the_openai_client_raises_its_own_error_types(client):
     assert "gpt-17" in missing.value.message
 
 
-def test_bad_requests_leave_a_concurrent_good_request_unaffected(server: ServerProcess, reference):
+def test_bad_requests_leave_a_concurrent_good_request_unaffected(
+    server: PlugserveServer, reference
+):
     prompt = COMPLETION_PROMPTS[1]
     max_tokens = 96
     expected = reference.completion(prompt, max_tokens=max_tokens, ignore_eos=True).outputs[0]

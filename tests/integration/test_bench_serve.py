@@ -8,13 +8,9 @@ import subprocess
 
 import pytest
 
-from .conftest import (
-    MODEL,
-    REPO_ROOT,
-    ServerProcess,
-    plugserve_command,
-    transport_agnostic_server,
-)
+from plugserve.bench.plugserve_server import PlugserveServer, plugserve_command
+
+from .conftest import MODEL, REPO_ROOT, transport_agnostic_server
 
 # Transport-agnostic: the shared zmq server serves every test here once.
 server = pytest.fixture(name="server")(transport_agnostic_server)
@@ -30,7 +26,7 @@ def _finished(metrics: dict[str, float], reason: str) -> float:
     return metrics[f'engine_requests_finished_total{{reason="{reason}"}}']
 
 
-def test_bench_serve_against_a_live_server(server: ServerProcess, tmp_path):
+def test_bench_serve_against_a_live_server(server: PlugserveServer, tmp_path):
     before = server.wait_idle(timeout=30)
     assert before["num_requests_running"] == 0
     command = [

@@ -20,11 +20,11 @@ from correctness.conftest import BF16_NEW_TOKENS, mixed_prompt_ids
 
 from integration.conftest import (
     MAX_MODEL_LEN,
-    ServerProcess,
     greedy_completion,
     require_bundled_transport,
     running_server,
 )
+from plugserve.bench.plugserve_server import PlugserveServer
 from plugserve.worker import cpu_linear
 from plugserve.worker.kernel_plan import TILED
 from tests.kernel_support import pinned_plan
@@ -66,7 +66,7 @@ def hf_bf16(prompts_and_references) -> list[Reference]:
 
 
 @pytest.fixture(scope="module")
-def bf16_server(tmp_path_factory) -> Iterator[ServerProcess]:
+def bf16_server(tmp_path_factory) -> Iterator[PlugserveServer]:
     # No --num-threads: the engine takes every core, as served, so one-row steps can share
     # their work with the helper thread.
     require_bundled_transport("zmq")
@@ -75,7 +75,7 @@ def bf16_server(tmp_path_factory) -> Iterator[ServerProcess]:
         yield server
 
 
-def test_the_engine_runs_the_served_bf16_path(bf16_server: ServerProcess) -> None:
+def test_the_engine_runs_the_served_bf16_path(bf16_server: PlugserveServer) -> None:
     log = bf16_server.log_text()
     if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
         # The suite's pinned plan (tests/conftest.py), followed as set, not measured.
@@ -88,7 +88,7 @@ def test_the_engine_runs_the_served_bf16_path(bf16_server: ServerProcess) -> Non
     assert "dtype torch.bfloat16" in log or "dtype bfloat16" in log, log
 
 
-async def _complete(server: ServerProcess, prompts: list, together: bool) -> list:
+async def _complete(server: PlugserveServer, prompts: list, together: bool) -> list:
     """Every prompt's greedy completion; every other one streamed."""
     async with server.async_openai_client() as client:
         answers = [
@@ -102,7 +102,7 @@ async def _complete(server: ServerProcess, prompts: list, together: bool) -> lis
 
 @pytest.mark.parametrize("together", [True, False], ids=["together", "one-at-a-time"])
 def test_served_bf16_agrees_with_hf_bf16(
-    bf16_server: ServerProcess, prompts, hf_bf16, together: bool
+    bf16_server: PlugserveServer, prompts, hf_bf16, together: bool
 ) -> None:
     steps_before = bf16_server.metrics()["engine_steps_total"]
     answers = asyncio.run(_complete(bf16_server, prompts, together))

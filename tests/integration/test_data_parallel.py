@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from .conftest import (
-    COMPLETION_PROMPTS,
-    ENGINE_TITLE,
-    MAX_TOKENS,
-    SERVER_SETTINGS,
-    children_of,
-    process_cmdline,
-    running_server,
-)
+from plugserve.bench.plugserve_server import ENGINE_TITLE
+from plugserve.bench.processes import children_of, process_cmdline
+
+from .conftest import COMPLETION_PROMPTS, MAX_TOKENS, SERVER_SETTINGS, running_server
 
 PROMPTS = COMPLETION_PROMPTS * 2
 

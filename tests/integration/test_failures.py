@@ -17,6 +17,9 @@ import httpx
 import openai
 import pytest
 
+from plugserve.bench.plugserve_server import PlugserveServer, is_engine
+from plugserve.bench.processes import children_of, process_cmdline
+from plugserve.bench.server_process import wait_until
 from plugserve.frontend.routes.endpoint_flow import HEALTH_TIMEOUT_S
 
 from .conftest import (
@@ -27,13 +30,8 @@ from .conftest import (
     MODEL,
     REPO_ROOT,
     SERVER_SETTINGS,
-    ServerProcess,
     assert_openai_error,
-    children_of,
-    is_engine,
-    process_cmdline,
     running_server,
-    wait_until,
 )
 from .faulty_plugin import TOOL_PARSER_ERROR
 
@@ -46,7 +44,7 @@ LONG = {
 }
 
 
-def health(server: ServerProcess, timeout: float = 30) -> int | None:
+def health(server: PlugserveServer, timeout: float = 30) -> int | None:
     """/health's status code, or None if the server no longer answers."""
     try:
         return httpx.get(server.url("/health"), timeout=timeout).status_code
@@ -59,7 +57,7 @@ def engine_dead(message: str) -> dict[str, Any]:
     return {"message": message, "type": "server_error", "param": None, "code": 503}
 
 
-def dead_health(server: ServerProcess, message: str) -> bool:
+def dead_health(server: PlugserveServer, message: str) -> bool:
     """/health answers 503 with the engine's death, unless the server (which exits once
     its requests have failed) no longer answers at all."""
     try:
@@ -106,7 +104,7 @@ def test_killed_engine_fails_in_flight_requests_and_the_server_exits(transport, 
         assert "exited unexpectedly" in server.log_text()
 
 
-def test_stopped_engine_turns_health_503_and_it_recovers(server: ServerProcess, client):
+def test_stopped_engine_turns_health_503_and_it_recovers(server: PlugserveServer, client):
     # On the shared server: SIGCONT follows whatever happens, and nothing is lost.
     engine = server.engine_pid()
     os.kill(engine, signal.SIGSTOP)
@@ -157,7 +155,7 @@ def faulty_server(transport: str, log_dir) -> Any:
     return running_server(transport, log_dir, settings=settings, env=env)
 
 
-async def _requests(server: ServerProcess) -> list[Any]:
+async def _requests(server: PlugserveServer) -> list[Any]:
     """Two refused requests and three whose answers fail to render (streamed and not)
     among good ones, all at once."""
     async with server.async_openai_client() as aclient:

@@ -36,7 +36,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from .conftest import MODEL, ServerProcess, assert_openai_error
+from plugserve.bench.plugserve_server import PlugserveServer
+
+from .conftest import MODEL, assert_openai_error
 
 CHECKS = [
     not_a_server_error,
@@ -73,13 +75,13 @@ def ieee_floats() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def server(zmq_server: ServerProcess) -> ServerProcess:
+def server(zmq_server: PlugserveServer) -> PlugserveServer:
     """The session's shared zmq server: fuzzing must leave it as it found it, which the
     greedy answers before and after show."""
     return zmq_server
 
 
-def greedy_answers(server: ServerProcess) -> list[str]:
+def greedy_answers(server: PlugserveServer) -> list[str]:
     answers = []
     for path, fields in GREEDY:
         body = {"model": MODEL, "temperature": 0, "max_tokens": 16, **fields}
@@ -175,7 +177,7 @@ def fuzz_operation(operation: Any, failures: list[str]) -> int:
 
 
 def test_fuzzing_every_operation_gets_no_5xx_and_leaves_the_server_as_it_was(
-    server: ServerProcess,
+    server: PlugserveServer,
 ):
     before = greedy_answers(server)
     engine = server.engine_pid()
@@ -213,7 +215,7 @@ def test_fuzzing_every_operation_gets_no_5xx_and_leaves_the_server_as_it_was(
 
 @pytest.mark.parametrize("field", ["top_p", "repetition_penalty"])
 def test_a_subnormal_bound_is_refused_before_it_reaches_the_engine(
-    server: ServerProcess, field: str
+    server: PlugserveServer, field: str
 ):
     """Found by the fuzz: top_p 5e-324 passed the API server's `> 0`, but the engine
     process compares subnormals as zero (its -ffast-math kernels set FTZ/DAZ), refused
@@ -234,7 +236,9 @@ def test_a_subnormal_bound_is_refused_before_it_reaches_the_engine(
         ("min_tokens", 2**63),
     ],
 )
-def test_an_integer_beyond_int64_is_refused_by_name(server: ServerProcess, field: str, value: int):
+def test_an_integer_beyond_int64_is_refused_by_name(
+    server: PlugserveServer, field: str, value: int
+):
     """Found by the fuzz: a seed (or priority, top_k, min_tokens) that msgspec cannot
     carry to the engine was a 500 (OverflowError while sending); top_k past int64 would
     have stopped the engine in its int64 batch arrays."""
@@ -243,7 +247,7 @@ def test_an_integer_beyond_int64_is_refused_by_name(server: ServerProcess, field
     assert error["param"] == field
 
 
-def test_a_choice_the_vocabulary_cannot_spell_is_a_bad_request(server: ServerProcess):
+def test_a_choice_the_vocabulary_cannot_spell_is_a_bad_request(server: PlugserveServer):
     """Found by the fuzz (PLUGSERVE_FUZZ_SEED=1): xgrammar allows no token of SmolLM2's
     vocabulary for a character whose UTF-8 starts with F1..F3 (U+40000 on). The request
     cannot be served as asked: a 400 that says why, streamed or not, not a server error."""
@@ -259,7 +263,7 @@ def test_a_choice_the_vocabulary_cannot_spell_is_a_bad_request(server: ServerPro
     assert '"code": 400' in streamed or '"code":400' in streamed, streamed
 
 
-def test_the_largest_seed_with_n_choices_is_served(server: ServerProcess):
+def test_the_largest_seed_with_n_choices_is_served(server: PlugserveServer):
     """n choices sample with seed + i: from the largest seed allowed that still fits."""
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "n": 3, "seed": 2**63 - 1}
     response = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
@@ -267,7 +271,7 @@ def test_the_largest_seed_with_n_choices_is_served(server: ServerProcess):
     assert len(response.json()["choices"]) == 3
 
 
-def test_the_schema_documents_errors_as_they_are_answered(server: ServerProcess):
+def test_the_schema_documents_errors_as_they_are_answered(server: PlugserveServer):
     """A body that fails validation is a 400 in OpenAI's shape, as the schema says (not
     FastAPI's 422); a stream is documented as server-sent events."""
     schema = httpx.get(server.url("/openapi.json"), timeout=10).json()

@@ -17,7 +17,9 @@ import sys
 
 import httpx
 
-from .conftest import REPO_ROOT, ServerProcess, running_server
+from plugserve.bench.plugserve_server import PlugserveServer
+
+from .conftest import REPO_ROOT, running_server
 
 GPU_DIR = REPO_ROOT / "benchmarks" / "gpu"
 GPU_IMAGE_SITE = REPO_ROOT / "tests" / "integration" / "gpu_image"
@@ -36,7 +38,7 @@ def gpu_machine_env(wheels: os.PathLike[str] | str = GPU_DIR / "requirements-off
     }
 
 
-def serve_a_little(server: ServerProcess) -> None:
+def serve_a_little(server: PlugserveServer) -> None:
     client = server.openai_client()
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(

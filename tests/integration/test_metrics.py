@@ -25,6 +25,8 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from plugserve.bench.plugserve_server import PlugserveServer
+from plugserve.bench.server_process import wait_until
 from tests.integration.conftest import (
     API_SERVER_HEADER,
     CHAT_CONVERSATIONS,
@@ -32,9 +34,7 @@ from tests.integration.conftest import (
     MODEL,
     REPO_ROOT,
     SERVER_SETTINGS,
-    ServerProcess,
     running_server,
-    wait_until,
 )
 from tests.integration.metrics_plugin import ANSWERED_BY, REGISTRATIONS
 
@@ -104,7 +104,7 @@ class Scrape:
         return int(self.answered_by.rpartition("pid=")[2])
 
 
-def scrape(server: ServerProcess) -> Scrape:
+def scrape(server: PlugserveServer) -> Scrape:
     # A connection of its own each time: the kernel spreads them over the API servers.
     response = httpx.get(server.url("/metrics"), timeout=10)
     assert response.status_code == 200, response.text
@@ -112,7 +112,7 @@ def scrape(server: ServerProcess) -> Scrape:
     return Scrape(response.headers[API_SERVER_HEADER], families)
 
 
-def scrapes_from_every_api_server(server: ServerProcess, count: int = 2) -> list[Scrape]:
+def scrapes_from_every_api_server(server: PlugserveServer, count: int = 2) -> list[Scrape]:
     """Scrapes until `count` different API servers have answered (one scrape of each)."""
     by_process: dict[str, Scrape] = {}
     for _ in range(60):
@@ -131,7 +131,7 @@ class Served:
     finish_reason: str
 
 
-def serve_one(server: ServerProcess, index: int) -> Served:
+def serve_one(server: PlugserveServer, index: int) -> Served:
     """Request `index` of the workload, on a connection of its own: completions and chat,
     streamed (with usage in its last chunk) and not; every chat the same conversation, so
     that the prefix cache has hits."""
@@ -173,7 +173,7 @@ def serve_one(server: ServerProcess, index: int) -> Served:
 
 
 @pytest.fixture(scope="module")
-def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlugserveServer]:
     at = AUTO_DTYPE_SETTINGS.index("--max-model-len")
     settings = (
         *AUTO_DTYPE_SETTINGS[:at], *AUTO_DTYPE_SETTINGS[at + 2 :],

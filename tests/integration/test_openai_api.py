@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from plugserve.bench.plugserve_server import PlugserveServer
 from plugserve.messages import FINISH_REASONS
 
 from .conftest import (
@@ -22,7 +23,6 @@ from .conftest import (
     MAX_MODEL_LEN,
     MAX_TOKENS,
     MODEL,
-    ServerProcess,
     running_thread_samples,
 )
 
@@ -152,7 +152,7 @@ async def _stream_text(aclient, index: int) -> str:
     return "".join([c.choices[0].text async for c in stream if c.choices])
 
 
-def test_32_concurrent_streams_all_complete_correctly(server: ServerProcess, reference):
+def test_32_concurrent_streams_all_complete_correctly(server: PlugserveServer, reference):
     num_requests = 32
 
     async def main() -> list[str]:
@@ -202,7 +202,7 @@ def _finished(metrics: dict[str, float], reason: str) -> float:
     return metrics[f'engine_requests_finished_total{{reason="{reason}"}}']
 
 
-def _idle_metrics(server: ServerProcess) -> dict[str, float]:
+def _idle_metrics(server: PlugserveServer) -> dict[str, float]:
     idle = server.wait_idle(timeout=30)
     assert idle["num_requests_running"] == 0, idle
     assert idle["num_requests_waiting"] == 0, idle
@@ -211,7 +211,7 @@ def _idle_metrics(server: ServerProcess) -> dict[str, float]:
 
 
 def _assert_aborted_in_the_engine(
-    server: ServerProcess, before: dict[str, float], after: dict[str, float]
+    server: PlugserveServer, before: dict[str, float], after: dict[str, float]
 ) -> float:
     """One request ran between `before` and `after` (both idle) and the engine aborted it
     before its end; returns the tokens it generated."""
@@ -241,7 +241,7 @@ def _assert_aborted_in_the_engine(
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-def test_client_disconnect_mid_stream_aborts_the_request(server: ServerProcess, chat: bool):
+def test_client_disconnect_mid_stream_aborts_the_request(server: PlugserveServer, chat: bool):
     path = "/v1/chat/completions" if chat else "/v1/completions"
     before = _idle_metrics(server)
     with (
@@ -263,7 +263,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(server: ServerProcess, 
     assert generated >= 3  # the client read the first three (chat: a role chunk first)
 
 
-def test_client_disconnect_while_waiting_for_a_non_streamed_answer(server: ServerProcess):
+def test_client_disconnect_while_waiting_for_a_non_streamed_answer(server: PlugserveServer):
     before = _idle_metrics(server)
 
     async def leave_once_generating() -> None:
@@ -294,7 +294,7 @@ def test_client_disconnect_while_waiting_for_a_non_streamed_answer(server: Serve
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 def test_stop_string_finishes_the_request_and_aborts_it_in_the_engine(
-    server: ServerProcess, client, reference, stream: bool
+    server: PlugserveServer, client, reference, stream: bool
 ):
     prompt = COMPLETION_PROMPTS[2]
     greedy = reference.completion(prompt, max_tokens=24, ignore_eos=True).outputs[0].text
@@ -325,7 +325,7 @@ def test_stop_string_finishes_the_request_and_aborts_it_in_the_engine(
     assert generated < 40
 
 
-def test_raw_sse_format(server: ServerProcess):
+def test_raw_sse_format(server: PlugserveServer):
     """What the stream looks like on the wire: `data: {json}` events, `data: [DONE]` last."""
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http:
@@ -365,7 +365,7 @@ def _assert_rendered_as_vllm_does(values: list[float]) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_logprobs_a_grammar_ruled_out_are_rendered_as_vllm_renders_them(
-    zmq_server: ServerProcess, stream: bool
+    zmq_server: PlugserveServer, stream: bool
 ):
     """Under a json_schema most of a step's top alternatives are masked to -inf, which
     JSON cannot carry: chat and completions render them -9999.0, as vLLM does. Any

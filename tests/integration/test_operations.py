@@ -29,15 +29,10 @@ import httpx
 import openai
 import pytest
 
-from .conftest import (
-    MAX_MODEL_LEN,
-    MODEL,
-    SERVER_SETTINGS,
-    ServerProcess,
-    assert_openai_error,
-    running_server,
-    wait_until,
-)
+from plugserve.bench.plugserve_server import PlugserveServer
+from plugserve.bench.server_process import wait_until
+
+from .conftest import MAX_MODEL_LEN, MODEL, SERVER_SETTINGS, assert_openai_error, running_server
 
 API_KEY = "k-operations"
 ALLOWED_ORIGIN = "http://allowed.example"
@@ -90,7 +85,7 @@ def _settings(folder: Path, *extra: str) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def server(
     model_folder: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[PlugserveServer]:
     settings = _settings(
         model_folder[0],
         "--max-num-seqs", str(MAX_NUM_SEQS),
@@ -107,23 +102,23 @@ def server(
 @pytest.fixture(scope="module")
 def plain_server(
     model_folder: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[PlugserveServer]:
     # A drain long enough for the request the SIGTERM test leaves in flight (and below
-    # ServerProcess.stop's patience).
+    # PlugserveServer.stop's patience).
     settings = _settings(model_folder[0], "--generation-config", "none", "--shutdown-timeout", "25")
     with running_server("zmq", tmp_path_factory.mktemp("plain"), settings=settings) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(server: PlugserveServer) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(
         base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120
     ) as client:
         yield client
 
 
-def _http(server: ServerProcess, key: str | None = API_KEY) -> httpx.Client:
+def _http(server: PlugserveServer, key: str | None = API_KEY) -> httpx.Client:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(base_url=server.base_url, headers=headers, timeout=120)
 
@@ -135,7 +130,7 @@ def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kwargs: Any) 
 # --------------------------------------------------------------------------- endpoints
 
 
-def test_tokenize_then_detokenize_gives_the_prompt_back(server: ServerProcess):
+def test_tokenize_then_detokenize_gives_the_prompt_back(server: PlugserveServer):
     text = "The quick brown fox jumps over the lazy dog. Ünïcödé ✓"
     with _http(server, key=None) as http:
         tokens = http.post(
@@ -151,7 +146,7 @@ def test_tokenize_then_detokenize_gives_the_prompt_back(server: ServerProcess):
 
 
 def test_a_tokenized_chat_counts_what_a_chat_completion_bills(
-    server: ServerProcess, client: openai.OpenAI
+    server: PlugserveServer, client: openai.OpenAI
 ):
     messages = [{"role": "system", "content": "Be brief."}, *COMPOSE]
     with _http(server, key=None) as http:
@@ -162,7 +157,7 @@ def test_a_tokenized_chat_counts_what_a_chat_completion_bills(
     assert tokenized["token_strs"] is None and plain["count"] < tokenized["count"]
 
 
-def test_tokenize_refuses_bad_bodies_by_name(server: ServerProcess):
+def test_tokenize_refuses_bad_bodies_by_name(server: PlugserveServer):
     with _http(server, key=None) as http:
         unknown = http.post("/tokenize", json={"prompt": "x", "truncate": 3})
         both = http.post("/tokenize", json={"prompt": "x", "messages": COMPOSE})
@@ -174,7 +169,7 @@ def test_tokenize_refuses_bad_bodies_by_name(server: ServerProcess):
     assert_openai_error(wrong_model, 404)
 
 
-def test_models_lists_vllm_fields_and_ping_answers(server: ServerProcess, model_folder):
+def test_models_lists_vllm_fields_and_ping_answers(server: PlugserveServer, model_folder):
     with _http(server) as http:
         [card] = http.get("/v1/models").json()["data"]
         pings = [http.get("/ping").status_code, http.post("/ping").status_code]
@@ -274,7 +269,7 @@ def test_a_response_calls_a_function_tool(client: openai.OpenAI):
     assert [item.type for item in follow_up.output] == ["message"]
 
 
-def test_a_response_refuses_unknown_fields_by_name(server: ServerProcess):
+def test_a_response_refuses_unknown_fields_by_name(server: PlugserveServer):
     with _http(server) as http:
         refused = http.post(
             "/v1/responses", json={"model": MODEL, "input": "hi", "previous_response_id": "r"}
@@ -300,7 +295,7 @@ def _samples(client: openai.OpenAI, **kwargs: Any) -> list[str]:
 
 
 def test_a_request_without_temperature_samples_at_the_models_default(
-    server: ServerProcess, client: openai.OpenAI
+    server: PlugserveServer, client: openai.OpenAI
 ):
     assert f"temperature={DEFAULT_TEMPERATURE}" in server.log_text()
     greedy = _samples(client, temperature=0)[0]
@@ -308,7 +303,7 @@ def test_a_request_without_temperature_samples_at_the_models_default(
     assert len(set(_samples(client, temperature=1.0))) > 1  # the request's own wins
 
 
-def test_generation_config_none_keeps_openais_defaults(plain_server: ServerProcess):
+def test_generation_config_none_keeps_openais_defaults(plain_server: PlugserveServer):
     assert "sampling defaults from generation_config.json: none" in plain_server.log_text()
     with plain_server.openai_client() as client:
         assert len(set(_samples(client))) > 1  # temperature 1
@@ -333,7 +328,7 @@ def test_every_eos_id_of_the_generation_config_stops(
 
 
 def test_past_max_waiting_requests_a_request_gets_429_while_the_admitted_finish(
-    server: ServerProcess,
+    server: PlugserveServer,
 ):
     body = {
         "model": MODEL, "prompt": STORY, "max_tokens": 24, "temperature": 0,
@@ -364,7 +359,7 @@ def test_past_max_waiting_requests_a_request_gets_429_while_the_admitted_finish(
     assert after.status_code == 200  # and their slots are free again
 
 
-def test_cors_preflight_is_answered_for_allowed_origins_only(server: ServerProcess):
+def test_cors_preflight_is_answered_for_allowed_origins_only(server: PlugserveServer):
     preflight = {
         "access-control-request-method": "POST",
         "access-control-request-headers": "authorization",
@@ -387,13 +382,13 @@ def test_cors_preflight_is_answered_for_allowed_origins_only(server: ServerProce
     assert "x-request-id" in simple.headers["access-control-expose-headers"].lower()
 
 
-def test_the_api_key_comes_from_the_environment(server: ServerProcess):
+def test_the_api_key_comes_from_the_environment(server: PlugserveServer):
     with _http(server, key="wrong") as wrong, _http(server) as right:
         assert_openai_error(wrong.get("/v1/models"), 401)
         assert right.get("/v1/models").status_code == 200
 
 
-def test_x_request_id_names_the_request_and_is_echoed_and_logged(server: ServerProcess):
+def test_x_request_id_names_the_request_and_is_echoed_and_logged(server: PlugserveServer):
     body = {"model": MODEL, "messages": COMPOSE, "max_tokens": 4, "temperature": 0}
     with _http(server) as http:
         named = http.post("/v1/chat/completions", json=body, headers={"x-request-id": "op-42"})
@@ -420,7 +415,7 @@ def test_x_request_id_names_the_request_and_is_echoed_and_logged(server: ServerP
 
 
 def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_and_exits_0(
-    plain_server: ServerProcess,
+    plain_server: PlugserveServer,
 ):
     """Runs last: it stops plain_server."""
     body = {
@@ -454,4 +449,4 @@ def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_and_exits_0(
     except subprocess.TimeoutExpired:
         pytest.fail("the server did not exit after its last request:\n" + plain_server.log_tail())
     assert code == 0, plain_server.log_tail()
-    assert plain_server.stop() == 0  # and it left no engine process behind
+    assert not plain_server.stop().outlived

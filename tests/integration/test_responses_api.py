@@ -13,7 +13,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, ServerProcess, assert_openai_error
+from plugserve.bench.plugserve_server import PlugserveServer
+
+from .conftest import MODEL, assert_openai_error
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 QUESTION = "Write one sentence about the sea."
@@ -24,7 +26,7 @@ AGENT_ASKS: dict[str, Any] = dict(instructions="Be brief.", input="Name a colour
 
 
 @pytest.fixture(scope="module")
-def client(zmq_server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(zmq_server: PlugserveServer) -> Iterator[openai.OpenAI]:
     with zmq_server.openai_client() as client:
         yield client
 
@@ -39,7 +41,7 @@ def _values(logprobs: list[Any]) -> list[float]:
 
 
 def test_a_response_includes_what_include_asks_for(
-    client: openai.OpenAI, zmq_server: ServerProcess
+    client: openai.OpenAI, zmq_server: PlugserveServer
 ):
     """`include` empty or null asks for nothing more; message.output_text.logprobs puts the
     tokens' logprobs on the output_text part (chat's, with top_logprobs alternatives),
@@ -80,7 +82,9 @@ def test_a_response_includes_what_include_asks_for(
     assert assert_openai_error(alone, 400)["param"] == "top_logprobs"
 
 
-def test_the_openai_agents_sdk_gets_its_responses(client: openai.OpenAI, zmq_server: ServerProcess):
+def test_the_openai_agents_sdk_gets_its_responses(
+    client: openai.OpenAI, zmq_server: PlugserveServer
+):
     """openai-agents' OpenAIResponsesModel always sends `include` (empty unless it wants
     more) and asks for message.output_text.logprobs with ModelSettings.top_logprobs;
     what it gets is what the openai SDK gets."""

@@ -11,20 +11,22 @@ import httpx
 import pytest
 
 from plugserve import __version__
+from plugserve.bench.plugserve_server import (
+    API_SERVER_TITLE,
+    ENGINE_TITLE,
+    PlugserveServer,
+    plugserve_command,
+)
+from plugserve.bench.processes import process_cmdline
+from plugserve.bench.server_process import free_port
 from plugserve.frontend.middleware import API_SERVER_HEADER
 from tests.kernel_support import pinned_plan
 
 from .conftest import (
-    API_SERVER_TITLE,
-    ENGINE_TITLE,
     MODEL,
     REPO_ROOT,
     SERVER_SETTINGS,
-    ServerProcess,
     assert_openai_error,
-    free_port,
-    plugserve_command,
-    process_cmdline,
     running_server,
     transport_agnostic_server,
 )
@@ -53,7 +55,7 @@ def test_a_bad_config_fails_with_one_line_and_a_nonzero_exit(settings: list[str]
     assert says in lines[0]
 
 
-def test_process_titles_and_log_lines_name_their_process(server: ServerProcess):
+def test_process_titles_and_log_lines_name_their_process(server: PlugserveServer):
     engine = server.engine_pid()
     assert process_cmdline(server.pid).startswith(API_SERVER_TITLE)
     assert process_cmdline(engine).startswith(ENGINE_TITLE)
@@ -66,7 +68,7 @@ def test_process_titles_and_log_lines_name_their_process(server: ServerProcess):
             assert re.match(r"^\S+ (ApiServer|EngineCore\S*) pid=\d+ [A-Z]+ ", line), line
 
 
-def test_the_api_server_runs_on_uvloop_and_parses_http_with_httptools(server: ServerProcess):
+def test_the_api_server_runs_on_uvloop_and_parses_http_with_httptools(server: PlugserveServer):
     """Both are dependencies on Linux: the API server's CPU per streamed token, which at
     c=1 is taken from the engine's cores, fell ~15 % with them. The server logs the loop
     it finds running and uvicorn's protocol class."""
@@ -76,7 +78,7 @@ def test_the_api_server_runs_on_uvloop_and_parses_http_with_httptools(server: Se
     assert line.group(2) == "HttpToolsProtocol"
 
 
-def test_health_version_and_metrics(server: ServerProcess):
+def test_health_version_and_metrics(server: PlugserveServer):
     with httpx.Client(timeout=30) as http:
         assert http.get(server.url("/health")).status_code == 200
         assert http.get(server.url("/version")).json() == {"version": __version__}
@@ -89,7 +91,7 @@ def test_health_version_and_metrics(server: ServerProcess):
     assert values["kv_cache_free_blocks"] <= values["kv_cache_blocks"]
 
 
-def test_metrics_count_engine_steps_and_the_time_in_the_forward_pass(server: ServerProcess):
+def test_metrics_count_engine_steps_and_the_time_in_the_forward_pass(server: PlugserveServer):
     before = server.metrics()
     response = httpx.post(
         server.url("/v1/completions"),
@@ -106,7 +108,7 @@ def test_metrics_count_engine_steps_and_the_time_in_the_forward_pass(server: Ser
 
 
 @pytest.fixture(scope="module")
-def guarded_bf16_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def guarded_bf16_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlugserveServer]:
     """One server for the two tests that need settings of their own: an API key (which
     guards /v1/ only) and bf16 weights (which the weight-read bench reads)."""
     settings = (*SERVER_SETTINGS, "--dtype", "bfloat16", "--api-key", "s3cret")
@@ -114,7 +116,7 @@ def guarded_bf16_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         yield s
 
 
-def test_an_api_key_guards_the_v1_routes_only(guarded_bf16_server: ServerProcess):
+def test_an_api_key_guards_the_v1_routes_only(guarded_bf16_server: PlugserveServer):
     server = guarded_bf16_server
     with httpx.Client(timeout=30) as http:
         refused = http.get(server.url("/v1/models"))
@@ -130,7 +132,7 @@ def test_an_api_key_guards_the_v1_routes_only(guarded_bf16_server: ServerProcess
     assert allowed.headers[API_SERVER_HEADER] == health.headers[API_SERVER_HEADER]
 
 
-def test_the_engine_measures_the_floor_on_its_own_weights(guarded_bf16_server: ServerProcess):
+def test_the_engine_measures_the_floor_on_its_own_weights(guarded_bf16_server: PlugserveServer):
     """GET /bench/weight_read: the engine reads its packed weights between two steps and
     answers the batch-1 bandwidth floor; where it keeps no single weight buffer (fp32
     here), it says so in OpenAI's error shape; bad arguments are 400s."""
@@ -155,6 +157,6 @@ def test_the_engine_measures_the_floor_on_its_own_weights(guarded_bf16_server: S
     assert "no engine 2" in assert_openai_error(no_engine, 400)["message"]
 
 
-def test_an_fp32_engine_says_it_has_no_weight_buffer_to_read(server: ServerProcess):
+def test_an_fp32_engine_says_it_has_no_weight_buffer_to_read(server: PlugserveServer):
     response = httpx.get(server.url("/bench/weight_read"), params={"seconds": 0.1}, timeout=30)
     assert "no single weight buffer" in assert_openai_error(response, 409)["message"]

@@ -8,14 +8,14 @@ resident memory is within 10 % of its value after the warm-up."""
 
 from __future__ import annotations
 
-from tests.integration.conftest import ServerProcess
+from plugserve.bench.plugserve_server import PlugserveServer
 from tests.soak.soak import soak
 
 REQUESTS = 100  # per transport
 CONCURRENCY = 16
 
 
-def test_a_short_soak_leaves_the_server_as_it_found_it(server: ServerProcess):
+def test_a_short_soak_leaves_the_server_as_it_found_it(server: PlugserveServer):
     """On the session's shared server of each transport: the soak's checks are relative
     to its own warm-up, and every other test leaves that server as it found it too."""
     report = soak(

@@ -17,7 +17,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from .conftest import MODEL, ServerProcess, assert_openai_error
+from plugserve.bench.plugserve_server import PlugserveServer
+
+from .conftest import MODEL, assert_openai_error
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -46,7 +48,7 @@ SCHEMAS = {"GetWeather": GetWeather, "GetTime": GetTime}
 
 
 @pytest.fixture(scope="module")
-def server(zmq_server: ServerProcess) -> ServerProcess:
+def server(zmq_server: PlugserveServer) -> PlugserveServer:
     # Every request here only reads the model: the shared default server serves them.
     return zmq_server
 
@@ -61,12 +63,12 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(server: PlugserveServer) -> Iterator[openai.OpenAI]:
     with server.openai_client() as client:
         yield client
 
 
-def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
+def post(server: PlugserveServer, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.url(path), json={"model": MODEL, **body}, timeout=120)
 
 

@@ -54,9 +54,10 @@ from correctness.tiny_checkpoints import (
     tokenizer_folder,
     write_tiny_checkpoint,
 )
-from integration.conftest import GreedyCompletion, ServerProcess, greedy_completion, serving
+from integration.conftest import GreedyCompletion, greedy_completion, server_under_test
 from transformers import Qwen3Config
 
+from plugserve.bench.plugserve_server import PlugserveServer
 from plugserve.capabilities import has_dtypes, has_tensor_parallel_limit, reports_unavailability
 from plugserve.plugins import get_registry
 
@@ -261,7 +262,7 @@ class ServerQueue:
         self._module = request.module
         self._tmp = tmp_path_factory
         self._checkpoint = checkpoint
-        self._launched: dict[str, ServerProcess] = {}
+        self._launched: dict[str, PlugserveServer] = {}
 
     def _runs_here(self, item: pytest.Item) -> bool:
         return (
@@ -270,26 +271,26 @@ class ServerQueue:
             and item.get_closest_marker("skip") is None
         )
 
-    def _launch(self, item: pytest.Item) -> ServerProcess:
+    def _launch(self, item: pytest.Item) -> PlugserveServer:
         transport, settings = server_args(item, self._checkpoint)
-        log_dir = self._tmp.mktemp("server")
-        return ServerProcess(transport, log_dir / f"server-{transport}.log", settings=settings)
+        log_path = self._tmp.mktemp("server") / f"server-{transport}.log"
+        return server_under_test(transport, log_path, settings=settings).launch()
 
     @contextlib.contextmanager
-    def serve(self, item: pytest.Item) -> Iterator[ServerProcess]:
+    def serve(self, item: pytest.Item) -> Iterator[PlugserveServer]:
         """`item`'s server (launched ahead or now) for the block, as running_server's."""
         server = self._launched.pop(item.nodeid, None) or self._launch(item)
         later = self._items[self._items.index(item) + 1 :]
         upcoming = next((i for i in later if self._runs_here(i)), None)
         if upcoming is not None and upcoming.nodeid not in self._launched:
             self._launched[upcoming.nodeid] = self._launch(upcoming)
-        with serving(server) as served:
+        with server.running() as served:
             yield served
 
     def close(self) -> None:
         """Servers launched for cells that did not run (a failure with -x, an interrupt)."""
         for server in self._launched.values():
-            server.kill_all()
+            server.kill()
         self._launched.clear()
 
 

@@ -13,37 +13,37 @@ from pathlib import Path
 import httpx
 import pytest
 
+from plugserve.bench.plugserve_server import PlugserveServer
+from plugserve.bench.server_process import STARTUP_TIMEOUT_S
 from tests.integration.conftest import (
     MAX_MODEL_LEN,
     MODEL,
-    STARTUP_TIMEOUT_S,
-    ServerProcess,
     assert_openai_error,
-    is_engine,
     running_server,
+    server_under_test,
 )
 
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlugserveServer]:
     with running_server("zmq", tmp_path_factory.mktemp("next-token")) as server:
         yield server
 
 
-def next_token(server: ServerProcess, **body: object) -> httpx.Response:
+def next_token(server: PlugserveServer, **body: object) -> httpx.Response:
     return httpx.post(server.url("/v1/next_token"), json=body, timeout=60)
 
 
-def test_the_endpoint_is_served_and_described_beside_the_bundled_ones(server: ServerProcess):
+def test_the_endpoint_is_served_and_described_beside_the_bundled_ones(server: PlugserveServer):
     paths = httpx.get(server.url("/openapi.json"), timeout=10).json()["paths"]
     assert {"/v1/next_token", "/v1/completions", "/v1/chat/completions"} <= set(paths)
     request_schema = paths["/v1/next_token"]["post"]["requestBody"]
     assert request_schema["content"]["application/json"]["schema"]
 
 
-def test_the_next_token_is_the_first_token_of_a_greedy_completion(server: ServerProcess):
+def test_the_next_token_is_the_first_token_of_a_greedy_completion(server: PlugserveServer):
     answer = next_token(server, prompt=PROMPT, top_logprobs=3)
     assert answer.status_code == 200, answer.text
     token = answer.json()
@@ -67,14 +67,14 @@ def test_the_next_token_is_the_first_token_of_a_greedy_completion(server: Server
     assert alternatives == pytest.approx(logprobs["top_logprobs"][0], abs=1e-5)
 
 
-def test_its_errors_take_openais_shape(server: ServerProcess):
+def test_its_errors_take_openais_shape(server: PlugserveServer):
     too_long = next_token(server, prompt="hello " * MAX_MODEL_LEN)
     assert "context" in assert_openai_error(too_long, 400)["message"]
     unknown = assert_openai_error(next_token(server, prompt=PROMPT, model=MODEL), 400)
     assert unknown["param"] == "model"
 
 
-def test_its_engine_requests_leave_the_engine_idle(server: ServerProcess):
+def test_its_engine_requests_leave_the_engine_idle(server: PlugserveServer):
     for _ in range(3):
         assert next_token(server, prompt=PROMPT).status_code == 200
     idle = server.wait_idle()
@@ -99,15 +99,16 @@ def test_a_second_plugin_claiming_its_route_stops_the_server_naming_both(tmp_pat
         p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
     )
     env = {"PLUGSERVE_PLUGIN_MODULES": "rival_next_token", "PYTHONPATH": pythonpath}
-    server = ServerProcess("zmq", tmp_path / "server.log", env=env)
+    server = server_under_test("zmq", tmp_path / "server.log", env=env).launch()
     try:
         server.popen.wait(STARTUP_TIMEOUT_S)
+        ended = server.stop()
     finally:
-        server.kill_all()
-    assert server.popen.returncode != 0
+        server.kill()
+    assert ended.returncode != 0
     assert (
         "POST /v1/next_token is served by plugin 'next_token' (distribution "
         "'plugserve-next-token') and by plugin 'rival_next_token'" in server.log_text()
     )
-    [engine] = re.findall(r"engine core 0 ready \(pid (\d+)\)", server.log_text())
-    assert not is_engine(int(engine))
+    assert re.findall(r"engine core 0 ready \(pid (\d+)\)", server.log_text())
+    assert not ended.outlived, "the engines outlived their server"

@@ -1,6 +1,6 @@
-"""The soak: a real server (tests/integration/conftest.py's ServerProcess) under many
-requests of every kind, a quarter of them from clients that leave part-way, and what must
-hold afterwards.
+"""The soak: a real server (plugserve.bench's PlugserveServer) under many requests of
+every kind, a quarter of them from clients that leave part-way, and what must hold
+afterwards.
 
 What is sent: completions and chats, prompts of one word to a few hundred tokens, greedy
 and sampled (seeded or not), stop strings, max_tokens, n, logprobs, streamed and not.
@@ -40,16 +40,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import (
-    MODEL,
-    TRANSPORTS,
-    ServerProcess,
-    children_of,
-    process_cmdline,
-    running_server,
-    transport_registered,
-    wait_until,
-)
+from plugserve.bench.plugserve_server import PlugserveServer
+from plugserve.bench.processes import children_of, process_cmdline
+from plugserve.bench.server_process import wait_until
+from tests.integration.conftest import MODEL, TRANSPORTS, running_server, transport_registered
 
 LEAVING_SHARE = 0.25  # of the requests, whose clients disconnect part-way
 MAX_LEAVE_DELAY_S = 1.5  # a non-streamed request's client leaves within this
@@ -270,7 +264,7 @@ class Sent:
     error: str | None = None
 
 
-async def send(http: httpx.AsyncClient, server: ServerProcess, spec: Spec, sent: Sent) -> None:
+async def send(http: httpx.AsyncClient, server: PlugserveServer, spec: Spec, sent: Sent) -> None:
     try:
         if sent.stream:
             await _send_streamed(http, server, spec, sent)
@@ -280,7 +274,7 @@ async def send(http: httpx.AsyncClient, server: ServerProcess, spec: Spec, sent:
         sent.error = f"{type(exc).__name__}: {exc}"
 
 
-async def _send(http: httpx.AsyncClient, server: ServerProcess, spec: Spec, sent: Sent) -> None:
+async def _send(http: httpx.AsyncClient, server: PlugserveServer, spec: Spec, sent: Sent) -> None:
     post = asyncio.ensure_future(http.post(server.url(spec.path), json=spec.body(stream=False)))
     done, _ = await asyncio.wait({post}, timeout=sent.leave)
     if not done:  # the client leaves: its connection closes
@@ -296,7 +290,7 @@ async def _send(http: httpx.AsyncClient, server: ServerProcess, spec: Spec, sent
 
 
 async def _send_streamed(
-    http: httpx.AsyncClient, server: ServerProcess, spec: Spec, sent: Sent
+    http: httpx.AsyncClient, server: PlugserveServer, spec: Spec, sent: Sent
 ) -> None:
     async with http.stream("POST", server.url(spec.path), json=spec.body(stream=True)) as response:
         if response.status_code != 200:
@@ -324,7 +318,7 @@ async def _send_streamed(
 
 
 async def _send_all(
-    server: ServerProcess, specs: list[Spec], plan: list[Sent], concurrency: int
+    server: PlugserveServer, specs: list[Spec], plan: list[Sent], concurrency: int
 ) -> None:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     gate = asyncio.Semaphore(concurrency)
@@ -337,7 +331,7 @@ async def _send_all(
         await asyncio.gather(*(one(sent) for sent in plan))
 
 
-def references(server: ServerProcess, specs: list[Spec]) -> list[Answer]:
+def references(server: PlugserveServer, specs: list[Spec]) -> list[Answer]:
     """Each spec's answer served alone (one request at a time, not streamed)."""
     answers = []
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
@@ -373,7 +367,7 @@ def make_plan(
 # --------------------------------------------------------------------------- the server
 
 
-def vllm_gauges(server: ServerProcess) -> dict[str, float]:
+def vllm_gauges(server: PlugserveServer) -> dict[str, float]:
     """The idle gauges, each summed over its engines, and the finished requests by reason."""
     response = httpx.get(server.url("/metrics"), timeout=10)
     response.raise_for_status()
@@ -388,7 +382,7 @@ def vllm_gauges(server: ServerProcess) -> dict[str, float]:
     return values
 
 
-def wait_idle(server: ServerProcess) -> dict[str, float]:
+def wait_idle(server: PlugserveServer) -> dict[str, float]:
     """The gauges once nothing runs or waits and no KV block is in use (or after
     IDLE_TIMEOUT_S: then the last ones)."""
     last: dict[str, float] = {}
@@ -401,7 +395,7 @@ def wait_idle(server: ServerProcess) -> dict[str, float]:
     return last
 
 
-def server_processes(server: ServerProcess) -> dict[int, str]:
+def server_processes(server: PlugserveServer) -> dict[int, str]:
     """pid -> name of the server's process and all its descendants (the engine core…)."""
     found: dict[int, str] = {}
     todo = [server.pid]
@@ -489,7 +483,7 @@ class SoakReport:
 
 
 def soak(
-    server: ServerProcess,
+    server: PlugserveServer,
     *,
     requests: int,
     concurrency: int = 32,
