@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import socket
 import string
 import subprocess
@@ -42,7 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serving import Server, free_port  # the sibling benchmark: one way to run servers
+from serving import check_alive, plugserve_server, running_announced  # the sibling benchmark
+
+from plugserve.bench.server_process import ServerProcess, free_port
 
 SYSTEMS = ("plugserve", "vllm", "llamaserver")
 SHOWN = {"plugserve": "plugserve", "vllm": "vLLM CPU", "llamaserver": "llama.cpp llama-server"}
@@ -267,45 +270,22 @@ def port_free(port: int) -> bool:
     return True
 
 
-class PeerServer(Server):
-    """A peers script (run_vllm.sh, run_llamaserver.sh) in its own process group, with
-    serving.Server's shutdown: SIGINT, then SIGKILL to what is left of the group."""
-
-    def __init__(self, name: str, script: Path, env: dict[str, str], log_dir: Path) -> None:
-        default = DEFAULT_PORTS[name]
-        self.port = default if port_free(default) else free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{name}.log"
-        self.env = {**os.environ, "ANCHORS": str(ANCHORS), "PORT": str(self.port), **env}
-        self.shown = " ".join(f"{k}={v}" for k, v in {**env, "PORT": self.port}.items())
-        self.cmd = ["bash", str(script)]
-        self.proc = None
-
-    def start(self, timeout_s: float) -> None:
-        print(f"$ {self.shown} bash {self.cmd[1]}  (log: {self.log_path})", flush=True)
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
-        start = time.perf_counter()
-        while time.perf_counter() - start < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with {self.proc.returncode} before it was healthy:\n"
-                    + self.log_tail()
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    print(f"server healthy after {time.perf_counter() - start:.1f} s", flush=True)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s")
+def peer_server(name: str, script: Path, env: dict[str, str], log_dir: Path) -> ServerProcess:
+    """A peers script (run_vllm.sh, run_llamaserver.sh) on its usual port if free. SIGINT
+    stops it: the script execs the server, which takes it as Ctrl-C."""
+    default = DEFAULT_PORTS[name]
+    port = default if port_free(default) else free_port()
+    return ServerProcess(
+        ["bash", str(script)],
+        port=port,
+        log_path=log_dir / f"server-{name}.log",
+        env={"ANCHORS": str(ANCHORS), "PORT": str(port), **env},
+        stop_signal=signal.SIGINT,
+        poll_interval=1.0,
+    )
 
 
-def make_server(system: str, args: argparse.Namespace, log_dir: Path) -> Server:
+def make_server(system: str, args: argparse.Namespace, log_dir: Path) -> ServerProcess:
     if system == "plugserve":
         from plugserve.config import StackConfig
 
@@ -315,14 +295,14 @@ def make_server(system: str, args: argparse.Namespace, log_dir: Path) -> Server:
             dtype=None,
             server_args=args.plugserve_args,
         )
-        return Server(StackConfig().stack.transport, ns, log_dir)
+        return plugserve_server(StackConfig().stack.transport, ns, log_dir)
     cores = os.cpu_count() or 1
     if system == "vllm":
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"}
-        return PeerServer(system, args.peers_dir / "run_vllm.sh", env, log_dir)
+        return peer_server(system, args.peers_dir / "run_vllm.sh", env, log_dir)
     slots = max(32, *args.concurrency, *args.long_concurrency)
     env = {"NP": str(slots), "CTX": str(slots * MAX_MODEL_LEN)}
-    return PeerServer(system, args.peers_dir / "run_llamaserver.sh", env, log_dir)
+    return peer_server(system, args.peers_dir / "run_llamaserver.sh", env, log_dir)
 
 
 def served_model(url: str) -> str:
@@ -364,17 +344,18 @@ def run_bench(
 
 
 def run_system(
-    system: str, run: int, args: argparse.Namespace, out_dir: Path
-) -> list[dict[str, Any]]:
+    system: str, run: int, args: argparse.Namespace, out_dir: Path, results: list[dict[str, Any]]
+) -> None:
+    """Each level's result goes to `results` as soon as it is measured, so a server that
+    then fails to stop cleanly still leaves its figures. Only plugserve's exit status is
+    held to 0: the peers' is theirs."""
     server = make_server(system, args, out_dir)
-    rows = []
-    try:
-        server.start(args.startup_timeout)
+    with running_announced(server, args.startup_timeout, check_exit=system == "plugserve"):
         for workload, concs in (("ref", args.concurrency), ("long", args.long_concurrency)):
             for conc in concs:
                 input_len, output_len = WORKLOADS[workload]
-                result = run_bench(args, system, server.url, workload, conc, out_dir)
-                rows.append(
+                result = run_bench(args, system, server.base_url, workload, conc, out_dir)
+                results.append(
                     {
                         "run": run,
                         "system": system,
@@ -385,11 +366,7 @@ def run_system(
                         **result,
                     }
                 )
-                if server.proc is not None and server.proc.poll() is not None:
-                    raise RuntimeError("the server died during the run:\n" + server.log_tail())
-    finally:
-        server.stop()
-    return rows
+                check_alive(server)
 
 
 # -- main -------------------------------------------------------------------------------
@@ -464,7 +441,7 @@ def main() -> int:
             info["bandwidth_gb_s"].append(round(measure_bandwidth() / 1e9, 2))
             print(f"\n##### run {run_name(run)}: {system}", flush=True)
             try:
-                results += run_system(system, run, args, out_dir)
+                run_system(system, run, args, out_dir, results)
             except RuntimeError as exc:
                 note = f"run {run_name(run)}: {system} failed: {exc}"
                 print(note, file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from serving import Server, bench_args  # the sibling benchmark: one way to run servers
+from serving import bench_args, plugserve_server, running_announced  # the sibling benchmark
 
 from plugserve import bench
 
@@ -45,16 +45,13 @@ def main() -> int:
                 input_len=args.input_len,
                 output_len=args.output_len,
             )
-            server = Server(args.transport, run_args, Path(tmp))
-            try:
-                server.start(args.startup_timeout)
+            server = plugserve_server(args.transport, run_args, Path(tmp))
+            with running_announced(server, args.startup_timeout):
                 print(f"\n=== {label}", flush=True)
                 parsed = bench.parse_args(
-                    bench_args(run_args, server.url, args.transport, args.concurrency)
+                    bench_args(run_args, server.base_url, args.transport, args.concurrency)
                 )
                 rows.append((label, bench.run_benchmark(parsed)))
-            finally:
-                server.stop()
     base = rows[0][1]["output_throughput"]
     print(
         f"\n{'configuration':<18}{'out tok/s':>11}{'vs TP=1 DP=1':>14}{'ITL p50 ms':>12}{'failed':>8}"

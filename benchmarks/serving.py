@@ -26,12 +26,9 @@ import contextlib
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,103 +38,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx
 
 from plugserve import bench
+from plugserve.bench.plugserve_server import PlugserveServer
 from plugserve.bench.roofline import cpu_read_bandwidth, weight_bytes_per_step
+from plugserve.bench.server_process import ServerError, ServerProcess
 from plugserve.config import StackConfig
 from plugserve.plugins import get_registry
 
 TRANSPORTS = ("zmq", "shm")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def plugserve_server(transport: str, args: argparse.Namespace, log_dir: Path) -> PlugserveServer:
+    """The server of a run: --max-num-seqs at least the highest concurrency, --dtype,
+    then --server-args."""
+    settings = ["--max-num-seqs", str(max(args.max_num_seqs, *args.concurrency))]
+    if args.dtype:
+        settings += ["--dtype", args.dtype]
+    settings += shlex.split(args.server_args)
+    return PlugserveServer(
+        log_dir / f"server-{transport}.log", transport=transport, settings=settings
+    )
 
 
-class Server:
-    """`plugserve serve` in a child process (its own process group), logging to a file."""
-
-    def __init__(self, transport: str, args: argparse.Namespace, log_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{transport}.log"
-        max_num_seqs = max(args.max_num_seqs, *args.concurrency)
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "plugserve.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--stack.transport",
-            transport,
-            "--max-num-seqs",
-            str(max_num_seqs),
-        ]
-        if args.dtype:
-            self.cmd += ["--dtype", args.dtype]
-        self.cmd += shlex.split(args.server_args)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float) -> None:
-        print(f"$ {shlex.join(['plugserve', *self.cmd[3:]])}  (log: {self.log_path})", flush=True)
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
-        start = time.perf_counter()
-        while time.perf_counter() - start < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with {self.proc.returncode} before it was healthy:\n"
-                    + self.log_tail()
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    print(f"server healthy after {time.perf_counter() - start:.1f} s", flush=True)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s")
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """SIGINT (a graceful shutdown); then SIGKILL to whatever of the server's own
-        process group (the engine core) is still there after 30 s."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                print("the server did not stop within 30 s: killing it", flush=True)
-        deadline = time.perf_counter() + 10
-        while _group_alive(proc.pid) and time.perf_counter() < deadline:
-            time.sleep(0.2)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+@contextlib.contextmanager
+def running_announced(
+    server: ServerProcess, startup_timeout: float, *, check_exit: bool = True
+) -> Iterator[ServerProcess]:
+    """`server.running()`, printing its command and how long it took to be healthy."""
+    print(f"$ {server.command_line()}  (log: {server.log_path})", flush=True)
+    with server.running(check_exit=check_exit, startup_timeout=startup_timeout) as running:
+        print(f"server healthy after {server.healthy_after:.1f} s", flush=True)
+        yield running
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def check_alive(server: ServerProcess) -> None:
+    if server.popen.poll() is not None:
+        raise ServerError("the server died during the run:\n" + server.log_tail())
 
 
 def bench_args(args: argparse.Namespace, url: str, transport: str, conc: int) -> list[str]:
@@ -177,20 +112,15 @@ def bench_args(args: argparse.Namespace, url: str, transport: str, conc: int) ->
 
 
 STEP_COUNTERS = (
-    "plugserve_engine_steps_total",
-    "plugserve_engine_step_seconds_total",
-    "plugserve_engine_forward_seconds_total",
+    "engine_steps_total",
+    "engine_step_seconds_total",
+    "engine_forward_seconds_total",
 )
 
 
-def step_counters(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30.0).text
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in STEP_COUNTERS:
-            values[name] = float(value)
-    return values
+def step_counters(server: PlugserveServer) -> dict[str, float]:
+    metrics = server.metrics()
+    return {name: metrics[name] for name in STEP_COUNTERS if name in metrics}
 
 
 def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -235,30 +165,28 @@ FLOORS = (
 )
 
 
-def run_transport(transport: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
-    server = Server(transport, args, log_dir)
+def run_transport(
+    transport: str, args: argparse.Namespace, log_dir: Path, results: list[dict[str, Any]]
+) -> None:
+    """Each concurrency's result goes to `results` as soon as it is measured, so a server
+    that then fails to stop cleanly still leaves its figures."""
+    server = plugserve_server(transport, args, log_dir)
     weight_bytes = weight_bytes_per_step(StackConfig().model, dtype_bytes=2)
-    results = []
-    try:
-        server.start(args.startup_timeout)
+    with running_announced(server, args.startup_timeout):
         for conc in args.concurrency:
             print(f"\n=== transport={transport} concurrency={conc}", flush=True)
-            bargs = bench.parse_args(bench_args(args, server.url, transport, conc))
-            floors_before = floors_ms(server.url, weight_bytes) if conc == 1 else {}
-            before = step_counters(server.url)
+            bargs = bench.parse_args(bench_args(args, server.base_url, transport, conc))
+            floors_before = floors_ms(server.base_url, weight_bytes) if conc == 1 else {}
+            before = step_counters(server)
             result = bench.run_benchmark(bargs)
             if floors_before:
-                floors_after = floors_ms(server.url, weight_bytes)
+                floors_after = floors_ms(server.base_url, weight_bytes)
                 for key in floors_before.keys() & floors_after.keys():
                     result[f"{key}_before"] = floors_before[key]
                     result[f"{key}_after"] = floors_after[key]
-            result.update(engine_overhead(before, step_counters(server.url)))
+            result.update(engine_overhead(before, step_counters(server)))
             results.append({"transport": transport, "concurrency": conc, **result})
-            if server.proc is not None and server.proc.poll() is not None:
-                raise RuntimeError("the server died during the run:\n" + server.log_tail())
-    finally:
-        server.stop()
-    return results
+            check_alive(server)
 
 
 def print_summary(rows: list[dict[str, Any]]) -> None:
@@ -390,7 +318,7 @@ def main() -> int:
                 notes.append(note)
                 continue
             try:
-                rows += run_transport(transport, args, Path(tmp))
+                run_transport(transport, args, Path(tmp), rows)
             except RuntimeError as exc:
                 note = f"transport {transport!r} failed: {exc}"
                 print(note, file=sys.stderr, flush=True)

@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
-from serving import Server, bench_args
+from serving import bench_args, plugserve_server, running_announced
 
 from plugserve import bench
+from plugserve.bench.plugserve_server import PlugserveServer
 
 SCHEMA = {
     "type": "object",
@@ -38,29 +38,27 @@ SCHEMA = {
     "required": ["title", "tags"],
 }
 GRAMMAR_COUNTERS = (
-    "plugserve_grammar_bitmask_steps_total",
-    "plugserve_grammar_bitmask_seconds_total",
-    "plugserve_grammar_bitmask_hidden_steps_total",
-    "plugserve_engine_steps_total",
+    "grammar_bitmask_steps_total",
+    "grammar_bitmask_seconds_total",
+    "grammar_bitmask_hidden_steps_total",
+    "engine_steps_total",
 )
 
 
-def counters(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30.0).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in GRAMMAR_COUNTERS:
-            values[name] = float(value)
-    return values
+def counters(server: PlugserveServer) -> dict[str, float]:
+    metrics = server.metrics()
+    return {name: metrics[name] for name in GRAMMAR_COUNTERS if name in metrics}
 
 
-def run(server: Server, args: argparse.Namespace, conc: int, constrained: bool) -> dict[str, Any]:
-    argv = bench_args(args, server.url, args.transport, conc)
+def run(
+    server: PlugserveServer, args: argparse.Namespace, conc: int, constrained: bool
+) -> dict[str, Any]:
+    argv = bench_args(args, server.base_url, args.transport, conc)
     if constrained:
         argv += ["--extra-body", json.dumps({"structured_outputs": {"json": SCHEMA}})]
-    before = counters(server.url)
+    before = counters(server)
     result = bench.run_benchmark(bench.parse_args(argv))
-    after = counters(server.url)
+    after = counters(server)
     delta = {n: after.get(n, 0.0) - before.get(n, 0.0) for n in GRAMMAR_COUNTERS}
     row = {
         "concurrency": conc,
@@ -70,13 +68,13 @@ def run(server: Server, args: argparse.Namespace, conc: int, constrained: bool) 
         "completed": result["completed"],
     }
     if constrained:
-        steps = delta["plugserve_grammar_bitmask_steps_total"]
-        row["bitmask_steps_share"] = steps / max(delta["plugserve_engine_steps_total"], 1)
+        steps = delta["grammar_bitmask_steps_total"]
+        row["bitmask_steps_share"] = steps / max(delta["engine_steps_total"], 1)
         row["bitmask_ms_per_step"] = (
-            1e3 * delta["plugserve_grammar_bitmask_seconds_total"] / steps if steps else 0.0
+            1e3 * delta["grammar_bitmask_seconds_total"] / steps if steps else 0.0
         )
         row["bitmask_hidden_share"] = (
-            delta["plugserve_grammar_bitmask_hidden_steps_total"] / steps if steps else 0.0
+            delta["grammar_bitmask_hidden_steps_total"] / steps if steps else 0.0
         )
     return row
 
@@ -112,17 +110,14 @@ def main() -> int:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="plugserve-bench-so-") as log_dir:
-        server = Server(args.transport, args, Path(log_dir))
-        server.start(timeout_s=600)
-        try:
+        server = plugserve_server(args.transport, args, Path(log_dir))
+        with running_announced(server, startup_timeout=600):
             for conc in args.concurrency:
                 # Alternating, so drift of this VM's speed between minutes hits both kinds.
                 for _ in range(args.repeats):
                     for constrained in (False, True):
                         rows.append(run(server, args, conc, constrained))
                         print(json.dumps(rows[-1]), flush=True)
-        finally:
-            server.stop()
 
     print(
         f"\nstructured output ({args.backend}), {args.dtype}, output tok/s "

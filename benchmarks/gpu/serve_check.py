@@ -5,8 +5,8 @@ a streamed chat completion, the same greedy completion twice (same text), a `cho
 and a `json_schema` constraint through the structured-output backend, a 400 in
 OpenAI's error shape for a bad field, vLLM's metric names on /metrics, the serving
 benchmark at concurrency 1 and 64 (the project's `plugserve bench serve` client), and
-exit status 0 after SIGTERM. Start-up time is measured from the process start to the
-first healthy /health.
+exit status 0 after SIGTERM with no process left behind. Start-up time is measured from
+the process start to the first healthy /health.
 
     python benchmarks/gpu/serve_check.py --model DIR --attention flashinfer
 """
@@ -15,12 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +23,7 @@ import common
 import httpx
 
 from plugserve.bench.client import build_parser, run_benchmark
+from plugserve.bench.plugserve_server import PlugserveServer
 
 METRIC_NAMES = (
     "vllm:num_requests_running",
@@ -50,38 +45,15 @@ SCHEMA = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(model: str, attention: str, port: int, log: Path) -> subprocess.Popen:
-    command = [
-        sys.executable, "-m", "plugserve.cli", "serve",
+def server(model: str, attention: str, log: Path) -> PlugserveServer:
+    settings = [
         "--model", model,
-        "--port", str(port),
         "--stack.attention", attention,
         "--max-num-seqs", "128",
         "--max-model-len", "2048",
         "--gpu-memory-utilization", "0.5",
     ]  # fmt: skip
-    with open(log, "wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log: Path, timeout: float = 300) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"no healthy server in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    return PlugserveServer(log, settings=settings)
 
 
 def chat(client: httpx.Client, content: str, **extra: Any) -> dict[str, Any]:
@@ -214,14 +186,13 @@ def main() -> int:
     parser.add_argument("--attention", default="flashinfer")
     parser.add_argument("--bench-prompts", type=int, default=256)
     args = parser.parse_args()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     log = common.WORK / f"serve-{args.attention}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"attention": args.attention, "checks": {}, "bench": {}}
-    proc = start(args.model, args.attention, port, log)
+    served = server(args.model, args.attention, log).launch()
+    base = served.base_url
     try:
-        report["startup_s"] = wait_healthy(proc, base, log)
+        report["startup_s"] = served.wait_healthy(timeout=300)
         print(f"(d) {args.attention}: healthy after {report['startup_s']:.1f} s", flush=True)
         with httpx.Client(base_url=base, timeout=120) as client:
             for name, check in checks(client).items():
@@ -237,19 +208,16 @@ def main() -> int:
         report["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         print(f"(d) {args.attention} FAILED: {report['error']}", flush=True)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                report["exit_code"] = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                report["exit_code"] = "killed after 60 s"
-        else:
-            report["exit_code"] = proc.returncode
+        stopped = served.stop(timeout=60)
+        report["exit_code"] = (
+            "killed after 60 s" if stopped.ignored_stop_signal else stopped.returncode
+        )
+        report["outlived"] = list(stopped.outlived)
     print(f"    exit after SIGTERM: {report['exit_code']}", flush=True)
     report["passed"] = (
         "error" not in report
         and report["exit_code"] == 0
+        and not report["outlived"]
         and all(c["passed"] for c in report["checks"].values())
         and all(b["completed"] for b in report["bench"].values())
     )
