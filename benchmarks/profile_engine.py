@@ -32,7 +32,8 @@ import torch
 from plugserve import hookimpl
 from plugserve.bench.dataset import sample_random_prompts
 from plugserve.config import load_config
-from plugserve.engine.core import EngineCore, StepStats
+from plugserve.engine.core import EngineCore
+from plugserve.engine.step_timer import StepStats
 from plugserve.messages import EngineCoreRequest
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import PluginRegistry, set_registry

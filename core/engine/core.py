@@ -8,34 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-
-import msgspec
 
 from plugserve.config import StackConfig
-from plugserve.datatypes import Request, RequestStatus
+from plugserve.datatypes import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
 from plugserve.engine.scheduler import Scheduler
+from plugserve.engine.step_timer import StepStats, StepTimer
 from plugserve.engine.structured_output import StructuredOutputManager
 from plugserve.interfaces import Executor, KVCacheInfo
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from plugserve.plugins import get_registry
 
 logger = logging.getLogger(__name__)
-
-# A step's forward pass hid its grammar bitmask when the engine still waited this long for
-# the executor's result after the bitmask was done (reading a finished result takes less).
-HIDDEN_WAIT_S = 1e-4
-
-
-class StepStats(msgspec.Struct, kw_only=True):
-    """One step's figures, passed to `engine_step_finished` observers."""
-
-    num_scheduled_tokens: int
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    step_time: float  # seconds, schedule through update
-    forward_time: float  # seconds in execute_model + sample_tokens
 
 
 class EngineCore:
@@ -86,17 +69,7 @@ class EngineCore:
             structured_output=self.structured_output,
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
-        self.num_steps = 0
-        self.step_seconds = 0.0
-        self.forward_seconds = 0.0
-        self.grammar_bitmask_steps = 0
-        self.grammar_bitmask_seconds = 0.0
-        self.grammar_forward_wait_seconds = 0.0
-        self.grammar_bitmask_hidden_steps = 0
-        # When each request was queued, until first scheduled; then the seconds it waited,
-        # until its first output carries them (EngineCoreOutput.queue_seconds).
-        self._queued_at: dict[str, float] = {}
-        self._queue_seconds: dict[str, float] = {}
+        self.timer = StepTimer()
         logger.info(
             "engine ready: %d KV blocks of %d tokens, dtype %s, max_model_len %d",
             info.num_blocks,
@@ -131,13 +104,12 @@ class EngineCore:
                 priority=req.priority,
             )
         )
-        self._queued_at[req.request_id] = time.monotonic()
+        self.timer.queued(req.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
-            self._queued_at.pop(request_id, None)
-            self._queue_seconds.pop(request_id, None)
+            self.timer.forget(request_id)
         return [
             EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort")
             for r in aborted
@@ -145,15 +117,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         """The scheduler's figures plus the engine's step counters."""
-        stats = self.scheduler.stats()
-        stats.num_steps = self.num_steps
-        stats.step_seconds = self.step_seconds
-        stats.forward_seconds = self.forward_seconds
-        stats.grammar_bitmask_steps = self.grammar_bitmask_steps
-        stats.grammar_bitmask_seconds = self.grammar_bitmask_seconds
-        stats.grammar_forward_wait_seconds = self.grammar_forward_wait_seconds
-        stats.grammar_bitmask_hidden_steps = self.grammar_bitmask_hidden_steps
-        return stats
+        return self.timer.add_counters(self.scheduler.stats())
 
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
@@ -165,73 +129,52 @@ class EngineCore:
         any token was computed."""
         if not self.scheduler.has_requests():
             return [], False
-        started = time.perf_counter()
+        self.timer.step_started()
         scheduler_output = self.scheduler.schedule()
-        forward_started = time.perf_counter()
-        if self._queued_at:
-            now = time.monotonic()
-            for new_request in scheduler_output.scheduled_new_reqs:
-                queued_at = self._queued_at.pop(new_request.req_id, None)
-                if queued_at is not None:  # not a preempted request coming back
-                    self._queue_seconds[new_request.req_id] = now - queued_at
-        future = self.executor.execute_model(scheduler_output, non_block=True)
-        # The grammar bitmask of the constrained requests that sample this step, built on
-        # the CPU while the forward pass runs (where the executor runs it elsewhere).
-        grammar_output = None
-        constrained = self.scheduler.constrained_sampling(scheduler_output)
-        if constrained:
-            bitmask_started = time.perf_counter()
-            grammar_output = self.structured_output.grammar_output(constrained)
-            bitmask_done = time.perf_counter()
-            self.grammar_bitmask_steps += 1
-            self.grammar_bitmask_seconds += bitmask_done - bitmask_started
-        model_output = future.result() if hasattr(future, "result") else future
-        if constrained:
-            waited = time.perf_counter() - bitmask_done
-            self.grammar_forward_wait_seconds += waited
-            # Still waiting for the forward pass after the bitmask: it hid all of it.
-            if waited > HIDDEN_WAIT_S:
-                self.grammar_bitmask_hidden_steps += 1
-        if model_output is None:
-            model_output = self.executor.sample_tokens(grammar_output)
-        forward_time = time.perf_counter() - forward_started
+        self.timer.scheduled(scheduler_output.scheduled_new_reqs)
+        model_output = self._execute_and_sample(scheduler_output)
+        self.timer.forward_finished()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if self._queue_seconds or self._queued_at:
-            self._attach_queue_times(outputs)
+        self.timer.attach_queue_times(outputs)
         if not scheduler_output.total_num_scheduled_tokens and not outputs:
             # Nothing could run: the requests left wait for their grammars. Wait for one
             # to compile rather than spin (new input is looked at again within 10 ms).
             self.scheduler.wait_for_grammars(timeout=0.01)
-        step_time = time.perf_counter() - started
-        self.num_steps += 1
-        self.step_seconds += step_time
-        self.forward_seconds += forward_time
+        step_time, forward_time = self.timer.step_finished()
         if self._observe_steps:  # built only for them: every call counts at batch 1
-            stats = self.scheduler.stats()
-            self._registry.hook.engine_step_finished(
-                stats=StepStats(
-                    num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-                    num_running=stats.num_running,
-                    num_waiting=stats.num_waiting,
-                    kv_usage=stats.kv_usage,
-                    step_time=step_time,
-                    forward_time=forward_time,
-                )
-            )
+            self._notify_step(scheduler_output, step_time, forward_time)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def _attach_queue_times(self, outputs: list[EngineCoreOutput]) -> None:
-        for output in outputs:
-            queue_seconds = self._queue_seconds.pop(output.request_id, None)
-            if queue_seconds is not None:
-                output.queue_seconds = queue_seconds
-            elif output.finished:  # it never ran (a grammar that failed to compile)
-                self._queued_at.pop(output.request_id, None)
+    def _execute_and_sample(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward pass, and meanwhile the grammar bitmask of the constrained requests
+        that sample this step, built on the CPU (where the executor runs the pass
+        elsewhere); then sampling under it."""
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        grammar_output = None
+        constrained = self.scheduler.constrained_sampling(scheduler_output)
+        if constrained:
+            with self.timer.building_bitmask():
+                grammar_output = self.structured_output.grammar_output(constrained)
+        model_output = future.result() if hasattr(future, "result") else future
+        self.timer.forward_returned()
+        if model_output is None:
+            model_output = self.executor.sample_tokens(grammar_output)
+        return model_output
 
-    def count_output_time(self, seconds: float) -> None:
-        """Time the caller spent handing a step's outputs on after step() returned (the
-        engine process sends them from its busy loop on a CPU): step time, and overhead."""
-        self.step_seconds += seconds
+    def _notify_step(
+        self, scheduler_output: SchedulerOutput, step_time: float, forward_time: float
+    ) -> None:
+        stats = self.scheduler.stats()
+        self._registry.hook.engine_step_finished(
+            stats=StepStats(
+                num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                num_running=stats.num_running,
+                num_waiting=stats.num_waiting,
+                kv_usage=stats.kv_usage,
+                step_time=step_time,
+                forward_time=forward_time,
+            )
+        )
 
     def _notify_finished(self, request: Request) -> None:
         self._registry.hook.request_finished(

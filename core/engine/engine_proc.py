@@ -265,7 +265,7 @@ class EngineCoreProc:
         if self._current_stats() != self._reported:
             self._send_outputs(0, [], self._stats_message())
             if self.send_from_busy_loop:
-                self.engine.count_output_time(time.monotonic() - now)
+                self.engine.timer.count_output_time(time.monotonic() - now)
 
     def _current_stats(self) -> SchedulerStats:
         stats = self.engine.stats()
@@ -376,7 +376,7 @@ class EngineCoreProc:
             self._send_outputs(client, client_outputs, stats)
             stats = None
         if self.send_from_busy_loop:
-            self.engine.count_output_time(time.perf_counter() - started)
+            self.engine.timer.count_output_time(time.perf_counter() - started)
 
     def _send_outputs(
         self, client: int, outputs: list[EngineCoreOutput], stats: SchedulerStats | None
