@@ -109,15 +109,15 @@ class PlugserveServer(ServerProcess):
     # ------------------------------------------------------------------ its figures
 
     def metrics(self) -> dict[str, float]:
-        """/metrics' unlabelled samples by name, without the `plugserve_` prefix."""
+        """/metrics' samples by name, labels included (`engine_requests_total{engine="0"}`),
+        without the `plugserve_` prefix."""
         response = httpx.get(self.url("/metrics"), timeout=30)
         response.raise_for_status()
         values = {}
         for line in response.text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
-                if "{" not in name:
-                    values[name.removeprefix("plugserve_")] = float(value)
+                values[name.removeprefix("plugserve_")] = float(value)
         return values
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
