@@ -21,6 +21,8 @@ import pytest
 
 from plugserve.bench.plugserve_server import PlugserveServer
 
+from .launch_ahead import LaunchAhead, ServerSpec
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 TRANSPORTS = ["zmq", "shm"]
@@ -113,12 +115,53 @@ def server_under_test(
 
 
 def running_server(
-    transport: str, log_dir: Path, *, check_exit: bool = True, **kwargs: Any
+    transport: str,
+    log_dir: Path,
+    *,
+    check_exit: bool = True,
+    settings: Sequence[str] = SERVER_SETTINGS,
+    env: dict[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[PlugserveServer]:
     """A healthy server for the duration of the block; stopped afterwards. With
-    `check_exit`, a server that was still up must exit 0 on SIGTERM."""
-    server = server_under_test(transport, log_dir / f"server-{transport}.log", **kwargs)
+    `check_exit`, a server that was still up must exit 0 on SIGTERM. The same server
+    launched ahead (launch_ahead.py) is taken where there is one."""
+    wanted = server_under_test(
+        transport, log_dir / f"server-{transport}.log", settings=settings, env=env
+    )
+    server = LAUNCH_AHEAD.take(ServerSpec.of(transport, tuple(settings), env), wanted)
     return server.running(check_exit=check_exit)
+
+
+def _server_for(spec: ServerSpec, log_dir: Path) -> PlugserveServer:
+    return server_under_test(
+        spec.transport,
+        log_dir / f"server-{spec.transport}.log",
+        settings=spec.settings,
+        env=dict(spec.env),
+    )
+
+
+LAUNCH_AHEAD = LaunchAhead(make=_server_for, defaults={"settings": SERVER_SETTINGS})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    following = LAUNCH_AHEAD.following(item)
+    if following is not None:
+        LAUNCH_AHEAD.launch_for(following)
+    yield
+
+
+def pytest_sessionfinish() -> None:
+    LAUNCH_AHEAD.kill_all()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if LAUNCH_AHEAD.launched:
+        terminalreporter.write_line(
+            f"servers launched one test ahead: {LAUNCH_AHEAD.launched}, "
+            f"taken by their tests: {LAUNCH_AHEAD.taken}"
+        )
 
 
 @dataclass

@@ -46,6 +46,7 @@ from .conftest import (
 )
 
 TWO_API_SERVERS = (*SERVER_SETTINGS, "--api-server-count", "2")
+TWO_API_SERVERS_TWO_ENGINES = (*TWO_API_SERVERS, "--data-parallel-size", "2")
 REPEATS = 2  # every prompt and conversation this many times, streamed and not: 32 requests
 LONG = {
     "model": MODEL,
@@ -133,6 +134,7 @@ def _expected_texts(reference: Any) -> list[str]:
     ]
 
 
+@pytest.mark.starts_server(settings=TWO_API_SERVERS)
 def test_two_api_servers_answer_as_one_and_share_the_requests(
     transport, server, reference, tmp_path
 ):
@@ -166,11 +168,11 @@ def test_two_api_servers_answer_as_one_and_share_the_requests(
             assert re.match(r"^\S+ (Launcher|ApiServer_[01]|EngineCore) pid=\d+ [A-Z]+ ", line)
 
 
+@pytest.mark.starts_server(transport="zmq", settings=TWO_API_SERVERS_TWO_ENGINES)
 def test_two_api_servers_share_two_engines(tmp_path, reference):
     """Data parallelism behind several API servers: each API server balances its own
     requests over both engines."""
-    settings = (*TWO_API_SERVERS, "--data-parallel-size", "2")
-    with running_server("zmq", tmp_path, settings=settings) as multi:
+    with running_server("zmq", tmp_path, settings=TWO_API_SERVERS_TWO_ENGINES) as multi:
         engines = sorted(process_cmdline(pid) for pid in multi.engine_pids())
         assert engines == ["plugserve::EngineCore_DP0", "plugserve::EngineCore_DP1"]
         texts, answered_by = asyncio.run(_workload(multi))
@@ -209,6 +211,7 @@ async def _drain(stream: AsyncIterator[Any]) -> None:
         pass
 
 
+@pytest.mark.starts_server(settings=TWO_API_SERVERS)
 def test_a_killed_engine_fails_requests_on_every_api_server_and_the_server_exits(
     transport, tmp_path
 ):
@@ -247,6 +250,7 @@ def test_a_killed_engine_fails_requests_on_every_api_server_and_the_server_exits
         assert wait_until(lambda: not any(map(is_api_server_child, api_servers)), 10)
 
 
+@pytest.mark.starts_server(transport="zmq", settings=TWO_API_SERVERS)
 def test_a_killed_api_server_takes_the_server_down(tmp_path):
     """No half-working server: the launcher stops the other API server and the engine."""
     with running_server("zmq", tmp_path, check_exit=False, settings=TWO_API_SERVERS) as server:
@@ -267,6 +271,7 @@ def test_an_api_server_count_below_one_fails_with_one_line():
     assert "api_server_count" in lines[0]
 
 
+@pytest.mark.starts_server(transport="shm", settings=TWO_API_SERVERS)
 def test_a_killed_launcher_takes_its_children_along(tmp_path):
     """Orphans would hold the port and the engine's memory with nobody to stop them."""
     with running_server("shm", tmp_path, check_exit=False, settings=TWO_API_SERVERS) as server:

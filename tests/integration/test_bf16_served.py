@@ -75,6 +75,7 @@ def bf16_server(tmp_path_factory) -> Iterator[PlugserveServer]:
         yield server
 
 
+@pytest.mark.starts_server(transport="zmq", settings=SETTINGS)
 def test_the_engine_runs_the_served_bf16_path(bf16_server: PlugserveServer) -> None:
     log = bf16_server.log_text()
     if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):

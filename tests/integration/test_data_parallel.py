@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from plugserve.bench.plugserve_server import ENGINE_TITLE
 from plugserve.bench.processes import children_of, process_cmdline
 
@@ -25,9 +27,12 @@ async def _complete_all(server) -> list[str]:
         return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
 
 
+TWO_ENGINES = (*SERVER_SETTINGS, "--data-parallel-size", "2")
+
+
+@pytest.mark.starts_server(settings=TWO_ENGINES)
 def test_two_engines_match_one_and_share_the_load(transport, reference, tmp_path):
-    settings = (*SERVER_SETTINGS, "--data-parallel-size", "2")
-    with running_server(transport, tmp_path, settings=settings) as server:
+    with running_server(transport, tmp_path, settings=TWO_ENGINES) as server:
         titles = sorted(
             process_cmdline(pid)
             for pid in children_of(server.pid)

@@ -67,6 +67,7 @@ def dead_health(server: PlugserveServer, message: str) -> bool:
     return response.status_code == 503 and response.json() == {"error": engine_dead(message)}
 
 
+@pytest.mark.starts_server()
 def test_killed_engine_fails_in_flight_requests_and_the_server_exits(transport, tmp_path):
     with (
         running_server(transport, tmp_path, check_exit=False) as server,
@@ -127,6 +128,7 @@ def test_stopped_engine_turns_health_503_and_it_recovers(server: PlugserveServer
     assert result.choices[0].text
 
 
+@pytest.mark.starts_server()
 def test_killed_api_server_takes_its_engine_along(transport, tmp_path):
     """An engine orphaned by its API server would hold its memory forever."""
     with running_server(transport, tmp_path, check_exit=False) as server:
@@ -145,14 +147,15 @@ FAULTY_TOOLS = {
 }
 
 
+FAULTY_ENV = {
+    "PLUGSERVE_PLUGIN_MODULES": "tests.integration.faulty_plugin",
+    "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+}
+FAULTY_SETTINGS = (*SERVER_SETTINGS, "--stack.scheduler", "faulty", "--stack.tool_parser", "faulty")
+
+
 def faulty_server(transport: str, log_dir) -> Any:
-    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {
-        "PLUGSERVE_PLUGIN_MODULES": "tests.integration.faulty_plugin",
-        "PYTHONPATH": pythonpath,
-    }
-    settings = (*SERVER_SETTINGS, "--stack.scheduler", "faulty", "--stack.tool_parser", "faulty")
-    return running_server(transport, log_dir, settings=settings, env=env)
+    return running_server(transport, log_dir, settings=FAULTY_SETTINGS, env=FAULTY_ENV)
 
 
 async def _requests(server: PlugserveServer) -> list[Any]:
@@ -207,6 +210,7 @@ async def _requests(server: PlugserveServer) -> list[Any]:
         )
 
 
+@pytest.mark.starts_server(settings=FAULTY_SETTINGS, env=FAULTY_ENV)
 def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_path, reference):
     with faulty_server(transport, tmp_path) as server:
         results = asyncio.run(_requests(server))
@@ -263,19 +267,24 @@ def test_an_engine_error_in_one_request_leaves_the_others_alone(transport, tmp_p
         assert wait_until(lambda: not is_engine(engine), 10)
 
 
+# A collective timeout past the test's own waits: only the executor watching its workers
+# can end the request in time.
+TENSOR_PARALLEL_SETTINGS = (
+    *SERVER_SETTINGS,
+    "--stack.executor", "mp",
+    "--tensor-parallel-size", "2",
+    "--plugins.mp.collective_timeout_s", "3600",
+)  # fmt: skip
+
+
+@pytest.mark.starts_server(transport="zmq", settings=TENSOR_PARALLEL_SETTINGS)
 def test_killed_tensor_parallel_worker_fails_the_request_naming_it(tmp_path):
     """A worker of the mp executor dies mid-request: the client hears which one, and how,
     from the engine's own last words (not a bare "the engine exited")."""
-    # A collective timeout past this test's own waits: only the executor watching its
-    # workers can end the request in time.
-    settings = (
-        *SERVER_SETTINGS,
-        "--stack.executor", "mp",
-        "--tensor-parallel-size", "2",
-        "--plugins.mp.collective_timeout_s", "3600",
-    )  # fmt: skip
     with (
-        running_server("zmq", tmp_path, check_exit=False, settings=settings) as server,
+        running_server(
+            "zmq", tmp_path, check_exit=False, settings=TENSOR_PARALLEL_SETTINGS
+        ) as server,
         server.openai_client(timeout=60) as client,
         ThreadPoolExecutor(1) as pool,
     ):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from plugserve.bench.plugserve_server import PlugserveServer
 
@@ -56,6 +57,7 @@ def serve_a_little(server: PlugserveServer) -> None:
     assert "vllm:generation_tokens" in httpx.get(server.url("/metrics"), timeout=10).text
 
 
+@pytest.mark.starts_server(transport="zmq", env=gpu_machine_env())
 def test_the_server_runs_on_the_wheel_set_and_the_gpu_image_alone(tmp_path):
     with running_server("zmq", tmp_path, env=gpu_machine_env()) as server:
         serve_a_little(server)

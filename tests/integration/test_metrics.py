@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,23 +172,29 @@ def serve_one(server: PlugserveServer, index: int) -> Served:
     return Served(answered_by, usage["prompt_tokens"], usage["completion_tokens"], finishes[-1])
 
 
+_AT = AUTO_DTYPE_SETTINGS.index("--max-model-len")
+METRICS_SETTINGS = (
+    *AUTO_DTYPE_SETTINGS[:_AT], *AUTO_DTYPE_SETTINGS[_AT + 2 :],
+    "--max-model-len", str(CONTEXT_TOKENS),
+    "--num-kv-blocks", str(KV_BLOCKS),
+    "--api-server-count", "2",
+    "--log-stats-interval", str(LOG_STATS_INTERVAL_S),
+)  # fmt: skip
+METRICS_ENV = {
+    "PLUGSERVE_PLUGIN_MODULES": "tests.integration.metrics_plugin",
+    "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+}
+HIDDEN_BF16_ENV = {"PLUGSERVE_HIDE_CPU_FLAGS": "avx512_bf16,amx_bf16"}
+
+
 @pytest.fixture(scope="module")
 def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlugserveServer]:
-    at = AUTO_DTYPE_SETTINGS.index("--max-model-len")
-    settings = (
-        *AUTO_DTYPE_SETTINGS[:at], *AUTO_DTYPE_SETTINGS[at + 2 :],
-        "--max-model-len", str(CONTEXT_TOKENS),
-        "--num-kv-blocks", str(KV_BLOCKS),
-        "--api-server-count", "2",
-        "--log-stats-interval", str(LOG_STATS_INTERVAL_S),
-    )  # fmt: skip
-    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {"PLUGSERVE_PLUGIN_MODULES": "tests.integration.metrics_plugin", "PYTHONPATH": pythonpath}
     log_dir = tmp_path_factory.mktemp("metrics")
-    with running_server("zmq", log_dir, settings=settings, env=env) as server:
+    with running_server("zmq", log_dir, settings=METRICS_SETTINGS, env=METRICS_ENV) as server:
         yield server
 
 
+@pytest.mark.starts_server(transport="zmq", settings=METRICS_SETTINGS, env=METRICS_ENV)
 def test_vllm_metrics_count_what_was_served_over_both_api_servers(metrics_server):
     """Requests answered by both API servers, one at a time: whichever API server answers
     a scrape, every vLLM name has its type and the figures of all of them: tokens equal
@@ -385,13 +391,21 @@ def test_auto_dtype_is_bf16_on_a_cpu_with_native_bf16_and_says_why(metrics_serve
     assert reason in log, log
 
 
+def _starts_a_hidden_bf16_server(test: Callable[..., None]) -> Callable[..., None]:
+    """The test below starts a server of its own on a CPU with native bf16 only."""
+    mark = pytest.mark.starts_server(
+        transport="zmq", settings=AUTO_DTYPE_SETTINGS, env=HIDDEN_BF16_ENV
+    )
+    return mark(test) if NATIVE_BF16 else test
+
+
+@_starts_a_hidden_bf16_server
 def test_auto_dtype_is_float32_where_the_cpu_has_no_native_bf16(metrics_server, tmp_path):
     """The same CPU with its bf16 flags hidden (PLUGSERVE_HIDE_CPU_FLAGS, which every
     plugserve process honours) serves fp32 and says why. A CPU without them needs nothing
     hidden: the metrics server, which serves auto, is such a server."""
-    env = {"PLUGSERVE_HIDE_CPU_FLAGS": "avx512_bf16,amx_bf16"}
     hidden = (
-        running_server("zmq", tmp_path, settings=AUTO_DTYPE_SETTINGS, env=env)
+        running_server("zmq", tmp_path, settings=AUTO_DTYPE_SETTINGS, env=HIDDEN_BF16_ENV)
         if NATIVE_BF16
         else contextlib.nullcontext(metrics_server)
     )

@@ -107,15 +107,20 @@ def test_metrics_count_engine_steps_and_the_time_in_the_forward_pass(server: Plu
     assert 0 < forward_s <= step_s
 
 
+GUARDED_BF16_SETTINGS = (*SERVER_SETTINGS, "--dtype", "bfloat16", "--api-key", "s3cret")
+
+
 @pytest.fixture(scope="module")
 def guarded_bf16_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlugserveServer]:
     """One server for the two tests that need settings of their own: an API key (which
     guards /v1/ only) and bf16 weights (which the weight-read bench reads)."""
-    settings = (*SERVER_SETTINGS, "--dtype", "bfloat16", "--api-key", "s3cret")
-    with running_server("zmq", tmp_path_factory.mktemp("guarded-bf16"), settings=settings) as s:
+    with running_server(
+        "zmq", tmp_path_factory.mktemp("guarded-bf16"), settings=GUARDED_BF16_SETTINGS
+    ) as s:
         yield s
 
 
+@pytest.mark.starts_server(transport="zmq", settings=GUARDED_BF16_SETTINGS)
 def test_an_api_key_guards_the_v1_routes_only(guarded_bf16_server: PlugserveServer):
     server = guarded_bf16_server
     with httpx.Client(timeout=30) as http:
