@@ -51,8 +51,7 @@ def offered_kernels_by_bucket() -> list[list[Kernel]]:
     coding on, as served; nothing forced by PLUGSERVE_CPU_BF16_KERNEL)."""
     forced = os.environ.pop(cpu_linear.KERNEL_ENV, None)
     try:
-        with cpu_linear.exponent_coding(True):
-            return kernel_choice.candidates_here()
+        return kernel_choice.candidates_here(coded=True)
     finally:
         if forced is not None:
             os.environ[cpu_linear.KERNEL_ENV] = forced

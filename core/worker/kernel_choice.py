@@ -167,11 +167,14 @@ def _cell(times: dict[str, float | None], name: str, chosen: str) -> str:
     return ("kept, untimed" if ms is None else f"{ms:.2f}") + mark
 
 
-def plan_for(steps: Sequence[Step], remeasure: bool | None = None) -> Measurement:
+def plan_for(
+    steps: Sequence[Step], *, coded: bool = False, remeasure: bool | None = None
+) -> Measurement:
     """The plan for a model whose step runs `steps`: the one cached for this machine and
-    shape, else measured now (and cached). Where each bucket has one candidate (a single
+    shape, else measured now (and cached). `coded`: one-row matmuls may read
+    exponent-coded copies of the weights. Where each bucket has one candidate (a single
     library allowed), that one, unmeasured."""
-    candidates = candidates_here()
+    candidates = candidates_here(coded)
     total = sum(_step_bytes(step) for step in steps)
     forced = cpu_linear.forced_plan()
     if forced is not None or all(len(c) == 1 for c in candidates):
@@ -203,12 +206,12 @@ def plan_for(steps: Sequence[Step], remeasure: bool | None = None) -> Measuremen
     return measurement
 
 
-def candidates_here() -> list[list[Kernel]]:
+def candidates_here(coded: bool) -> list[list[Kernel]]:
     """Per ROW_BUCKETS bucket, the kernels a plan may give it on this machine: those of the
-    allowed libraries (cpu_linear.allowed_libraries), coded ones where exponent coding is on,
+    allowed libraries (cpu_linear.allowed_libraries), coded ones where `coded` allows them,
     AMX tiles where cpu_gemm.cpp runs them here. Every consumer of a plan must run each."""
     libraries = cpu_linear.allowed_libraries()
-    coded = cpu_linear.coding_allowed() and "own" in libraries
+    coded = coded and "own" in libraries
     amx = "own" in libraries and cpu_linear.amx_available()
     return [candidates_for(b, libraries, coded, amx) for b in range(len(ROW_BUCKETS))]
 

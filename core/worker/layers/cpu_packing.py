@@ -39,7 +39,8 @@ def pack_for_cpu(
     weight = next(model.parameters())
     if not cpu_linear.packing_supported(weight.dtype, weight.device):
         return None
-    measurement = kernel_choice.plan_for(step_matmuls(model, tied_head))
+    steps = step_matmuls(model, tied_head)
+    measurement = kernel_choice.plan_for(steps, coded=cpu_linear.coding_allowed())
     plan = measurement.plan
     log_plan(measurement)
     linears = [m.weight for m in model.modules() if isinstance(m, Linear)]
