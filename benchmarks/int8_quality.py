@@ -57,10 +57,10 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params)]
 
 
-def run(model: str, quantization: str | None) -> tuple[float, list[list[int]]]:
+def run(model: str, linear_method: str | None) -> tuple[float, list[list[int]]]:
     settings: dict[str, Any] = {"dtype": "bfloat16", "kv_cache_memory": "64MiB"}
-    if quantization is not None:
-        settings["quantization"] = quantization
+    if linear_method is not None:
+        settings["linear_method"] = linear_method
     llm = LLM(model=model, **settings)
     try:
         token_ids = llm.tokenizer.encode(TEXT.read_text())
@@ -72,12 +72,12 @@ def run(model: str, quantization: str | None) -> tuple[float, list[list[int]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--quantization", default="int8")
+    parser.add_argument("--linear-method", default="int8")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
 
     ppl_bf16, tokens_bf16 = run(args.model, None)
-    ppl_q, tokens_q = run(args.model, args.quantization)
+    ppl_q, tokens_q = run(args.model, args.linear_method)
     same = sum(
         a == b
         for r, q in zip(tokens_bf16, tokens_q, strict=True)
@@ -90,7 +90,7 @@ def main() -> None:
     ]
     result = {
         "model": args.model,
-        "quantization": args.quantization,
+        "linear_method": args.linear_method,
         "perplexity_bf16": ppl_bf16,
         "perplexity_quantized": ppl_q,
         "perplexity_delta": ppl_q - ppl_bf16,
@@ -98,7 +98,7 @@ def main() -> None:
         "tokens_before_first_difference": prefixes,
     }
     print(
-        f"perplexity bf16 {ppl_bf16:.4f}, {args.quantization} {ppl_q:.4f} "
+        f"perplexity bf16 {ppl_bf16:.4f}, {args.linear_method} {ppl_q:.4f} "
         f"(delta {ppl_q - ppl_bf16:+.4f}, {100 * (ppl_q / ppl_bf16 - 1):+.2f} %)\n"
         f"greedy agreement {same}/{total} = {same / total:.3f}; "
         f"tokens before the first difference: {prefixes}"

@@ -8,7 +8,9 @@ declared and documented here, once (as vLLM's models/interfaces.py):
 - executors: HasTensorParallelLimit, SupportsWeightReadProbe;
 - attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes,
   HonoursLayerAttention;
-- models: SupportsWeightPostProcessing, SupportsWeightBuffer, HasLayerAttention.
+- models: SupportsWeightPostProcessing, SupportsWeightBuffer, HasLayerAttention,
+  HasTiedLmHead;
+- linear methods: DescribesLinears, HasKernelPlan, SupportsWeightBuffer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from plugserve.interfaces import AttentionBatch, LayerAttention
+    from plugserve.interfaces import AttentionBatch, LayerAttention, TiedLmHead
 
 
 # --------------------------------------------------------------------------- any registered class
@@ -158,8 +160,8 @@ def supports_weight_post_processing(model: object) -> TypeGuard[SupportsWeightPo
 
 @runtime_checkable
 class SupportsWeightBuffer(Protocol):
-    """A model that may hold every weight a batch-1 step reads in one buffer; the
-    engine's bandwidth-floor probe (SupportsWeightReadProbe) reads it."""
+    """A model, or a linear method, that may hold every weight a batch-1 step reads in one
+    buffer; the engine's bandwidth-floor probe (SupportsWeightReadProbe) reads it."""
 
     def weight_buffer(self) -> torch.Tensor | None:
         """That buffer, or None where the weights are not kept in one."""
@@ -186,3 +188,47 @@ class HasLayerAttention(Protocol):
 
 def has_layer_attention(cls: object) -> TypeGuard[type[HasLayerAttention]]:
     return isinstance(cls, HasLayerAttention)
+
+
+@runtime_checkable
+class HasTiedLmHead(Protocol):
+    """A model whose LM head may be its embedding matrix (tied embeddings): the loader gives
+    that head a linear method too, so it runs as the other linears do."""
+
+    def tied_lm_head(self) -> TiedLmHead | None:
+        """The embedding that is also the LM head, or None where the head is its own
+        linear layer."""
+        ...
+
+
+def has_tied_lm_head(model: object) -> TypeGuard[HasTiedLmHead]:
+    return isinstance(model, HasTiedLmHead)
+
+
+# --------------------------------------------------------------------------- linear methods
+
+
+@runtime_checkable
+class DescribesLinears(Protocol):
+    """A linear method that says how its layers run once processed (the kernels, the
+    quantization): the model runner's start-up line."""
+
+    def describe(self) -> str: ...
+
+
+def describes_linears(method: object) -> TypeGuard[DescribesLinears]:
+    return isinstance(method, DescribesLinears)
+
+
+@runtime_checkable
+class HasKernelPlan(Protocol):
+    """A linear method that runs its layers by a measured bf16 CPU kernel plan: the fused
+    CPU decoder follows the same plan, and `plugserve bench kernels` prints how it was
+    chosen. Both are None before processing and where nothing was packed."""
+
+    kernel_plan: Any  # plugserve.worker.kernel_plan.KernelPlan
+    kernel_measurement: Any  # plugserve.worker.kernel_choice.Measurement
+
+
+def has_kernel_plan(method: object) -> TypeGuard[HasKernelPlan]:
+    return isinstance(method, HasKernelPlan)

@@ -92,13 +92,17 @@ def cmd_bench_kernels(args: argparse.Namespace, overrides: dict[str, Any]) -> in
     engine then runs."""
     import torch
 
+    from plugserve.capabilities import has_kernel_plan
     from plugserve.llm import LLM
     from plugserve.worker.kernel_choice import REMEASURE_ENV, cpu_model_name
+    from plugserve.worker.linear_methods import linear_methods_of
 
     os.environ[REMEASURE_ENV] = "1"  # this process's engine measures, whatever is cached
     settings = {"dtype": "bfloat16", "kv_cache_memory": "32MiB", **overrides}
     llm = LLM(config=args.config, **settings)
-    measurement = getattr(llm.engine.executor.runner.model, "kernel_measurement", None)
+    methods = linear_methods_of(llm.engine.executor.runner.model)
+    measurements = (m.kernel_measurement for m in methods if has_kernel_plan(m))
+    measurement = next((m for m in measurements if m is not None), None)
     if measurement is None:
         raise ValueError("this model and machine run no packed bf16 CPU kernels: nothing to time")
     print(f"CPU: {cpu_model_name()}; {torch.get_num_threads()} threads; model {llm.config.model}")

@@ -19,6 +19,9 @@ from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 
 # The slots stack.yaml selects; models are picked by the checkpoint's architecture.
 STACK_SLOTS = tuple(slot for slot in SLOT_HOOKS if slot != "model")
+# stack.linear_method left unset: each linear layer runs the first of these for bf16 on a
+# CPU (the packed bf16 kernels), the second elsewhere (F.linear): worker/linear_methods.py.
+AUTOMATIC_LINEAR_METHODS = ("cpu_bf16", "plain")
 
 
 class _Section(BaseModel):
@@ -61,8 +64,10 @@ class StackSelection(_Section):
     structured_output: str = "xgrammar"
     executor: str = "uni"
     attention: str = "torch"
-    # Weight quantization (register_quantization_methods); None: the weights as loaded.
-    quantization: str | None = None
+    # How every linear layer holds and multiplies its weight (register_linear_methods):
+    # e.g. int8 (weight-only quantized). None: chosen by dtype and device
+    # (AUTOMATIC_LINEAR_METHODS).
+    linear_method: str | None = None
 
 
 class EngineConfig(_Section):
@@ -95,10 +100,6 @@ class EngineConfig(_Section):
     # (as vLLM); 0: never.
     log_stats_interval: float = Field(10.0, ge=0)
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads; None: all cores
-    # bf16 on an AVX512-BF16 CPU: keep a lossless exponent-coded copy of every weight
-    # beside the packed one, which batch-1 steps read (12 bits a weight instead of 16;
-    # the same results bit for bit). Costs 75 % more memory for the weights.
-    cpu_coded_weights: bool = True
     # Tensor parallelism over processes (executor "mp"): the workers join one
     # torch.distributed group through a TCP rendezvous that global rank 0 hosts at
     # master_addr:master_port. Across nodes, tensor_parallel_size counts every rank;
@@ -163,9 +164,10 @@ class StackConfig(_Section):
         block validates against its plugin's `Options`; raises PluginError with what is
         available."""
         registry = get_registry(self.disabled_plugins)
-        for slot in slots or STACK_SLOTS:
+        slots = tuple(slots or STACK_SLOTS)
+        for slot in slots:
             name = getattr(self.stack, slot)
-            if name is None:  # an optional slot left off (quantization)
+            if name is None:  # linear_method left to the dtype and device
                 continue
             cls = registry.get(slot, name)
             # A component that cannot run on this machine (no CUDA, a missing package)
@@ -173,20 +175,34 @@ class StackConfig(_Section):
             reason = cls.unavailable_reason() if reports_unavailability(cls) else None
             if reason:
                 raise PluginError(f"{slot} {name!r} cannot run here: {reason}")
-            options = self.plugin_options(name)
-            options_model = getattr(cls, "Options", None)
-            if options_model is not None:
-                try:
-                    options_model.model_validate(options or {})
-                except ValidationError as exc:
-                    raise PluginError(f"plugins.{name}: {_first_error(exc)}") from exc
+            self._check_options(name, cls)
+        automatic = self._automatic_linear_methods()
+        if "linear_method" in slots:
+            available = registry.implementations("linear_method")
+            for name in automatic:
+                if name in self.plugins and name in available:
+                    self._check_options(name, available[name].cls)
         selected = {getattr(self.stack, slot) for slot in STACK_SLOTS} - {None}
+        selected |= set(automatic)
         for name in self.plugins:
             if name != "disable" and name not in selected:
                 raise PluginError(
                     f"plugins.{name}: options for a plugin the stack does not select; "
                     f"selected: {', '.join(sorted(selected))}"
                 )
+
+    def _automatic_linear_methods(self) -> tuple[str, ...]:
+        """The linear methods the dtype and device may choose (none where one is named):
+        options for them are theirs, whichever the engine then picks."""
+        return AUTOMATIC_LINEAR_METHODS if self.stack.linear_method is None else ()
+
+    def _check_options(self, name: str, cls: type) -> None:
+        options_model = getattr(cls, "Options", None)
+        if options_model is not None:
+            try:
+                options_model.model_validate(self.plugin_options(name) or {})
+            except ValidationError as exc:
+                raise PluginError(f"plugins.{name}: {_first_error(exc)}") from exc
 
 
 def _leaf_paths() -> dict[str, list[str]]:

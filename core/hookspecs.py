@@ -130,11 +130,13 @@ def register_attention_backends(register: Register) -> None:
 
 
 @hookspec
-def register_quantization_methods(register: Register) -> None:
-    """Register WeightQuantization classes (interfaces.WeightQuantization) that replace
-    every linear weight of a loaded model (the LM head included, tied or not; the
-    embedding lookup keeps its rows) by a quantized callable. Selected by
-    `stack.quantization`; None (the default) keeps the weights as loaded."""
+def register_linear_methods(register: Register) -> None:
+    """Register LinearMethod classes (interfaces.LinearMethod): how linear layers hold and
+    multiply their weights (quantized, packed for a kernel, with adapters). Selected by
+    `stack.linear_method` for every linear layer of the model (the LM head included, tied
+    or not; the embedding lookup keeps its rows); None (the default) leaves it to the
+    dtype and device. Register by "module:Class" reference where the class imports
+    worker code: the API-server process loads every plugin module."""
 
 
 @hookspec

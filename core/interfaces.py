@@ -621,23 +621,100 @@ class AttentionBackend(Protocol):
         ...
 
 
+# (x [M, K], out_dtype=None) -> x @ weight.T + bias [M, N], in out_dtype (default x's dtype):
+# what a linear method installs on a layer. The LM head asks for fp32 logits.
+LinearCompute = Callable[..., "torch.Tensor"]
+
+
+class LinearLayer(Protocol):
+    """What a linear method sees of the layer it runs (plugserve.worker.layers.linear.Linear):
+    y = x @ weight.T + bias over this tensor-parallel rank's shard of the weight.
+
+    The parameters are the method's: it creates them (`add_parameter`), and the layer's
+    weight loader places this rank's rows of each checkpoint tensor in them, through the
+    method's `load_weight`. A method that keeps the checkpoint's layout names them
+    `weight` [out_features, in_features] and `bias` [out_features] (or None), as
+    PlainLinearMethod does; the bf16 CPU kernels and the fused CPU decoder read
+    those two."""
+
+    in_features: int  # this rank's
+    out_features: int  # this rank's
+    has_bias: bool
+
+    def add_parameter(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.nn.Parameter:
+        """A new parameter `name` on the layer (the model's dtype where `dtype` is None, on
+        the model's device), loaded through the layer's weight loader."""
+        ...
+
+    @property
+    def matmul_bias(self) -> torch.Tensor | None:
+        """The bias the matmul itself adds: None for a row-parallel shard, which adds its
+        bias once, after summing the partial products over ranks."""
+        ...
+
+    def install(self, compute: LinearCompute) -> None:
+        """From now on `compute` is the layer's matmul (its forward calls it, and the fused
+        CPU layers call it directly); the layer's loaded parameters are freed."""
+        ...
+
+
+class TiedLmHead(Protocol):
+    """An embedding matrix that is also the LM head (a checkpoint with tied embeddings). A
+    method may install a callable for the logits; the embedding lookup keeps its rows."""
+
+    weight: torch.Tensor  # [vocab rows of this rank, hidden]
+
+    def install_head(self, compute: LinearCompute) -> None: ...
+
+
 @runtime_checkable
-class WeightQuantization(Protocol):
-    """Quantized linear weights, selected by `stack.quantization` (None: off). Built once per
-    worker with no arguments (or `options=`); the model's weight post-processing then
-    calls `quantize` for every linear weight after loading, instead of packing it, and
-    runs the layer through what it returns.
+class LinearMethod(Protocol):
+    """How linear layers hold and multiply their weights, selected by `stack.linear_method`
+    (None: chosen by dtype and device, plugserve.worker.linear_methods). Built once per
+    model load with no arguments (or `options=`); one object runs every layer given it.
 
-    Optional: ReportsUnavailability (a kernel this machine cannot build or run), so that
-    selecting it fails at start with one line."""
+    Given to each linear layer after the model is built and before its weights load:
+    `create_weights` (per layer), `load_weight` (per checkpoint tensor),
+    `process_weights_after_loading` (once, with all the method's layers), then `apply` on
+    every forward of a layer on which the method installed nothing.
 
-    def quantize(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> Callable[..., torch.Tensor]:
-        """weight [N, K] (as loaded, this rank's shard), bias [N] or None → a callable
-        `(x [M, K], out_dtype=None) -> x @ weight.T + bias` [M, N] in out_dtype (default
-        x's dtype); the LM head asks for fp32 logits. It must not keep `weight`: the
-        loaded copy is freed after."""
+    Optional: ReportsUnavailability (a kernel this machine cannot run), DescribesLinears
+    (its start-up log line), HasKernelPlan (the bf16 CPU kernel plan it measured),
+    SupportsWeightBuffer (its packed weights, for the weight-read probe)."""
+
+    def create_weights(self, layer: LinearLayer) -> None:
+        """Create the layer's parameters (layer.add_parameter) for its checkpoint tensors."""
+        ...
+
+    def load_weight(
+        self,
+        layer: LinearLayer,
+        param: torch.nn.Parameter,
+        destination: torch.Tensor,
+        loaded: torch.Tensor,
+    ) -> None:
+        """Write `loaded`, this rank's part of one checkpoint tensor, into `destination`,
+        its place in `param` (a view of the same shape)."""
+        ...
+
+    def process_weights_after_loading(
+        self,
+        layers: Sequence[LinearLayer],
+        *,
+        model: torch.nn.Module,
+        tied_head: TiedLmHead | None,
+    ) -> None:
+        """Once, after every weight of `model` loaded: `layers` are the layers given this
+        method, in module order (the order a step runs them); `tied_head` the embedding
+        that is also the LM head, where the model ties it and the head was given this
+        method. Re-lay out, quantize or pack the weights here and `install` the result."""
+        ...
+
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] → x @ weight.T + layer.matmul_bias [M, out_features], for a
+        layer on which this method installed nothing."""
         ...
 
 

@@ -70,6 +70,7 @@ OFFLINE_SLOTS = (
     "structured_output",
     "executor",
     "attention",
+    "linear_method",
 )
 
 

@@ -40,7 +40,7 @@ SLOT_HOOKS: dict[str, str] = {
     "structured_output": "register_structured_output_backends",
     "executor": "register_executors",
     "attention": "register_attention_backends",
-    "quantization": "register_quantization_methods",
+    "linear_method": "register_linear_methods",
     "model": "register_models",
 }
 
@@ -121,14 +121,16 @@ class PluginRegistry:
         self._dist_of_plugin[name] = distribution
 
     def _register_builtins(self) -> None:
-        # What ships inside the core itself: the model architectures (by reference: loading
-        # the registry imports no model code) and the API server's endpoints (their route
-        # modules imported only when an API server builds its app).
-        from plugserve import builtin_models
+        # What ships inside the core itself: the model architectures and the plain linear
+        # method (by reference: loading the registry imports no worker code) and the API
+        # server's endpoints (their route modules imported only when an API server builds
+        # its app).
+        from plugserve import builtin_linear_methods, builtin_models
         from plugserve.frontend import routes as builtin_routes
 
         for name, module in (
             ("plugserve.models", builtin_models),
+            ("plugserve.linear_methods", builtin_linear_methods),
             ("plugserve.routes", builtin_routes),
         ):
             if not self._pm.is_registered(module):

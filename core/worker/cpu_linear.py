@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Collection
 from functools import cache
 
 import torch
@@ -247,31 +245,11 @@ def code_exponents(packed: torch.Tensor, out: torch.Tensor | None = None) -> tor
     return out
 
 
-_EXPONENT_CODING: ContextVar[bool] = ContextVar("plugserve_exponent_coding", default=False)
-
-
 def amx_available() -> bool:
     """Whether cpu_gemm.cpp runs AMX tiles here (built for AMX-BF16, allowed by the OS)."""
     return own_kernel_unavailable_reason() is None and bool(
         torch.ops.plugserve_gemm.amx_available()
     )
-
-
-def coding_allowed() -> bool:
-    """Whether one-row matmuls may read exponent-coded copies here (exponent_coding)."""
-    return _EXPONENT_CODING.get()
-
-
-@contextmanager
-def exponent_coding(enabled: bool) -> Iterator[None]:
-    """Within this block, one-row matmuls may read exponent-coded copies of the packed
-    weights (code_exponents): ~25 % fewer bytes a batch-1 step, for 75 % more memory for
-    the weights. Whether they do is measured with the other kernels (kernel_choice.py)."""
-    token = _EXPONENT_CODING.set(enabled)
-    try:
-        yield
-    finally:
-        _EXPONENT_CODING.reset(token)
 
 
 class WeightArena:

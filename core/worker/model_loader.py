@@ -1,5 +1,6 @@
 """How a model folder becomes a loaded torch module: its safetensors weights read into a
-model class built on the target device in the target dtype.
+model class built on the target device in the target dtype, each linear layer run by the
+linear method the chooser gives it (worker/linear_methods.py).
 
 Where the folder comes from (built-in names, GGUF conversion) is plugserve.model_files,
 which every process can import without torch.
@@ -18,6 +19,11 @@ import torch
 
 from plugserve.capabilities import supports_weight_post_processing
 from plugserve.model_files import safetensors_files
+from plugserve.worker.linear_methods import (
+    LinearMethodChooser,
+    give_linear_methods,
+    process_linear_weights,
+)
 
 # A progress bar while weights load: where stderr is a terminal (for any but a tiny
 # checkpoint), and in a log file only for a checkpoint this large (then at most one update
@@ -117,10 +123,13 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     parallel: Any = None,
+    linear_methods: LinearMethodChooser | None = None,
 ) -> torch.nn.Module:
-    """Build `model_cls(hf_config=..., attention=...)` on `device` in `dtype`, load the
-    folder's weights into it and return it in eval mode. A tensor-parallel rank passes
-    its ParallelContext, which the model class must then accept as `parallel=`."""
+    """Build `model_cls(hf_config=..., attention=...)` on `device` in `dtype`, give its
+    linear layers the methods `linear_methods` chooses (None: every layer keeps the plain
+    one), load the folder's weights into it, process them (finish_loading) and return it
+    in eval mode. A tensor-parallel rank passes its ParallelContext, which the model class
+    must then accept as `parallel=`."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(model_path))
@@ -133,12 +142,20 @@ def load_model(
         )
     with _no_param_init(dtype, torch.device(device)):
         model = model_cls(hf_config=hf_config, attention=attention, **extra)
+        if linear_methods is not None:  # their parameters, on the device in the dtype
+            give_linear_methods(model, linear_methods)
     weights = iter_weights(model_path)
     num_bytes = checkpoint_bytes(model_path)
     if (parallel is None or parallel.rank == 0) and shows_progress(num_bytes):
         weights = with_progress(weights, num_bytes)  # one bar, rank 0's
     model.load_weights(weights)  # type: ignore[operator]
-    # A model may re-lay out its weights for the kernels it will run (packing, fusing).
+    finish_loading(model)
+    return model.eval()
+
+
+def finish_loading(model: torch.nn.Module) -> None:
+    """After the weights load: each linear method processes its layers (packing,
+    quantizing), then the model its own (fusing layers over what the methods installed)."""
+    process_linear_weights(model)
     if supports_weight_post_processing(model):
         model.process_weights_after_loading()
-    return model.eval()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from plugserve.capabilities import (
+    describes_linears,
     has_layer_attention,
     honours_layer_attention,
     supports_weight_buffer,
@@ -38,12 +38,11 @@ from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, Sche
 from plugserve.device import choose_dtype, dtype_name, resolve_device
 from plugserve.interfaces import AttentionSpec, KVCacheInfo, LayerAttention
 from plugserve.model_files import check_architecture, resolve_model_path
-from plugserve.plugins import PluginRegistry, get_registry
-from plugserve.worker import cpu_linear
+from plugserve.plugins import get_registry
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
-from plugserve.worker.layers import quantized
+from plugserve.worker.linear_methods import LinearMethodChooser, linear_methods_of
 from plugserve.worker.model_loader import load_model
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 from plugserve.worker.sampler import (
@@ -160,18 +159,18 @@ class ModelRunner:
         )
         start = time.perf_counter()
         parallel = self.parallel if self.parallel.world_size > 1 else None
-        with (
-            cpu_linear.exponent_coding(self.config.engine.cpu_coded_weights),
-            self._quantizing(registry) as quantization,
-        ):
-            self.model = load_model(
-                model_path, model_cls, self.attention, self.dtype, self.device, parallel
-            )
-        if quantization is not None and quantization.quantized == 0:
-            raise ValueError(
-                f"stack.quantization {quantization.name!r}: {model_cls.__name__} quantized "
-                "no weights (its weight post-processing does not call pack_linears)"
-            )
+        linear_methods = LinearMethodChooser.from_config(
+            self.config, self.dtype, self.device, registry
+        )
+        self.model = load_model(
+            model_path,
+            model_cls,
+            self.attention,
+            self.dtype,
+            self.device,
+            parallel,
+            linear_methods=linear_methods,
+        )
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
         logger.info("%s", self._describe_kernels())
 
@@ -214,31 +213,12 @@ class ModelRunner:
             max_model_len=self.max_model_len,
         )
 
-    def _quantizing(self, registry: PluginRegistry) -> AbstractContextManager[Any]:
-        """The selected weight quantization (stack.quantization) in force while the model
-        loads (layers.quantized), or a no-op where none is selected."""
-        name = self.config.stack.quantization
-        if name is None:
-            return nullcontext()
-        if self.device.type != "cpu":
-            raise ValueError(
-                f"stack.quantization {name!r} runs on CPU only, not on {self.device.type}"
-            )
-        method = registry.build("quantization", name, self.config.plugin_options(name))
-        return quantized.quantizing(name, method)
-
     def _describe_kernels(self) -> str:
-        """The start-up line: the dtype and why, and the kernels that follow from it."""
+        """The start-up line: the dtype and why, and how the linears and attention run."""
         line = f"dtype {dtype_name(self.dtype)} ({self._dtype_reason})"
-        plan = getattr(self.model, "kernel_plan", None)
-        if self.config.stack.quantization is not None:
-            line += f"; linears: {self.config.stack.quantization} weight-only quantized"
-        elif self.device.type == "cpu" and plan is not None:
-            line += f"; bf16 linears: {cpu_linear.describe_bf16_path(plan)}"
-        elif self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            line += "; bf16 linears: as the model runs them (no kernel plan)"
-        elif self.device.type == "cpu":
-            line += "; linears: ATen (weights as loaded)"
+        for method in linear_methods_of(self.model):
+            if describes_linears(method):
+                line += f"; {method.describe()}"
         return f"{line}; attention: {self.config.stack.attention}"
 
     def _num_kv_blocks(self) -> int:

@@ -98,7 +98,7 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
             model="smollm2-135m-instruct",
             dtype="bfloat16",
             kv_cache_memory="64MiB",
-            cpu_coded_weights=coded,
+            **{"plugins.cpu_bf16": {"coded_weights": coded}},
         )
         head = llm.engine.executor.runner.model.model.embed_tokens.packed_head  # tied
         assert (head.coded is not None) == coded

@@ -1,4 +1,4 @@
-"""stack.quantization int8 on every registered architecture (the tiny checkpoint of the
+"""stack.linear_method int8 on every registered architecture (the tiny checkpoint of the
 first case of each family in architecture_cases/): every Linear of the model and the LM head, tied or not,
 run quantized, and the prompt's logprobs stay near the unquantized model's.
 
@@ -19,8 +19,8 @@ from correctness.architecture_cases import one_case_per_family
 from correctness.tiny_checkpoints import TinyCase, TinyRun, write_tiny_checkpoint
 from plugserve import SamplingParams
 from plugserve.worker.layers.linear import Linear
-from plugserve_plugins.quantization import int8_weight_only
-from plugserve_plugins.quantization.int8_weight_only import Int8Linear
+from plugserve_plugins.linear_methods import int8_weight_only
+from plugserve_plugins.linear_methods.int8_weight_only import Int8Linear
 from tests.kernel_support import missing_cpu_flags
 
 # Skipped only where the CPU lacks the kernel's instructions: where it has them, a kernel
@@ -53,7 +53,7 @@ def test_int8_quantizes_every_linear_and_keeps_the_prompt_logprobs(
     prompt = max(tiny_prompts, key=len)
     with run.llm() as llm:
         reference = _prompt_logprobs(llm, prompt)
-    with run.llm(quantization="int8") as llm:
+    with run.llm(linear_method="int8") as llm:
         model = llm.engine.executor.runner.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         assert linears and all(isinstance(m.packed, Int8Linear) for m in linears)

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from plugserve import LLM, SamplingParams
 from plugserve.plugins import PluginRegistry, set_registry
 from plugserve.sampling_params import StructuredOutputsParams
+from plugserve.worker.layers.linear import Linear
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -100,6 +102,11 @@ def test_the_gather_attention_backend_gives_the_bundled_greedy_tokens(llm_with, 
     assert greedy_ids(llm, PROMPTS) == greedy_ids(bundled, PROMPTS)
 
 
-def test_fp16_weights_serve_the_bundled_greedy_tokens(llm_with, bundled):
-    llm = llm_with("tests.plugins.minimal.quantization", quantization="fp16_weights")
+def test_the_fp16_weights_linear_method_runs_every_linear_with_the_bundled_tokens(
+    llm_with, bundled
+):
+    llm = llm_with("tests.plugins.minimal.linear_method", linear_method="fp16_weights")
+    linears = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(type(m.method).__name__ == "HalfPrecisionWeights" for m in linears)
+    assert all(m.weight.dtype == torch.float16 and m.packed is None for m in linears)
     assert greedy_ids(llm, PROMPTS) == greedy_ids(bundled, PROMPTS)

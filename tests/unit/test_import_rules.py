@@ -12,8 +12,11 @@ them to four rules.
 (b) A plugin imports plugserve's public surface only: `plugserve` (hookimpl), the
     contract, plugserve.ops (the compiled ops: headers, build helper, huge pages) and
     plugserve.logging_utils; an executor also the worker API it drives (the model
-    runner, worker.parallel) and plugserve.device. Never another plugin package (its own
-    package's modules are fine), never engine or frontend internals.
+    runner, worker.parallel) and plugserve.device; a linear method also the layers it
+    runs (plugserve.worker.layers: the plain method it may build on, the gated MLP) and
+    the bf16 CPU kernels' modules (worker.cpu_linear, kernel_choice, kernel_plan). Never
+    another plugin package (its own package's modules are fine), never engine or
+    frontend internals.
 (c) The API-server side never imports the model runner or model code
     (plugserve.worker.model_runner, plugserve.worker.models, plugserve.worker.layers).
     Followed transitively from every plugserve.frontend module through every plugserve
@@ -66,6 +69,12 @@ EXECUTOR_ALSO_MAY_IMPORT = (
     "plugserve.worker.model_runner",
     "plugserve.worker.parallel",
     "plugserve.device",
+)
+LINEAR_METHOD_ALSO_MAY_IMPORT = (
+    "plugserve.worker.layers",
+    "plugserve.worker.cpu_linear",
+    "plugserve.worker.kernel_choice",
+    "plugserve.worker.kernel_plan",
 )
 API_SERVER = "plugserve.frontend"
 NEVER_IN_API_SERVER = (
@@ -233,6 +242,8 @@ def plugin_violations(graph: Graph) -> list[str]:
         public = [p for p in PLUGIN_PUBLIC_SURFACE if p != "plugserve"]
         if within(module, "plugserve_plugins.executors"):
             public += EXECUTOR_ALSO_MAY_IMPORT
+        if within(module, "plugserve_plugins.linear_methods"):
+            public += LINEAR_METHOD_ALSO_MAY_IMPORT
         for imp in imports:
             if within(imp.target, "plugserve_plugins"):
                 ok = within(imp.target, own)
@@ -389,6 +400,7 @@ def test_no_import_cycles(graph: Graph) -> None:
 def test_the_reader_finds_the_modules_the_rules_name(graph: Graph) -> None:
     # A renamed module must not turn a rule into one that checks nothing.
     named = [*CONTRACT, *PLUGIN_PUBLIC_SURFACE, *EXECUTOR_ALSO_MAY_IMPORT, *NEVER_IN_API_SERVER]
+    named += LINEAR_METHOD_ALSO_MAY_IMPORT
     named += [module for pair in SPAWNED_BY_NAME for module in pair]
     assert [m for m in named if m not in graph] == []
     assert any(within(m, API_SERVER) for m in graph)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugserve.worker import cpu_linear
+from plugserve.interfaces import LinearCompute, LinearMethod
 from plugserve.worker.layers.linear import ColumnParallelLinear
 from plugserve.worker.layers.weight_loader import copy_weight, set_weight_loader
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
@@ -29,8 +29,12 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.end = parallel.shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size))
         set_weight_loader(self.weight, self.weight_loader)
-        # As a tied LM head, bf16 on CPU: its matrix packed for the CPU kernel.
-        self.packed_head: cpu_linear.PackedLinear | None = None
+        # As a tied LM head: what its linear method installed for the logits (a packed or
+        # quantized copy of the matrix), called as (x, out_dtype).
+        self.packed_head: LinearCompute | None = None
+        # The linear method the model loader gave it as a tied head (None: F.linear over
+        # the matrix).
+        self.head_method: LinearMethod | None = None
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: None = None):
         copy_weight(param.data, tensor[self.start : self.end])
@@ -43,14 +47,10 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight).masked_fill_(~inside[:, None], 0.0)
         return self.parallel.all_reduce(out)
 
-    def pack_as_head(
-        self,
-        arena: cpu_linear.WeightArena | None = None,
-        plan: cpu_linear.KernelPlan | None = None,
-    ) -> None:
-        """Pack the matrix for `logits` (a tied head). The embedding keeps its own copy:
-        the lookup reads rows of it."""
-        self.packed_head = cpu_linear.PackedLinear(self.weight, arena=arena, plan=plan)
+    def install_head(self, compute: LinearCompute) -> None:
+        """Compute the logits (as a tied head) by `compute`. The embedding keeps its own
+        matrix: the lookup reads rows of it."""
+        self.packed_head = compute
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """As a tied LM head: hidden [N, hidden] → this rank's fp32 logits [N, end - start]."""
@@ -72,8 +72,8 @@ class ParallelLMHead(ColumnParallelLinear):
         return self(hidden_states).float()  # .float() is a no-op in fp32
 
 
-def _packed_logits(head: cpu_linear.PackedLinear, hidden_states: torch.Tensor) -> torch.Tensor:
-    # Packed (bf16 on CPU), the head gives fp32 logits itself (the own kernel unrounded):
-    # converting them after was the one OpenMP region left in a batch-1 step (~60 us,
-    # its thread asleep).
+def _packed_logits(head: LinearCompute, hidden_states: torch.Tensor) -> torch.Tensor:
+    # An installed head gives fp32 logits itself (the own bf16 kernel unrounded):
+    # converting them after was the one OpenMP region left in a batch-1 step, its
+    # thread asleep.
     return head(hidden_states, torch.float32)

@@ -1,4 +1,5 @@
-"""Linear layers: tensor-parallel sharding, checkpoint loading and bf16 CPU packing.
+"""Linear layers: tensor-parallel sharding, checkpoint loading, and the linear method that
+holds and multiplies each layer's weight.
 
 - Linear: replicated (every rank holds the whole weight).
 - ColumnParallelLinear: each rank holds a slice of the output rows (no collective; the
@@ -7,12 +8,15 @@
 - RowParallelLinear: each rank holds a slice of the input columns; the partial products
   are summed over ranks (all-reduce), then the full bias is added once.
 
-Each layer's weight loader slices a full checkpoint tensor for its rank (weight_loader.py).
-Without tensor parallelism every slice is the whole tensor and no collective runs.
+Each layer's weight loader slices a full checkpoint tensor for its rank (weight_loader.py)
+and hands the slice to the layer's method to write. Without tensor parallelism every slice
+is the whole tensor and no collective runs.
 
-bf16 on CPU, `pack` replaces the weight by a packed copy for the CPU kernel
-(cpu_linear.PackedLinear) and frees the loaded one; `kernel` gives the cheapest callable
-computing the layer (the packed weight, where no all-reduce must follow it).
+A layer is built with the plain method (plain_linear.py); the model loader may give
+it another before loading (worker/linear_methods.py: the packed bf16 CPU kernels, int8
+weights, a plugin's). After loading, a method may `install` a callable in the layer's
+place (`packed`: a packed or quantized weight), which forward then calls; `kernel` gives
+the cheapest callable computing the layer.
 """
 
 from __future__ import annotations
@@ -21,21 +25,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from plugserve.worker import cpu_linear
+from plugserve.interfaces import LinearCompute, LinearMethod
 from plugserve.worker.layers.direct_call import direct_call
-from plugserve.worker.layers.weight_loader import copy_weight, set_weight_loader
+from plugserve.worker.layers.plain_linear import PlainLinearMethod
+from plugserve.worker.layers.weight_loader import WeightShapeError, set_weight_loader
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+
+# Stateless: one instance serves every layer that keeps the plain method.
+PLAIN_METHOD = PlainLinearMethod()
 
 
 @direct_call
 class Linear(nn.Module):
-    """x @ weight.T + bias, the weight held whole on every rank; it may be packed once for
-    the CPU kernel (cpu_linear)."""
+    """x @ weight.T + bias, the weight held whole on every rank, through the layer's linear
+    method (interfaces.LinearMethod; the plain one until the loader gives another)."""
 
-    packed: cpu_linear.PackedLinear | None = None
+    # What the method installed in the layer's place (a packed or quantized weight), once
+    # processed: called as (x, out_dtype=None).
+    packed: LinearCompute | None = None
 
     def __init__(
         self,
@@ -50,41 +59,66 @@ class Linear(nn.Module):
         stacked in one tensor (Phi-3's qkv_proj) loads too (weight_loader.py)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        # Every weight is overwritten by the checkpoint: torch.empty skips initialization.
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        set_weight_loader(self.weight, self.weight_loader, shard_ids, shard_sizes)
-        if bias:
-            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(out_features))
-            set_weight_loader(self.bias, self.weight_loader, shard_ids, shard_sizes)
-        else:
+        self.has_bias = bias
+        self._shard_ids, self._shard_sizes = shard_ids, shard_sizes
+        self.use_method(PLAIN_METHOD)
+
+    def use_method(self, method: LinearMethod) -> None:
+        """Run this layer by `method` from now on: the parameters of the previous one are
+        dropped and `method` creates its own (before the weights load)."""
+        for name in list(self._parameters):
+            del self._parameters[name]
+        self.method: LinearMethod = method
+        method.create_weights(self)
+        if "bias" not in self._parameters:  # a layer without one, or a method keeping none
             self.register_parameter("bias", None)
+
+    def add_parameter(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> nn.Parameter:
+        # torch.empty: every parameter is overwritten by the checkpoint.
+        data = torch.empty(shape, dtype=dtype)
+        param = nn.Parameter(data, requires_grad=data.is_floating_point())
+        set_weight_loader(param, self.weight_loader, self._shard_ids, self._shard_sizes)
+        setattr(self, name, param)
+        return param
+
+    @property
+    def matmul_bias(self) -> torch.Tensor | None:
+        return self.bias
 
     def weight_loader(
         self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None
     ) -> None:
-        copy_weight(param.data, tensor)
+        self.load_into(param, param.data, tensor)
+
+    def load_into(
+        self, param: nn.Parameter, destination: torch.Tensor, loaded: torch.Tensor
+    ) -> None:
+        """`loaded` (this rank's part of a checkpoint tensor) into `destination`, its place
+        in `param`, written by the method; a shape that differs is refused."""
+        if destination.shape != loaded.shape:
+            raise WeightShapeError(loaded.shape, destination.shape)
+        self.method.load_weight(self, param, destination, loaded)
+
+    def install(self, compute: LinearCompute) -> None:
+        """From now on `compute` is the layer's matmul: the loaded parameters are freed, so
+        a model does not hold its linear weights twice. The bias stays, for a row-parallel
+        shard that adds it after the all-reduce."""
+        self.packed = compute
+        for name, param in self.named_parameters(recurse=False):
+            if name != "bias":
+                param.data = param.data.new_empty(0)
 
     def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The cheapest callable computing this layer: the packed weight, else the module."""
+        """The cheapest callable computing this layer: what the method installed, else the
+        module."""
         return self.packed if self.packed is not None else self
-
-    def pack(
-        self,
-        arena: cpu_linear.WeightArena | None = None,
-        plan: cpu_linear.KernelPlan | None = None,
-    ) -> None:
-        self._set_packed(cpu_linear.PackedLinear(self.weight, self.bias, arena, plan))
-
-    def _set_packed(self, packed: cpu_linear.PackedLinear) -> None:
-        """From now on the packed copy is the weight: the loaded one is freed, so a model
-        does not hold its linear weights twice (an 8B model: 16 GB twice in bf16)."""
-        self.packed = packed
-        self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x)
 
 
 class ColumnParallelLinear(Linear):
@@ -105,7 +139,7 @@ class ColumnParallelLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None
     ) -> None:
-        copy_weight(param.data, tensor[self.out_start : self.out_end])
+        self.load_into(param, param.data, tensor[self.out_start : self.out_end])
 
 
 class MergedColumnParallelLinear(Linear):
@@ -134,7 +168,7 @@ class MergedColumnParallelLinear(Linear):
     ) -> None:
         start, end = self.output_ranges[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        copy_weight(param.data[offset : offset + end - start], tensor[start:end])
+        self.load_into(param, param.data[offset : offset + end - start], tensor[start:end])
 
 
 class QKVParallelLinear(Linear):
@@ -176,7 +210,7 @@ class QKVParallelLinear(Linear):
         else:
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             start, end = heads.kv_start * dim, heads.kv_end * dim
-        copy_weight(param.data[offset : offset + end - start], tensor[start:end])
+        self.load_into(param, param.data[offset : offset + end - start], tensor[start:end])
 
 
 @direct_call
@@ -203,18 +237,14 @@ class RowParallelLinear(Linear):
         self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None
     ) -> None:
         if param is self.bias:  # added once, after the all-reduce: every rank holds it all
-            copy_weight(param.data, tensor)
+            self.load_into(param, param.data, tensor)
         else:
-            copy_weight(param.data, tensor[:, self.in_start : self.in_end])
+            self.load_into(param, param.data, tensor[:, self.in_start : self.in_end])
 
-    def pack(
-        self,
-        arena: cpu_linear.WeightArena | None = None,
-        plan: cpu_linear.KernelPlan | None = None,
-    ) -> None:
-        sharded = self.parallel.world_size > 1
-        bias = None if sharded else self.bias
-        self._set_packed(cpu_linear.PackedLinear(self.weight, bias, arena, plan))
+    @property
+    def matmul_bias(self) -> torch.Tensor | None:
+        # Sharded, the bias is added once, after the partial products are summed.
+        return self.bias if self.parallel.world_size == 1 else None
 
     def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         # Sharded, the partial products still need the all-reduce in forward.
@@ -223,6 +253,6 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
             return super().forward(x)
-        partial = F.linear(x, self.weight) if self.packed is None else self.packed(x)
+        partial = self.method.apply(self, x) if self.packed is None else self.packed(x)
         out = self.parallel.all_reduce(partial)
         return out if self.bias is None else out + self.bias

@@ -6,8 +6,8 @@ untied vocab-parallel head, the rotary table, the layer loop (each layer maps
 (x, residual) → (its output, the residual stream before it), so every residual add
 happens inside the next norm), logits gathered over tensor-parallel ranks, and loading
 Hugging Face names through `packed_modules_mapping` and the parameters' weight loaders.
-bf16 on CPU, every Linear and GatedMLP is packed for the measured kernel plan
-(layers.cpu_packing), whatever the architecture.
+How each linear layer runs is its linear method's business (worker/linear_methods.py),
+whatever the architecture: the model file never chooses it.
 
 A subclass builds its layers in `build_layer` and overrides a hook where its family
 differs (Gemma scales the embeddings, soft-caps the logits, ...).
@@ -22,15 +22,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from plugserve.capabilities import has_kernel_plan, supports_weight_buffer
 from plugserve.interfaces import FULL_ATTENTION, AttentionBackend, LayerAttention
-from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker import cpu_ops
 from plugserve.worker.kernel_plan import KernelPlan
-from plugserve.worker.layers import quantized
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
-from plugserve.worker.layers.cpu_packing import CpuPacking, pack_for_cpu
 from plugserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plugserve.worker.layers.norm import RMSNorm
 from plugserve.worker.layers.rotary import RopeStep, RotaryEmbedding, rope_parameters
+from plugserve.worker.linear_methods import linear_methods_of
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -105,10 +105,6 @@ class DecoderForCausalLM(nn.Module):
         )
         # What forward runs per layer: the modules, or fused replacements standing in.
         self.layer_fns: list[Any] = list(self.model.layers)
-        self._arena: cpu_linear.WeightArena | None = None
-        # bf16 on CPU: which kernel each row bucket's linears run (kernel_choice.py).
-        self.kernel_plan: KernelPlan | None = None
-        self.kernel_measurement: Any = None  # how it was chosen (kernel_choice.Measurement)
 
     # ------------------------------------------------------------------ what a family gives
 
@@ -159,30 +155,21 @@ class DecoderForCausalLM(nn.Module):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return self.parallel.gather_last_dim(head.logits(hidden_states), self.config.vocab_size)
 
+    def tied_lm_head(self) -> VocabParallelEmbedding | None:
+        """The embedding, where it is also the LM head (capabilities.HasTiedLmHead)."""
+        return self.model.embed_tokens if self.lm_head is None else None
+
+    @property
+    def kernel_plan(self) -> KernelPlan | None:
+        """bf16 on CPU: which kernel each row bucket's linears run, where their method
+        measured a plan (kernel_choice.py); the fused CPU decoder follows it too."""
+        plans = (m.kernel_plan for m in linear_methods_of(self) if has_kernel_plan(m))
+        return next((plan for plan in plans if plan is not None), None)
+
     def weight_buffer(self) -> torch.Tensor | None:
         """The packed weights in one buffer (bf16 on CPU with cpu_gemm), else None."""
-        return None if self._arena is None else self._arena.packed()
-
-    def process_weights_after_loading(self) -> None:
-        """bf16 on CPU: pack every linear weight for the measured kernel plan. Elsewhere
-        the weights stay as loaded, for ATen's ops."""
-        self.pack_linears()
-
-    def pack_linears(self) -> CpuPacking | None:
-        """bf16 on CPU: every linear packed for the measured kernel plan (None elsewhere).
-        With a weight quantization selected (stack.quantization), every linear is
-        quantized instead, whatever the dtype or device, and nothing is packed (None)."""
-        embed = self.model.embed_tokens
-        tied_head = embed if self.lm_head is None else None
-        quantization = quantized.current_method()
-        if quantization is not None:
-            quantized.quantize_linears(self, quantization, tied_head)
-            return None
-        packing = pack_for_cpu(self, tied_head=tied_head)
-        self._arena = None if packing is None else packing.arena
-        self.kernel_plan = None if packing is None else packing.plan
-        self.kernel_measurement = None if packing is None else packing.measurement
-        return packing
+        buffers = (m.weight_buffer() for m in linear_methods_of(self) if supports_weight_buffer(m))
+        return next((buffer for buffer in buffers if buffer is not None), None)
 
     def log_generic_path(self, reason: str) -> None:
         """Say, where Llama would run the fused bf16 CPU decoder, that this model does not."""

@@ -138,7 +138,6 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         return torch.tanh(logits / cap) * cap
 
     def process_weights_after_loading(self) -> None:
-        self.pack_linears()
         self.log_generic_path(
             "the fused bf16 CPU decoder has no Gemma layers (a norm after each sublayer, "
             "Gemma's RMSNorm, GELU)"

@@ -93,10 +93,10 @@ class LlamaForCausalLM(DecoderForCausalLM):
         return self.run_layers(x, rope)
 
     def process_weights_after_loading(self) -> None:
-        """bf16 on CPU: pack every linear weight for the CPU kernel, and run each layer as a
-        FusedCpuDecoderLayer over the fused CPU ops (the final norm through them too).
-        Elsewhere the model keeps ATen's ops and the weights as loaded."""
-        packing = self.pack_linears()
+        """bf16 on CPU: run each layer as a FusedCpuDecoderLayer over the fused CPU ops (the
+        final norm through them too), its linears through what their method installed,
+        and the whole stack as one where every linear is packed for cpu_gemm. Elsewhere
+        the model keeps ATen's ops."""
         embed = self.model.embed_tokens
         if cpu_ops.supported(embed.weight.dtype, embed.weight.device) and self._silu_mlps():
             self.rotary.use_fused_op()
@@ -106,8 +106,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
                 FusedCpuDecoderLayer(layer, self.rotary.cos_sin) for layer in self.model.layers
             ]
             self.layer_fns = list(fused)
-            if packing is not None and FusedCpuDecoder.supported(fused):
-                self.decoder = FusedCpuDecoder(fused, self.model.norm.weight, packing.plan)
+            plan = self.kernel_plan
+            if plan is not None and FusedCpuDecoder.supported(fused):
+                self.decoder = FusedCpuDecoder(fused, self.model.norm.weight, plan)
 
     def _silu_mlps(self) -> bool:
         """Whether every MLP computes SiLU, the fused CPU layers' only activation (the

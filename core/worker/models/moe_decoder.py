@@ -2,9 +2,9 @@
 loading each expert's checkpoint tensors into the stacked weights of FusedMoE
 (layers/moe.py), and saying at start that the experts run on the generic path.
 
-bf16 on CPU the router and the attention linears are packed like any Linear
-(layers/cpu_packing.py); the experts' stacked weights are not Linears and stay as
-loaded, for ATen's matmuls.
+The router and the attention linears run their linear method like any Linear (bf16 on
+CPU: packed); the experts' stacked weights are not Linears and stay as loaded, for
+ATen's matmuls.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         )
 
     def process_weights_after_loading(self) -> None:
-        self.pack_linears()
         self.log_generic_path(
             "the fused bf16 CPU decoder has no mixture of experts (the experts run "
             "ATen's matmuls on the tokens routed to them)"

@@ -52,7 +52,6 @@ class Phi3ForCausalLM(MistralForCausalLM):
         if not self.rotary.partial:
             super().process_weights_after_loading()
             return
-        self.pack_linears()
         self.log_generic_path(
             "the fused bf16 CPU decoder rotates whole heads, and this model's "
             "partial_rotary_factor leaves part of each head unrotated"

@@ -35,5 +35,4 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
         return llama_layer(hf_config, layer_idx, attention, parallel, qkv_bias=False, qk_norm=True)
 
     def process_weights_after_loading(self) -> None:
-        self.pack_linears()
         self.log_generic_path("the fused bf16 CPU decoder has no q/k norm")

@@ -13,7 +13,7 @@ import torch
 from plugserve import ops
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
-from plugserve_plugins.quantization import int8_weight_only
+from plugserve_plugins.linear_methods import int8_weight_only
 from tests.kernel_support import require_kernel
 
 

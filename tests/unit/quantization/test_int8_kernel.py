@@ -1,4 +1,4 @@
-"""The int8 weight-only kernel (plugins/quantization) against fp32 arithmetic on the weight
+"""The int8 weight-only kernel (plugins/linear_methods) against fp32 arithmetic on the weight
 it dequantizes to: x @ (q * scale).T + bias.
 
 In fp32 output the kernel computes in fp32 throughout (registers up to 8 rows, an fp32
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugserve_plugins.quantization import int8_weight_only
-from plugserve_plugins.quantization.int8_weight_only import (
+from plugserve_plugins.linear_methods import int8_weight_only
+from plugserve_plugins.linear_methods.int8_weight_only import (
     Int8WeightOnly,
     quantize_rows,
 )

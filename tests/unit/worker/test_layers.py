@@ -17,7 +17,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from plugserve.worker import cpu_linear
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.checkpoint import load_checkpoint
-from plugserve.worker.layers.cpu_packing import pack_for_cpu
 from plugserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plugserve.worker.layers.linear import (
     ColumnParallelLinear,
@@ -29,6 +28,11 @@ from plugserve.worker.layers.linear import (
 from plugserve.worker.layers.mlp import GatedMLP
 from plugserve.worker.layers.norm import RMSNorm
 from plugserve.worker.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_parameters
+from plugserve.worker.linear_methods import (
+    LinearMethodChooser,
+    give_linear_methods,
+    process_linear_weights,
+)
 from plugserve.worker.parallel import ParallelContext
 
 FUSED = {
@@ -400,9 +404,20 @@ def test_load_checkpoint_names_unknown_missing_and_misshapen_tensors() -> None:
         load_checkpoint(TinyBlock(), checkpoint.items(), FUSED)
 
 
+def bf16_cpu_method(block: torch.nn.Module) -> None:
+    """Give `block`'s linears the packed bf16 CPU method, as the loader does for any dtype
+    where stack.linear_method names it."""
+    chooser = LinearMethodChooser(
+        dtype=torch.bfloat16, device=torch.device("cpu"), selected="cpu_bf16"
+    )
+    give_linear_methods(block, chooser)
+
+
 def test_nothing_is_packed_in_fp32() -> None:
     block = TinyBlock()
-    assert pack_for_cpu(block) is None
+    bf16_cpu_method(block)
+    load_checkpoint(block, tiny_block_checkpoint().items(), FUSED)
+    process_linear_weights(block)
     assert all(m.packed is None for m in block.modules() if isinstance(m, Linear))
 
 
@@ -416,12 +431,13 @@ def test_a_packed_block_computes_what_it_did_and_refuses_a_second_load() -> None
     torch.set_default_dtype(torch.bfloat16)
     try:
         block = TinyBlock()
+        bf16_cpu_method(block)
     finally:
         torch.set_default_dtype(previous)
     load_checkpoint(block, checkpoint.items(), FUSED)
     x = randn(3, 32).bfloat16()
     expected = block.mlp(x)
-    pack_for_cpu(block)
+    process_linear_weights(block)
     assert all(m.packed is not None for m in block.modules() if isinstance(m, Linear))
     torch.testing.assert_close(block.mlp(x), expected, atol=0.02, rtol=0.02)
     with pytest.raises(RuntimeError, match="packed"):

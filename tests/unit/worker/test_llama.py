@@ -24,7 +24,8 @@ from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.kernel_plan import ROW_BUCKETS
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.linear import Linear
-from plugserve.worker.model_loader import load_model
+from plugserve.worker.linear_methods import LinearMethodChooser, give_linear_methods
+from plugserve.worker.model_loader import finish_loading, load_model
 from plugserve.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
 from plugserve.worker.parallel import ParallelContext
@@ -109,12 +110,16 @@ def model_class(config: Any) -> type[LlamaForCausalLM]:
 def bf16_model(
     config: Any, num_blocks: int, parallel: ParallelContext | None = None
 ) -> tuple[LlamaForCausalLM, TorchPagedAttention]:
-    """A bf16 model (random weights) over its own bf16 backend, weights as built."""
+    """A bf16 model (random weights) over its own bf16 backend, weights as built, its
+    linears given the methods an engine gives them on this CPU (processed by
+    finish_loading)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         backend = make_backend(config, num_blocks=num_blocks, dtype=torch.bfloat16)
         model = model_class(config)(hf_config=config, attention=backend, parallel=parallel)
+        chooser = LinearMethodChooser(dtype=torch.bfloat16, device=torch.device("cpu"))
+        give_linear_methods(model, chooser)
     finally:
         torch.set_default_dtype(previous)
     return model, backend
@@ -268,7 +273,7 @@ MIXED_PLAN = "own/tiled,own,onednn,onednn,onednn/fused-mlp"
 def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     config: Any, kernel: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    """process_weights_after_loading moves a bf16 CPU model onto the fused ops and packed
+    """finish_loading moves a bf16 CPU model onto the fused ops and packed
     matmuls; it computes what the plain ATen path computes, within bf16 rounding. "own"
     takes the path of AVX512-BF16 CPUs without AMX (cpu_gemm.cpp, the stack as one
     FusedCpuDecoder), wherever this CPU can run it; "onednn" that of CPUs without
@@ -292,7 +297,7 @@ def test_bf16_on_cpu_switches_to_the_fused_path_with_the_same_logits(
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     plain, fast = build(), build()
-    fast.process_weights_after_loading()
+    finish_loading(fast)
 
     assert fast.rotary.cos_sin is not None and plain.rotary.cos_sin is None
     assert fast.model.norm.fused and not plain.model.norm.fused
@@ -363,7 +368,7 @@ def test_a_packed_lm_head_gives_the_fp32_logits_unrounded(config: Any, rows: int
     model.load_weights(hf_model.state_dict().items())
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     weight = head.weight.detach().float().clone()  # packing frees an untied head's copy
-    model.process_weights_after_loading()
+    finish_loading(model)
     hidden = torch.randn(rows, config.hidden_size, dtype=torch.bfloat16)
 
     logits = model.compute_logits(hidden)
@@ -390,7 +395,7 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
     def build() -> tuple[LlamaForCausalLM, TorchPagedAttention]:
         model, backend = bf16_model(config, num_blocks=16)
         model.load_weights(hf_model.state_dict().items())
-        model.process_weights_after_loading()
+        finish_loading(model)
         assert isinstance(model.decoder, FusedCpuDecoder)
         return model, backend
 
@@ -422,7 +427,7 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
 @needs_fused_ops
 def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_layer() -> None:
     model, _ = bf16_model(LlamaConfig(**SIZES), num_blocks=4)
-    model.process_weights_after_loading()
+    finish_loading(model)
     decoder = model.decoder
     assert isinstance(decoder, FusedCpuDecoder)
     qkv = torch.zeros(1, (4 + 2 * 2) * 16, dtype=torch.bfloat16)
@@ -461,7 +466,7 @@ def test_a_tensor_parallel_shard_keeps_the_all_reduce_of_its_row_parallel_layers
     model, _ = bf16_model(
         LlamaConfig(**SIZES), num_blocks=1, parallel=ParallelContext(rank=0, world_size=2)
     )
-    model.process_weights_after_loading()
+    finish_loading(model)
     assert model.decoder is None  # its one op per stretch has no all-reduce
     for layer, fused in zip(model.model.layers, model.layer_fns, strict=True):
         assert isinstance(fused, FusedCpuDecoderLayer)

@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, MistralConfig
 
 from plugserve.interfaces import FULL_ATTENTION, AttentionSpec, LayerAttention
 from plugserve.worker import cpu_ops
+from plugserve.worker.linear_methods import LinearMethodChooser, give_linear_methods
+from plugserve.worker.model_loader import finish_loading
 from plugserve.worker.models.llama_cpu import FusedCpuDecoder
 from plugserve.worker.models.mistral import MistralForCausalLM
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
@@ -52,6 +54,8 @@ def bf16_mistral(config: Any, weights: dict[str, torch.Tensor]) -> MistralForCau
         )
         backend.allocate_kv_cache(16)
         model = MistralForCausalLM(hf_config=config, attention=backend)
+        chooser = LinearMethodChooser(dtype=torch.bfloat16, device=torch.device("cpu"))
+        give_linear_methods(model, chooser)
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(weights.items())
@@ -65,7 +69,7 @@ def test_bf16_on_cpu_runs_the_fused_decoder_with_head_dim_32_and_a_window() -> N
     torch.manual_seed(0)
     weights = AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
     plain, fast = bf16_mistral(config, weights), bf16_mistral(config, weights)
-    fast.process_weights_after_loading()
+    finish_loading(fast)
     assert isinstance(fast.decoder, FusedCpuDecoder)
 
     def run(model: MistralForCausalLM) -> torch.Tensor:

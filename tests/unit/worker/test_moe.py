@@ -32,6 +32,8 @@ from plugserve.worker.layers.moe import (
     FusedMoE,
     select_experts,
 )
+from plugserve.worker.linear_methods import LinearMethodChooser, give_linear_methods
+from plugserve.worker.model_loader import finish_loading
 from plugserve.worker.models.mixtral import MixtralForCausalLM
 from plugserve.worker.models.moe_decoder import MoeDecoderForCausalLM
 from plugserve.worker.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -364,7 +366,7 @@ def test_two_ranks_each_holding_a_slice_of_every_expert_give_the_unsharded_outpu
 def test_bf16_on_cpu_packs_router_and_attention_and_keeps_the_experts_stacked(
     config: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """process_weights_after_loading measures a kernel plan on the model's linears (the
+    """finish_loading measures a kernel plan on the model's linears (the
     router among them) and packs them; the experts' stacked weights are no Linear and
     stay as loaded, for ATen; the log says the layers run the generic path; the logits
     are the unpacked bf16 model's within bf16 rounding."""
@@ -381,6 +383,8 @@ def test_bf16_on_cpu_packs_router_and_attention_and_keeps_the_experts_stacked(
         try:
             backend = make_backend(config, num_blocks=16, dtype=torch.bfloat16)
             model = model_cls(hf_config=config, attention=backend)
+            chooser = LinearMethodChooser(dtype=torch.bfloat16, device=torch.device("cpu"))
+            give_linear_methods(model, chooser)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(hf_model.state_dict().items())  # transformers 5's stacked experts
@@ -388,7 +392,7 @@ def test_bf16_on_cpu_packs_router_and_attention_and_keeps_the_experts_stacked(
 
     plain, fast = build(), build()
     with caplog.at_level(logging.INFO):
-        fast.process_weights_after_loading()
+        finish_loading(fast)
 
     blocks = [m for m in fast.modules() if isinstance(m, FusedMoE)]
     assert len(blocks) == (1 if isinstance(config, Qwen3MoeConfig) else 2)

@@ -16,7 +16,8 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_ro
 
 from plugserve.model_files import CheckpointError
 from plugserve.worker import cpu_ops
-from plugserve.worker.model_loader import iter_weights
+from plugserve.worker.linear_methods import LinearMethodChooser, give_linear_methods
+from plugserve.worker.model_loader import finish_loading, iter_weights
 from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
 from plugserve.worker.models.phi3 import Phi3ForCausalLM
 from plugserve.worker.parallel import ParallelContext
@@ -203,13 +204,15 @@ def test_bf16_on_cpu_runs_the_fused_decoder_where_every_head_rotates_whole(
         try:
             backend = make_backend(config, num_blocks=16, dtype=torch.bfloat16)
             model = Phi3ForCausalLM(hf_config=config, attention=backend)
+            chooser = LinearMethodChooser(dtype=torch.bfloat16, device=torch.device("cpu"))
+            give_linear_methods(model, chooser)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(hf_model.state_dict().items())
         return model
 
     plain, fast = build(), build()
-    fast.process_weights_after_loading()
+    finish_loading(fast)
     if partial == 1.0:
         assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
         assert isinstance(fast.decoder, FusedCpuDecoder)

@@ -113,5 +113,4 @@ class SmolLM3ForCausalLM(DecoderForCausalLM):
         return NoPEDecoderLayer(*layers, head_dim=head_dim)
 
     def process_weights_after_loading(self) -> None:
-        self.pack_linears()  # bf16 on CPU: every linear packed for the measured kernel plan
         self.log_generic_path("the fused bf16 CPU decoder rotates q and k in every layer")

@@ -1,6 +1,6 @@
-"""stack.quantization: a slot that is off unless named, whose unknown names fail at config
-time with the available ones, and whose selection quantizes every linear of the model
-(LM head included; the embedding lookup keeps its bf16 rows) instead of packing it."""
+"""stack.linear_method int8: left unset, the dtype and device choose the method; an unknown
+name fails at config time with the available ones; int8 quantizes every linear of the
+model (LM head included; the embedding lookup keeps its bf16 rows) instead of packing it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from plugserve import LLM, SamplingParams
 from plugserve.cli import parse_overrides
 from plugserve.config import load_config
 from plugserve.worker.layers.linear import Linear
-from plugserve_plugins.quantization import int8_weight_only
-from plugserve_plugins.quantization.int8_weight_only import Int8Linear, Int8WeightOnly
+from plugserve_plugins.linear_methods import int8_weight_only
+from plugserve_plugins.linear_methods.int8_weight_only import Int8Linear, Int8WeightOnly
 from tests.kernel_support import missing_cpu_flags
 
 REASON = Int8WeightOnly.unavailable_reason()
@@ -34,27 +34,36 @@ NEW_TOKENS = 16
 FIRST_TOKENS_EQUAL = 8
 
 
-def test_quantization_is_off_by_default() -> None:
-    assert load_config().stack.quantization is None
+def test_no_method_is_named_by_default() -> None:
+    assert load_config().stack.linear_method is None
 
 
 def test_an_unknown_method_fails_with_the_available_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown quantization 'int4'; available: .*int8"):
-        load_config(overrides={"stack.quantization": "int4"})
+    with pytest.raises(ValueError, match=r"unknown linear_method 'int4'; available: .*int8"):
+        load_config(overrides={"stack.linear_method": "int4"})
 
 
 def test_the_cli_flag_selects_it() -> None:
-    overrides = parse_overrides(["--stack.quantization", "int8"])
+    overrides = parse_overrides(["--stack.linear_method", "int8"])
     if MISSING:
-        with pytest.raises(ValueError, match="quantization 'int8' cannot run here"):
+        with pytest.raises(ValueError, match="linear_method 'int8' cannot run here"):
             load_config(overrides=overrides)
     else:
-        assert load_config(overrides=overrides).stack.quantization == "int8"
+        assert load_config(overrides=overrides).stack.linear_method == "int8"
 
 
 def test_options_for_it_are_refused_when_it_is_not_selected() -> None:
     with pytest.raises(ValueError, match="options for a plugin the stack does not select"):
         load_config(overrides={"plugins.int8": {"x": 1}})
+
+
+def test_options_for_a_method_the_device_may_choose_are_checked_when_none_is_named() -> None:
+    config = load_config(overrides={"plugins.cpu_bf16": {"coded_weights": False}})
+    assert config.plugins["cpu_bf16"] == {"coded_weights": False}
+    with pytest.raises(ValueError, match=r"plugins\.cpu_bf16: coded"):
+        load_config(overrides={"plugins.cpu_bf16": {"coded": False}})
+    with pytest.raises(ValueError, match="options for a plugin the stack does not select"):
+        load_config(overrides={"plugins.cpu_bf16": {}, "stack.linear_method": "plain"})
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -70,7 +79,7 @@ def test_int8_smollm2_quantizes_every_linear_and_follows_bf16_greedy() -> None:
         reference = _greedy(bf16)
     finally:
         bf16.engine.shutdown()
-    llm = LLM(model="smollm2-135m-instruct", quantization="int8", **settings)
+    llm = LLM(model="smollm2-135m-instruct", linear_method="int8", **settings)
     try:
         model = llm.engine.executor.runner.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]

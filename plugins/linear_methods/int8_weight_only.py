@@ -1,21 +1,28 @@
-"""int8 weight-only quantization for AVX-512 CPUs (stack.quantization: int8).
+"""int8 weight-only quantization for AVX-512 CPUs (stack.linear_method: int8).
 
 Every linear weight [N, K] becomes int8 with one fp32 scale per output row, symmetric and
 rounded to nearest: scale = absmax(row) / 127, q = round(w / scale). Activations stay
 bf16; the kernel (int8_weight_only.cpp) dequantizes in registers for up to 8 rows, so a
 batch-1 step reads one byte a weight instead of bf16's two, and dequantizes blocks of
 weights to bf16 for oneDNN's matmul beyond that. Measured accuracy and speed:
-docs/benchmarks.md, "int8 weight-only (issue 24)".
+docs/benchmarks.md, "int8 weight-only".
+
+The layers load the checkpoint's weights as the plain method does; after loading, each
+weight is quantized and the loaded copy freed, the LM head's too, tied or not (the
+embedding lookup keeps its rows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from plugserve import hookimpl, ops
-from plugserve.hookspecs import Register
+from plugserve import ops
+from plugserve.interfaces import LinearLayer, TiedLmHead
+from plugserve.worker.layers.plain_linear import PlainLinearMethod
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
 # The kernel's instructions (-march=native builds them; a CPU without them cannot run it).
@@ -52,8 +59,8 @@ class Int8Linear:
         return self.q.float() * self.scale[:, None]
 
 
-class Int8WeightOnly:
-    """interfaces.WeightQuantization: int8 weights, per-row fp32 scales, bf16 activations."""
+class Int8WeightOnly(PlainLinearMethod):
+    """interfaces.LinearMethod: int8 weights, per-row fp32 scales, bf16 activations."""
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -64,15 +71,32 @@ class Int8WeightOnly:
             return f"the int8 kernel needs a CPU with {', '.join(missing)}"
         return ops.unavailable_reason(_SOURCE)
 
+    def create_weights(self, layer: LinearLayer) -> None:
+        super().create_weights(layer)
+        device = layer.weight.device  # type: ignore[attr-defined]
+        if device.type != "cpu":  # refused before anything loads
+            raise ValueError(f"int8 weight-only quantization runs on CPU, not {device}")
+
+    def process_weights_after_loading(
+        self,
+        layers: Sequence[LinearLayer],
+        *,
+        model: nn.Module,
+        tied_head: TiedLmHead | None,
+    ) -> None:
+        for layer in layers:
+            layer.install(self.quantize(layer.weight, layer.matmul_bias))  # type: ignore[attr-defined]
+        if tied_head is not None:
+            tied_head.install_head(self.quantize(tied_head.weight))
+
     def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """One weight [N, K] (and bias [N]) as loaded → its int8 matmul."""
         if weight.device.type != "cpu":
             raise ValueError(f"int8 weight-only quantization runs on CPU, not {weight.device}")
         reason = self.unavailable_reason()
         if reason:
             raise ValueError(f"int8 weight-only quantization cannot run here: {reason}")
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight.detach(), bias)
 
-
-@hookimpl
-def register_quantization_methods(register: Register) -> None:
-    register("int8", Int8WeightOnly)
+    def describe(self) -> str:
+        return "linears: int8 weight-only quantized"

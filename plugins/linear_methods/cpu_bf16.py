@@ -1,0 +1,164 @@
+"""bf16 on CPU: every linear weight of a model laid out once for the kernels its measured
+plan runs (plugserve.worker.kernel_choice), and the plan's table logged.
+
+The layers load the checkpoint's weights as the plain method does. After loading, the
+method, given all its layers at once, chooses the plan (cached per machine and model
+shape, else timed on these weights: every matmul of a step, each gated MLP as one), then
+packs every layer for it (cpu_linear.PackedLinear), and the tied LM head as a head.
+cpu_gemm's copies lie in one arena in module order (a step's read order: layer by layer,
+qkv, o, gate-up, down), the tied head last. Where this machine packs no weight of the
+model's dtype (fp32, a CPU without bf16 matmuls), the layers keep F.linear.
+
+The option `coded_weights` (on by default) lets one-row matmuls read a lossless
+exponent-coded copy of each weight (12 bits a weight instead of 16; the same results bit
+for bit), for 75 % more memory for the weights; whether they do is measured with the
+other kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from plugserve.interfaces import LinearLayer, TiedLmHead
+from plugserve.worker import cpu_linear, kernel_choice
+from plugserve.worker.kernel_plan import KernelPlan
+from plugserve.worker.layers.mlp import GatedMLP
+from plugserve.worker.layers.plain_linear import PlainLinearMethod
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CpuPacking:
+    """How a model's linears run: the plan, and the arena of cpu_gemm's copies (None where
+    the plan never runs cpu_gemm)."""
+
+    plan: KernelPlan
+    arena: cpu_linear.WeightArena | None
+    measurement: kernel_choice.Measurement
+
+
+class PackedCpuBf16(PlainLinearMethod):
+    """interfaces.LinearMethod: bf16 weights packed for the CPU kernels of a measured plan
+    (capabilities: HasKernelPlan, SupportsWeightBuffer, DescribesLinears)."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        # One-row matmuls may read exponent-coded copies of the packed weights.
+        coded_weights: bool = True
+
+    def __init__(self, options: Options | None = None) -> None:
+        self.options = options or self.Options()
+        self.packing: CpuPacking | None = None
+
+    @property
+    def kernel_plan(self) -> KernelPlan | None:
+        return None if self.packing is None else self.packing.plan
+
+    @property
+    def kernel_measurement(self) -> kernel_choice.Measurement | None:
+        return None if self.packing is None else self.packing.measurement
+
+    def weight_buffer(self) -> torch.Tensor | None:
+        """cpu_gemm's packed weights, in one buffer (None where the plan runs none)."""
+        arena = None if self.packing is None else self.packing.arena
+        return None if arena is None else arena.packed()
+
+    def describe(self) -> str:
+        if self.packing is None:
+            return "bf16 linears: as the model runs them (no kernel plan)"
+        return f"bf16 linears: {cpu_linear.describe_bf16_path(self.packing.plan)}"
+
+    def process_weights_after_loading(
+        self,
+        layers: Sequence[LinearLayer],
+        *,
+        model: nn.Module,
+        tied_head: TiedLmHead | None,
+    ) -> None:
+        weights = [layer.weight for layer in layers]  # type: ignore[attr-defined]
+        if tied_head is not None:
+            weights.append(tied_head.weight)
+        if not weights or not cpu_linear.packing_supported(weights[0].dtype, weights[0].device):
+            return
+        steps = step_matmuls(model, layers, tied_head)
+        measurement = kernel_choice.plan_for(steps, coded=self.options.coded_weights)
+        plan = measurement.plan
+        log_plan(measurement)
+        arena = cpu_linear.WeightArena.for_weights(weights, plan)
+        owned = {id(layer) for layer in layers}
+        # modules() visits a GatedMLP before its linears: its pack reads their loaded
+        # weights, which theirs then free.
+        for module in model.modules():
+            if isinstance(module, GatedMLP) and _owns_mlp(owned, module):
+                module.pack(arena, plan)
+            elif id(module) in owned:
+                layer: LinearLayer = module  # type: ignore[assignment]
+                weight = layer.weight  # type: ignore[attr-defined]
+                layer.install(cpu_linear.PackedLinear(weight, layer.matmul_bias, arena, plan))
+        if tied_head is not None:
+            tied_head.install_head(
+                cpu_linear.PackedLinear(tied_head.weight, arena=arena, plan=plan)
+            )
+        self.packing = CpuPacking(plan, arena, measurement)
+
+
+def step_matmuls(
+    model: nn.Module, layers: Sequence[LinearLayer], tied_head: TiedLmHead | None = None
+) -> list[kernel_choice.Step]:
+    """The matmuls of one step of `model` that `layers` run, in the order the model runs
+    them, as loaded (before packing): what the kernel choice times."""
+    owned = {id(layer) for layer in layers}
+    steps: list[kernel_choice.Step] = []
+    in_mlp: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, GatedMLP) and _owns_mlp(owned, module):
+            gate_up, down = module.gate_up_proj, module.down_proj
+            in_mlp.update((id(gate_up), id(down)))
+            steps.append(
+                kernel_choice.GatedMlpStep(gate_up.weight, down.weight, gate_up.bias, down.bias)
+            )
+        elif id(module) in owned and id(module) not in in_mlp:
+            layer: LinearLayer = module  # type: ignore[assignment]
+            steps.append(
+                kernel_choice.LinearStep(
+                    layer.weight,  # type: ignore[attr-defined]
+                    layer.matmul_bias,
+                    head=hasattr(module, "logits"),
+                )
+            )
+    if tied_head is not None:
+        steps.append(kernel_choice.LinearStep(tied_head.weight, head=True))
+    return steps
+
+
+def _owns_mlp(owned: set[int], mlp: GatedMLP) -> bool:
+    return id(mlp.gate_up_proj) in owned and id(mlp.down_proj) in owned
+
+
+def log_plan(measurement: kernel_choice.Measurement) -> None:
+    if not any(measurement.times_ms):
+        logger.info(
+            "bf16 linears: %s (unmeasured: set or the only kernels allowed)",
+            measurement.plan.describe(),
+        )
+        return
+    source = (
+        f"measured before, cached in {measurement.cache_file}"
+        if measurement.from_cache
+        else f"measured now on {measurement.measured_bytes / 2**20:.0f} of "
+        f"{measurement.total_bytes / 2**20:.0f} MiB of weights"
+    )
+    if measurement.others_share is not None:
+        source += f", other processes using {100 * measurement.others_share:.0f}% of the CPUs"
+    logger.info(
+        "bf16 linear kernels by rows, ms for a step's matmuls, * chosen (%s):\n%s",
+        source,
+        measurement.table(),
+    )
