@@ -1,4 +1,4 @@
-"""Capabilities: what a part may offer beyond its slot's Protocol (interfaces.py).
+"""Capabilities: what a part may offer beyond its slot's Protocol (plugserve.interfaces).
 
 Each is a small runtime-checkable Protocol with a `supports_x(obj)` (or `has_x`) check that
 callers use instead of probing attributes with getattr, so every optional method is
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from plugserve.interfaces import AttentionBatch, LayerAttention, TiedLmHead
+    from plugserve.interfaces.model import AttentionBatch, LayerAttention, TiedLmHead
 
 
 # --------------------------------------------------------------------------- any registered class
@@ -130,7 +130,7 @@ def has_dtypes(cls: object) -> TypeGuard[type[HasDtypes]]:
 @runtime_checkable
 class HonoursLayerAttention(Protocol):
     """An attention backend class that applies these per-layer options of
-    AttentionSpec.layers (interfaces.LayerAttention field names: "sliding_window",
+    AttentionSpec.layers (interfaces.model.LayerAttention field names: "sliding_window",
     "logit_softcap", "scale"). Without it a backend computes full causal attention at
     1/sqrt(head_dim) only, and a model whose layers need more fails to start with it."""
 
@@ -182,7 +182,7 @@ class HasLayerAttention(Protocol):
 
     @classmethod
     def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:
-        """One interfaces.LayerAttention per decoder layer."""
+        """One interfaces.model.LayerAttention per decoder layer."""
         ...
 
 

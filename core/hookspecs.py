@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from plugserve.interfaces import ApiServer
+    from plugserve.interfaces.frontend import ApiServer
 
 hookspec = pluggy.HookspecMarker("plugserve")
 
@@ -28,7 +28,7 @@ Register = Callable[[str, "type | str"], None]
 
 @hookspec
 def register_renderers(register: Register) -> None:
-    """Register Renderer classes (interfaces.Renderer): conversation → prompt token ids.
+    """Register Renderer classes (interfaces.frontend.Renderer): conversation → prompt token ids.
 
     Called once per process when the plugin registry is first used. `register(name, cls)`;
     stack.yaml selects one with `stack.renderer`.
@@ -37,14 +37,14 @@ def register_renderers(register: Register) -> None:
 
 @hookspec
 def register_detokenizers(register: Register) -> None:
-    """Register Detokenizer classes (interfaces.Detokenizer), built once per request to
+    """Register Detokenizer classes (interfaces.frontend.Detokenizer), built once per request to
     turn new token ids into new text and check stop strings. Selected by
     `stack.detokenizer`."""
 
 
 @hookspec
 def register_tool_parsers(register: Register) -> None:
-    """Register ToolParser classes (interfaces.ToolParser) that find tool calls in a model
+    """Register ToolParser classes (interfaces.frontend.ToolParser) that find tool calls in a model
     family's output text when a request offers tools with `tool_choice: "auto"`. Selected
     by `stack.tool_parser`."""
 
@@ -68,7 +68,7 @@ def register_metrics(registry: Any, model_name: str) -> None:
 def register_routes(server: ApiServer) -> None:
     """Add HTTP endpoints to the API server. Called once in every API-server process while
     its app is built, after its engines have started, with `server`
-    (interfaces.ApiServer): `server.include_router(router)` serves a `fastapi.APIRouter`'s
+    (interfaces.frontend.ApiServer): `server.include_router(router)` serves a `fastapi.APIRouter`'s
     routes; `server.engine_client`, `server.renderer`, `server.config`,
     `server.model_name` and `server.max_model_len` are what they serve with.
 
@@ -87,7 +87,7 @@ def register_routes(server: ApiServer) -> None:
 
 @hookspec
 def register_transports(register: Register) -> None:
-    """Register Transport classes (interfaces.Transport) that carry encoded frames between
+    """Register Transport classes (interfaces.transport.Transport) that carry encoded frames between
     the API-server and engine-core processes. Selected by `stack.transport`."""
 
 
@@ -96,25 +96,25 @@ def register_transports(register: Register) -> None:
 
 @hookspec
 def register_scheduler_policies(register: Register) -> None:
-    """Register SchedulingPolicy classes (interfaces.SchedulingPolicy): the order of the
+    """Register SchedulingPolicy classes (interfaces.scheduling.SchedulingPolicy): the order of the
     waiting queue and the choice of preemption victim. Selected by `stack.scheduler`."""
 
 
 @hookspec
 def register_kv_allocators(register: Register) -> None:
-    """Register KVAllocator classes (interfaces.KVAllocator): block pool, block tables and
+    """Register KVAllocator classes (interfaces.kv_cache.KVAllocator): block pool, block tables and
     prefix cache. Selected by `stack.kv_allocator`."""
 
 
 @hookspec
 def register_executors(register: Register) -> None:
-    """Register Executor classes (interfaces.Executor) that run the model for the engine:
+    """Register Executor classes (interfaces.executor.Executor) that run the model for the engine:
     in-process or across worker processes. Selected by `stack.executor`."""
 
 
 @hookspec
 def register_structured_output_backends(register: Register) -> None:
-    """Register StructuredOutputBackend classes (interfaces.StructuredOutputBackend) that
+    """Register StructuredOutputBackend classes (interfaces.structured_output.StructuredOutputBackend) that
     compile JSON schemas, regexes, EBNF grammars and choice lists into per-request
     grammars whose token bitmask masks the logits. Selected by `stack.structured_output`;
     the API server also calls the class's `validate`."""
@@ -125,13 +125,13 @@ def register_structured_output_backends(register: Register) -> None:
 
 @hookspec
 def register_attention_backends(register: Register) -> None:
-    """Register AttentionBackend classes (interfaces.AttentionBackend): KV cache layout and
+    """Register AttentionBackend classes (interfaces.model.AttentionBackend): KV cache layout and
     paged varlen attention kernels. Selected by `stack.attention`."""
 
 
 @hookspec
 def register_linear_methods(register: Register) -> None:
-    """Register LinearMethod classes (interfaces.LinearMethod): how linear layers hold and
+    """Register LinearMethod classes (interfaces.model.LinearMethod): how linear layers hold and
     multiply their weights (quantized, packed for a kernel, with adapters). Selected by
     `stack.linear_method` for every linear layer of the model (the LM head included, tied
     or not; the embedding lookup keeps its rows); None (the default) leaves it to the
@@ -141,7 +141,7 @@ def register_linear_methods(register: Register) -> None:
 
 @hookspec
 def register_models(register: Register) -> None:
-    """Register model classes (interfaces.CausalLM) under the Hugging Face architecture
+    """Register model classes (interfaces.model.CausalLM) under the Hugging Face architecture
     names they implement, e.g. `register("LlamaForCausalLM", LlamaForCausalLM)`, or by
     reference, `register("LlamaForCausalLM", "my_models.llama:LlamaForCausalLM")`, so the
     API-server process, which never builds a model, never imports its code. The model's

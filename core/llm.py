@@ -15,7 +15,7 @@ from typing import Any
 from plugserve.config import StackConfig, load_config
 from plugserve.engine.core import EngineCore
 from plugserve.generation_defaults import GenerationDefaults
-from plugserve.interfaces import Detokenizer, Renderer
+from plugserve.interfaces.frontend import Detokenizer, Renderer
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest
 from plugserve.model_files import resolve_supported_model
 from plugserve.output_text import detokenize_output

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plugserve.interfaces import Detokenizer
+from plugserve.interfaces.frontend import Detokenizer
 from plugserve.messages import EngineCoreOutput
 from plugserve.sampling_params import SamplingParams
 

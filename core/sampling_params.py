@@ -28,7 +28,7 @@ _FLOAT_FIELDS = (
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
     """One constraint on the output, as vLLM's `structured_outputs` request field: exactly
     one of the fields is set. The engine compiles it with the stack's structured-output
-    backend (interfaces.StructuredOutputBackend) and masks every sampling step with it."""
+    backend (interfaces.structured_output.StructuredOutputBackend) and masks every sampling step with it."""
 
     json: str | None = None  # a JSON schema, serialized
     json_object: bool = False  # any JSON object

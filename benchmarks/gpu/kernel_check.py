@@ -22,7 +22,7 @@ import common
 import numpy as np
 import torch
 
-from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve.interfaces.model import AttentionBatch, AttentionSpec
 from plugserve_plugins.kernels.flashinfer import FlashInferAttention
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 

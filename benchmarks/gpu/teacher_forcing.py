@@ -26,7 +26,7 @@ import torch
 from plugserve import hookimpl
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, ModelRunnerOutput
-from plugserve.interfaces import KVCacheInfo
+from plugserve.interfaces.executor import KVCacheInfo
 from plugserve.worker.model_runner import ModelRunner
 from plugserve.worker.step_inputs import StepInputBuilder, StepInputs
 from plugserve_plugins.executors.uni import UniProcExecutor

@@ -76,7 +76,7 @@ class Request:
         # Set when the request's last bitmask row allowed no token at all.
         self.grammar_dead_end = False
         # Structured output: the compilation under way, then the request's own grammar
-        # (interfaces.Grammar), advanced by every token it accepts.
+        # (interfaces.structured_output.Grammar), advanced by every token it accepts.
         self.grammar_future: Future[Any] | None = None
         self.grammar: Any = None
         # prompt_logprobs: what the prefill chunks computed so far (prompt tokens 2..N).

@@ -14,7 +14,7 @@ from plugserve.datatypes import ModelRunnerOutput, Request, RequestStatus, Sched
 from plugserve.engine.scheduler import Scheduler
 from plugserve.engine.step_timer import StepStats, StepTimer
 from plugserve.engine.structured_output import StructuredOutputManager
-from plugserve.interfaces import Executor, KVCacheInfo
+from plugserve.interfaces.executor import Executor, KVCacheInfo
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from plugserve.plugins import get_registry
 

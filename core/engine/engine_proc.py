@@ -46,7 +46,7 @@ from plugserve.config import StackConfig
 from plugserve.device import resolve_device
 from plugserve.engine.core import EngineCore
 from plugserve.engine.entrypoint import engine_process_name
-from plugserve.interfaces import EngineChannel
+from plugserve.interfaces.transport import EngineChannel
 from plugserve.logging_utils import configure_process_logging
 from plugserve.messages import (
     EngineCoreOutput,

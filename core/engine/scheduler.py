@@ -29,7 +29,8 @@ from plugserve.datatypes import (
     RequestStatus,
     SchedulerOutput,
 )
-from plugserve.interfaces import KVAllocator, SchedulingPolicy
+from plugserve.interfaces.kv_cache import KVAllocator
+from plugserve.interfaces.scheduling import SchedulingPolicy
 from plugserve.messages import EngineCoreOutput, SchedulerStats
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ import torch
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, Request
 from plugserve.generation_defaults import GenerationDefaults
-from plugserve.interfaces import Grammar, StructuredOutputBackend
+from plugserve.interfaces.structured_output import Grammar, StructuredOutputBackend
 from plugserve.model_files import load_tokenizer, resolve_model_path
 from plugserve.plugins import PluginRegistry, get_registry
 from plugserve.sampling_params import StructuredOutputsParams

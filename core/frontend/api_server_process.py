@@ -34,7 +34,7 @@ from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.middleware import Traffic
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.generation_defaults import GenerationDefaults
-from plugserve.interfaces import Renderer
+from plugserve.interfaces.frontend import Renderer
 from plugserve.logging_utils import configure_process_logging
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import PluginRegistry, get_registry

@@ -14,7 +14,7 @@ from typing import Any
 
 from plugserve.frontend.errors import InvalidRequest
 from plugserve.frontend.protocol import SamplingRequest, StructuredOutputsRequest
-from plugserve.interfaces import StructuredOutputBackend
+from plugserve.interfaces.structured_output import StructuredOutputBackend
 from plugserve.sampling_params import StructuredOutputsParams
 
 

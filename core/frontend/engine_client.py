@@ -24,7 +24,8 @@ from plugserve.config import StackConfig
 from plugserve.datatypes import RequestDelta
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.metrics import FrontendMetrics
-from plugserve.interfaces import ClientChannel, Detokenizer
+from plugserve.interfaces.frontend import Detokenizer
+from plugserve.interfaces.transport import ClientChannel
 from plugserve.messages import (
     COUNTER_FIELDS,
     EngineCoreOutput,

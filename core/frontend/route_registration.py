@@ -22,7 +22,7 @@ from plugserve.datatypes import RequestDelta
 from plugserve.frontend.admission import Admission, Overloaded, Slot
 from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestError
 from plugserve.frontend.routes.endpoint_flow import error_response, overloaded_response
-from plugserve.interfaces import EngineClient, Renderer
+from plugserve.interfaces.frontend import EngineClient, Renderer
 from plugserve.plugins import PluginError, PluginRegistry
 from plugserve.sampling_params import SamplingParams
 

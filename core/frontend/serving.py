@@ -25,7 +25,8 @@ from plugserve.frontend.logprobs import LogprobsFormatter
 from plugserve.frontend.protocol import SamplingRequest
 from plugserve.frontend.request_log import logged
 from plugserve.generation_defaults import GenerationDefaults
-from plugserve.interfaces import Renderer, StructuredOutputBackend, ToolParser
+from plugserve.interfaces.frontend import Renderer, ToolParser
+from plugserve.interfaces.structured_output import StructuredOutputBackend
 from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

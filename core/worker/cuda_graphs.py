@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from plugserve.capabilities import supports_cuda_graphs
-from plugserve.interfaces import AttentionBatch
+from plugserve.interfaces.model import AttentionBatch
 
 logger = logging.getLogger(__name__)
 

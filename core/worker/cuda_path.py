@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plugserve.interfaces import AttentionBatch
+from plugserve.interfaces.model import AttentionBatch
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from plugserve.capabilities import has_tied_lm_head
 from plugserve.config import AUTOMATIC_LINEAR_METHODS, StackConfig
-from plugserve.interfaces import LinearMethod
+from plugserve.interfaces.model import LinearMethod
 from plugserve.plugins import PluginRegistry, get_registry
 from plugserve.worker.layers.embedding import VocabParallelEmbedding
 from plugserve.worker.layers.linear import Linear

@@ -36,7 +36,8 @@ from plugserve.capabilities import (
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 from plugserve.device import choose_dtype, dtype_name, resolve_device
-from plugserve.interfaces import AttentionSpec, KVCacheInfo, LayerAttention
+from plugserve.interfaces.executor import KVCacheInfo
+from plugserve.interfaces.model import AttentionSpec, LayerAttention
 from plugserve.model_files import check_architecture, resolve_model_path
 from plugserve.plugins import get_registry
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plugserve.interfaces import AttentionBatch
+from plugserve.interfaces.model import AttentionBatch
 from plugserve.worker.input_batch import InputBatch
 
 

@@ -40,7 +40,7 @@ from pydantic import BaseModel, Field
 from plugserve import hookimpl
 from plugserve.config import StackConfig, load_config
 from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from plugserve.interfaces import KVCacheInfo
+from plugserve.interfaces.executor import KVCacheInfo
 from plugserve.logging_utils import configure_process_logging
 from plugserve_plugins.executors.mp_worker import (
     ERROR,

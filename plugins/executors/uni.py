@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from plugserve import hookimpl
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from plugserve.interfaces import KVCacheInfo
+from plugserve.interfaces.executor import KVCacheInfo
 
 
 class UniProcExecutor:

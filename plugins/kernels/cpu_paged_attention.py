@@ -5,7 +5,7 @@ cache (index_select), then reads the copy again; at batch 32 that copying and SD
 small-query overheads were a third of a decode step. The kernel reads K and V in place,
 block by block, one query token per row; prefill tokens are rows too (causal by their
 seq_len), which also beats SDPA's CPU kernel on short prompts. Each layer's scale,
-logit soft-cap and sliding window (interfaces.LayerAttention) apply in the kernel: a
+logit soft-cap and sliding window (interfaces.model.LayerAttention) apply in the kernel: a
 windowed row reads only its last `sliding_window` tokens.
 
 It is compiled once per machine by plugserve.ops; where that fails the
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from plugserve import ops
-from plugserve.interfaces import LayerAttention
+from plugserve.interfaces.model import LayerAttention
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
 
@@ -47,7 +47,7 @@ def paged_attention_step(
     attending as its LayerAttention says (scale, soft-cap, sliding window).
 
     `plan(slot_mapping, query_start, seq_lens, block_table)` takes a step's
-    interfaces.AttentionBatch arrays (as tensors); then `forward(layer, q, k, v)` writes the
+    interfaces.model.AttentionBatch arrays (as tensors); then `forward(layer, q, k, v)` writes the
     step's k and v [T, KVH, D] into the cache and attends q [T, H, D] → [T, H, D], and
     `layer_call()` gives [function, context] addresses of the same kernel as a
     plugserve::LayerAttentionFn (layer_attention.h)."""

@@ -15,7 +15,7 @@ the device once; every layer's `forward` then writes its K/V at the step's slots
 prefill kernel packs a GQA group's heads into its query tile, which is what FlashInfer's
 decode wrapper does with use_tensor_cores=True.
 
-Layers that attend differently (interfaces.LayerAttention: a sliding window, logit
+Layers that attend differently (interfaces.model.LayerAttention: a sliding window, logit
 soft-capping, another softmax scale) get one wrapper per distinct option set, each
 planned every step with its window_left (window - 1: FlashInfer's left bound is
 inclusive of the query's own position), logits_soft_cap and sm_scale; a layer runs the
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
-from plugserve.interfaces import AttentionBatch, AttentionSpec, LayerAttention
+from plugserve.interfaces.model import AttentionBatch, AttentionSpec, LayerAttention
 
 NAME = "flashinfer"
 INSTALL_HINT = "flashinfer-python is not installed (pip install -e .[gpu])"
@@ -130,7 +130,7 @@ def plan_options(layer: LayerAttention, head_dim: int) -> dict[str, Any]:
 
 
 class FlashInferAttention:
-    """interfaces.AttentionBackend on FlashInfer's batch prefill kernels; also implements
+    """interfaces.model.AttentionBackend on FlashInfer's batch prefill kernels; also implements
     the optional CUDA-graph hooks of plugserve.worker.cuda_graphs."""
 
     Options = FlashInferOptions

@@ -25,7 +25,7 @@ native, sdpa. Option `prefill_kernel` (long prefill rows, under kernel auto): au
 C++ prefill kernel where it runs and times faster than SDPA), on (where it runs, else an
 error), off (SDPA).
 
-Each layer attends as AttentionSpec.layers says (interfaces.LayerAttention): its softmax
+Each layer attends as AttentionSpec.layers says (interfaces.model.LayerAttention): its softmax
 scale, a sliding window and logit soft-capping, on every path. The C++ kernel takes them
 per layer; SDPA gets the window as a mask (one per distinct window, built once a step)
 and the scale as its argument, and a soft-capped layer computes its scores explicitly
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
-from plugserve.interfaces import AttentionBatch, AttentionSpec, LayerAttention
+from plugserve.interfaces.model import AttentionBatch, AttentionSpec, LayerAttention
 from plugserve.ops import huge_page_buffer
 from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
 
@@ -110,7 +110,7 @@ class _StepPlan:
 
 
 class TorchPagedAttention:
-    """interfaces.AttentionBackend with paged KV in torch tensors and SDPA."""
+    """interfaces.model.AttentionBackend with paged KV in torch tensors and SDPA."""
 
     # capabilities.HonoursLayerAttention: every path applies all three.
     layer_attention_options = frozenset({"sliding_window", "logit_softcap", "scale"})
@@ -333,7 +333,7 @@ class TorchPagedAttention:
 
     def cpu_layer_call(self) -> tuple[int, int] | None:
         """The C++ kernel as a plugserve::LayerAttentionFn and its context (see
-        interfaces.AttentionBackend), for the step prepared last; None where that step
+        interfaces.model.AttentionBackend), for the step prepared last; None where that step
         runs SDPA."""
         return self._native_call if self._plan is not None and self._plan.native else None
 

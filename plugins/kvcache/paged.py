@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from plugserve import hookimpl
-from plugserve.interfaces import KVCacheStats
+from plugserve.interfaces.kv_cache import KVCacheStats
 
 if TYPE_CHECKING:
     from plugserve.datatypes import Request

@@ -1,4 +1,4 @@
-"""The bundled linear methods (interfaces.LinearMethod), one file each:
+"""The bundled linear methods (interfaces.model.LinearMethod), one file each:
 
 - cpu_bf16: bf16 on CPU, every weight packed for the kernel its measured plan gives each
   row count (cpu_gemm.cpp, on AMX tiles where the CPU has them; oneDNN; ATen), with

@@ -25,7 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from plugserve.interfaces import LinearLayer, TiedLmHead
+from plugserve.interfaces.model import LinearLayer, TiedLmHead
 from plugserve.worker import cpu_linear, kernel_choice
 from plugserve.worker.kernel_plan import KernelPlan
 from plugserve.worker.layers.mlp import GatedMLP
@@ -45,7 +45,7 @@ class CpuPacking:
 
 
 class PackedCpuBf16(PlainLinearMethod):
-    """interfaces.LinearMethod: bf16 weights packed for the CPU kernels of a measured plan
+    """interfaces.model.LinearMethod: bf16 weights packed for the CPU kernels of a measured plan
     (capabilities: HasKernelPlan, SupportsWeightBuffer, DescribesLinears)."""
 
     class Options(BaseModel):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from plugserve import ops
-from plugserve.interfaces import LinearLayer, TiedLmHead
+from plugserve.interfaces.model import LinearLayer, TiedLmHead
 from plugserve.worker.layers.plain_linear import PlainLinearMethod
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
@@ -60,7 +60,7 @@ class Int8Linear:
 
 
 class Int8WeightOnly(PlainLinearMethod):
-    """interfaces.LinearMethod: int8 weights, per-row fp32 scales, bf16 activations."""
+    """interfaces.model.LinearMethod: int8 weights, per-row fp32 scales, bf16 activations."""
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from plugserve import hookimpl
 from plugserve.datatypes import Request
-from plugserve.interfaces import RankedPolicy
+from plugserve.interfaces.scheduling import RankedPolicy
 
 
 class PriorityPolicy(RankedPolicy):

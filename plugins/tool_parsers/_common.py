@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from plugserve.interfaces import ToolCall
+from plugserve.interfaces.frontend import ToolCall
 
 
 def call_from_object(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from plugserve import hookimpl
-from plugserve.interfaces import ExtractedToolCalls, ToolCall
+from plugserve.interfaces.frontend import ExtractedToolCalls, ToolCall
 
 from ._common import call_from_object, partial_marker_len
 

@@ -48,7 +48,7 @@ import os
 import select
 import struct
 
-from plugserve.interfaces import Frames
+from plugserve.interfaces.transport import Frames
 
 HEADER_BYTES = 192  # 24 u64 slots: three cache lines
 _MAGIC = 0x316D6873_67756C70  # b"plugshm1" read as a little-endian u64

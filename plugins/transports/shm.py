@@ -63,7 +63,7 @@ import time
 import pydantic
 
 from plugserve import hookimpl
-from plugserve.interfaces import Frames
+from plugserve.interfaces.transport import Frames
 
 from ._shm_ring import BellWaiter, Doorbell, Record, Ring, Segment, running_loop, set_done
 

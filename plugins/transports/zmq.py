@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from plugserve import hookimpl
-from plugserve.interfaces import Frames
+from plugserve.interfaces.transport import Frames
 
 
 def _identity(engine: int) -> bytes:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from plugserve import hookimpl
 
 if TYPE_CHECKING:
-    from plugserve.interfaces import ApiServer
+    from plugserve.interfaces.frontend import ApiServer
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plugserve.interfaces import AttentionBackend
+from plugserve.interfaces.model import AttentionBackend
 from plugserve.worker.layers.direct_call import direct_call
 from plugserve.worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from plugserve.worker.layers.norm import RMSNorm
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         the heads, so every rank holds them whole) with this epsilon; `qk_norm` builds it
         from (head_dim, eps) (norm.GemmaRMSNorm for Gemma 3).
         How the backend attends this layer (scale, window, soft-cap) is the backend's, by
-        layer_idx (interfaces.AttentionSpec.layers)."""
+        layer_idx (interfaces.model.AttentionSpec.layers)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, parallel

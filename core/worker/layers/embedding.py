@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugserve.interfaces import LinearCompute, LinearMethod
+from plugserve.interfaces.model import LinearCompute, LinearMethod
 from plugserve.worker.layers.linear import ColumnParallelLinear
 from plugserve.worker.layers.weight_loader import copy_weight, set_weight_loader
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext

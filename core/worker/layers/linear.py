@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plugserve.interfaces import LinearCompute, LinearMethod
+from plugserve.interfaces.model import LinearCompute, LinearMethod
 from plugserve.worker.layers.direct_call import direct_call
 from plugserve.worker.layers.plain_linear import PlainLinearMethod
 from plugserve.worker.layers.weight_loader import WeightShapeError, set_weight_loader
@@ -40,7 +40,7 @@ PLAIN_METHOD = PlainLinearMethod()
 @direct_call
 class Linear(nn.Module):
     """x @ weight.T + bias, the weight held whole on every rank, through the layer's linear
-    method (interfaces.LinearMethod; the plain one until the loader gives another)."""
+    method (interfaces.model.LinearMethod; the plain one until the loader gives another)."""
 
     # What the method installed in the layer's place (a packed or quantized weight), once
     # processed: called as (x, out_dtype=None).

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugserve.interfaces import LinearLayer, TiedLmHead
+from plugserve.interfaces.model import LinearLayer, TiedLmHead
 
 
 class PlainLinearMethod:
-    """interfaces.LinearMethod: `weight` [out, in] and `bias` [out] in the model's dtype,
+    """interfaces.model.LinearMethod: `weight` [out, in] and `bias` [out] in the model's dtype,
     as loaded; F.linear over them."""
 
     def create_weights(self, layer: LinearLayer) -> None:

@@ -1,7 +1,7 @@
 """What every decoder-only architecture shares, so that a model file only wires layers.
 
 A model is embeddings → decoder layers → final norm → LM head, on one flat varlen batch
-of tokens (interfaces.CausalLM). `DecoderForCausalLM` holds that frame: the tied or
+of tokens (interfaces.model.CausalLM). `DecoderForCausalLM` holds that frame: the tied or
 untied vocab-parallel head, the rotary table, the layer loop (each layer maps
 (x, residual) → (its output, the residual stream before it), so every residual add
 happens inside the next norm), logits gathered over tensor-parallel ranks, and loading
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from plugserve.capabilities import has_kernel_plan, supports_weight_buffer
-from plugserve.interfaces import FULL_ATTENTION, AttentionBackend, LayerAttention
+from plugserve.interfaces.model import FULL_ATTENTION, AttentionBackend, LayerAttention
 from plugserve.worker import cpu_ops
 from plugserve.worker.kernel_plan import KernelPlan
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
@@ -73,7 +73,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """interfaces.CausalLM for a decoder-only family; subclasses give `build_layer`."""
+    """interfaces.model.CausalLM for a decoder-only family; subclasses give `build_layer`."""
 
     packed_modules_mapping: ClassVar[PackedModulesMapping] = FUSED_QKV_AND_GATE_UP
 
@@ -134,7 +134,7 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    # ------------------------------------------------------------------ interfaces.CausalLM
+    # ------------------------------------------------------------------ interfaces.model.CausalLM
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""

@@ -8,7 +8,7 @@ approximation); attention scaled by query_pre_attn_scalar ** -0.5 instead of
 1/sqrt(head_dim), with a sliding window on the layers `layer_types` marks
 "sliding_attention"; final logits soft-capped where the config says; tied embeddings in
 every release. The per-layer attention options go to the backend through
-`attention_layers` (interfaces.LayerAttention).
+`attention_layers` (interfaces.model.LayerAttention).
 
 Gemma 2 also soft-caps the attention scores (attn_logit_softcapping: 50 in the releases).
 Gemma 3 adds a Gemma-style RMSNorm over each q and k head before RoPE, and two RoPE tables:
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from plugserve.interfaces import AttentionBackend, LayerAttention
+from plugserve.interfaces.model import AttentionBackend, LayerAttention
 from plugserve.model_files import CheckpointError
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.mlp import GatedMLP
@@ -56,7 +56,7 @@ def layer_types(hf_config: Any) -> list[str]:
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
-    """interfaces.CausalLM for Gemma 2 checkpoints (HF names), tied or untied head."""
+    """interfaces.model.CausalLM for Gemma 2 checkpoints (HF names), tied or untied head."""
 
     # Gemma 3's q/k norm; Gemma 2 has none.
     qk_norm = False
@@ -145,7 +145,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """interfaces.CausalLM for Gemma 3 text checkpoints (Gemma3TextConfig, model_type
+    """interfaces.model.CausalLM for Gemma 3 text checkpoints (Gemma3TextConfig, model_type
     gemma3_text; HF names): Gemma 2's layers with a q/k norm, no attention soft-capping,
     and a RoPE table per layer kind."""
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plugserve.interfaces import AttentionBackend
+from plugserve.interfaces.model import AttentionBackend
 from plugserve.worker import cpu_ops
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
@@ -66,7 +66,7 @@ def llama_layer(
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """interfaces.CausalLM for Llama-architecture checkpoints (HF names)."""
+    """interfaces.model.CausalLM for Llama-architecture checkpoints (HF names)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.interfaces import LayerAttention
+from plugserve.interfaces.model import LayerAttention
 from plugserve.worker.models.llama import LlamaForCausalLM
 
 
@@ -23,7 +23,7 @@ def sliding_window_layers(hf_config: Any) -> list[LayerAttention]:
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """interfaces.CausalLM for Mistral checkpoints (HF names), tied or untied head."""
+    """interfaces.model.CausalLM for Mistral checkpoints (HF names), tied or untied head."""
 
     @classmethod
     def attention_layers(cls, hf_config: Any) -> list[LayerAttention]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.interfaces import AttentionBackend, LayerAttention
+from plugserve.interfaces.model import AttentionBackend, LayerAttention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.moe import MIXTRAL_NAMES, FusedMoE
 from plugserve.worker.models.llama import llama_layer
@@ -23,7 +23,7 @@ from plugserve.worker.parallel import ParallelContext
 
 
 class MixtralForCausalLM(MoeDecoderForCausalLM):
-    """interfaces.CausalLM for Mixtral checkpoints (HF names)."""
+    """interfaces.model.CausalLM for Mixtral checkpoints (HF names)."""
 
     expert_names = MIXTRAL_NAMES
 

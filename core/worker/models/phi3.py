@@ -25,7 +25,7 @@ from plugserve.worker.models.mistral import MistralForCausalLM
 
 
 class Phi3ForCausalLM(MistralForCausalLM):
-    """interfaces.CausalLM for Phi-3 checkpoints (HF names), tied or untied head: Mistral's
+    """interfaces.model.CausalLM for Phi-3 checkpoints (HF names), tied or untied head: Mistral's
     layer (no biases, the config's sliding_window on every layer: Phi-3-mini-4k 2047) with
     longrope and partial rotary, and q/k/v and gate/up stored fused in the checkpoint."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.interfaces import AttentionBackend
+from plugserve.interfaces.model import AttentionBackend
 from plugserve.model_files import CheckpointError
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.models.decoder import DecoderForCausalLM
@@ -19,7 +19,7 @@ from plugserve.worker.parallel import ParallelContext
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
-    """interfaces.CausalLM for Qwen3 checkpoints (HF names), tied or untied head."""
+    """interfaces.model.CausalLM for Qwen3 checkpoints (HF names), tied or untied head."""
 
     def __init__(self, *, hf_config: Any, **kwargs: Any) -> None:
         if getattr(hf_config, "use_sliding_window", False):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.interfaces import AttentionBackend, LayerAttention
+from plugserve.interfaces.model import AttentionBackend, LayerAttention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.moe import QWEN_MOE_NAMES, FusedMoE
 from plugserve.worker.models.llama import llama_layer
@@ -30,7 +30,7 @@ def is_sparse_layer(hf_config: Any, layer_idx: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(MoeDecoderForCausalLM):
-    """interfaces.CausalLM for Qwen3-MoE checkpoints (HF names), tied or untied head."""
+    """interfaces.model.CausalLM for Qwen3-MoE checkpoints (HF names), tied or untied head."""
 
     expert_names = QWEN_MOE_NAMES
 

@@ -14,11 +14,11 @@ import torch
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
-from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve.interfaces.model import AttentionBatch, AttentionSpec
 
 
 class GatherAttention:
-    """interfaces.AttentionBackend: gather each request's context, then SDPA."""
+    """interfaces.model.AttentionBackend: gather each request's context, then SDPA."""
 
     def __init__(self, *, spec: AttentionSpec) -> None:
         self.spec = spec

@@ -19,7 +19,7 @@ INCOMPLETE = "\ufffd"
 
 
 class WholeTextDetokenizer:
-    """interfaces.Detokenizer: new ids → the text they add, and stop strings."""
+    """interfaces.frontend.Detokenizer: new ids → the text they add, and stop strings."""
 
     def __init__(
         self, *, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams

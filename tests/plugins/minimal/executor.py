@@ -15,11 +15,11 @@ from plugserve import hookimpl
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from plugserve.hookspecs import Register
-from plugserve.interfaces import KVCacheInfo
+from plugserve.interfaces.executor import KVCacheInfo
 
 
 class ForwardThreadExecutor:
-    """interfaces.Executor: one rank, its forward pass on a worker thread."""
+    """interfaces.executor.Executor: one rank, its forward pass on a worker thread."""
 
     max_tensor_parallel_size = 1
 

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from plugserve import hookimpl
 from plugserve.datatypes import Request
 from plugserve.hookspecs import Register
-from plugserve.interfaces import KVCacheStats
+from plugserve.interfaces.kv_cache import KVCacheStats
 
 
 class FreeListAllocator:
-    """interfaces.KVAllocator without prefix caching."""
+    """interfaces.kv_cache.KVAllocator without prefix caching."""
 
     def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         if enable_prefix_caching:

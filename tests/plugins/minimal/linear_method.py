@@ -17,11 +17,11 @@ from torch import nn
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
-from plugserve.interfaces import LinearLayer, TiedLmHead
+from plugserve.interfaces.model import LinearLayer, TiedLmHead
 
 
 class HalfPrecisionWeights:
-    """interfaces.LinearMethod: `weight` and `bias` stored in float16."""
+    """interfaces.model.LinearMethod: `weight` and `bias` stored in float16."""
 
     def create_weights(self, layer: LinearLayer) -> None:
         layer.add_parameter("weight", (layer.out_features, layer.in_features), torch.float16)

@@ -14,7 +14,7 @@ from plugserve.hookspecs import Register
 
 
 class PlainTranscriptRenderer:
-    """interfaces.Renderer: a conversation as a plain transcript, tokenized."""
+    """interfaces.frontend.Renderer: a conversation as a plain transcript, tokenized."""
 
     def __init__(self, *, model_path: str) -> None:
         from transformers import AutoTokenizer

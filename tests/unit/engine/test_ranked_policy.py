@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import pytest
 
 from plugserve.datatypes import Request
-from plugserve.interfaces import RankedPolicy, SchedulingPolicy
+from plugserve.interfaces.scheduling import RankedPolicy, SchedulingPolicy
 from plugserve.sampling_params import SamplingParams
 
 

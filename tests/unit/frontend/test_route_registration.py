@@ -22,7 +22,7 @@ from plugserve.frontend.admission import Admission
 from plugserve.frontend.api_server import build_app
 from plugserve.frontend.engine_client import EngineDeadError, RequestError
 from plugserve.frontend.serving import OpenAIServing
-from plugserve.interfaces import ApiServer
+from plugserve.interfaces.frontend import ApiServer
 from plugserve.plugins import PluginError, PluginRegistry
 from plugserve_plugins.text.hf_renderer import HFRenderer
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from plugserve.interfaces import FULL_ATTENTION, AttentionBatch, AttentionSpec, LayerAttention
+from plugserve.interfaces.model import FULL_ATTENTION, AttentionBatch, AttentionSpec, LayerAttention
 from plugserve_plugins.kernels import cpu_prefill_attention
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 

@@ -17,7 +17,7 @@ import torch
 
 from plugserve.cli import main
 from plugserve.config import load_config
-from plugserve.interfaces import FULL_ATTENTION, AttentionBatch, AttentionSpec, LayerAttention
+from plugserve.interfaces.model import FULL_ATTENTION, AttentionBatch, AttentionSpec, LayerAttention
 from plugserve.plugins import PluginError, get_registry
 from plugserve_plugins.kernels import flashinfer as fi_module
 from plugserve_plugins.kernels.flashinfer import (

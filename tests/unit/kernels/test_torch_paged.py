@@ -3,7 +3,7 @@
 Two steps over a paged cache with scattered blocks: the first prefills some requests,
 the second mixes every row kind the backend distinguishes (a decode, a one-token prompt,
 a fresh prefill, a prefill chunk after cached context), in no particular order. Each
-layer's options (interfaces.LayerAttention: sliding window, logit soft-capping, softmax
+layer's options (interfaces.model.LayerAttention: sliding window, logit soft-capping, softmax
 scale) are held to the same dense reference with the option applied, on both paths.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from plugserve.capabilities import honours_layer_attention
-from plugserve.interfaces import (
+from plugserve.interfaces.model import (
     FULL_ATTENTION,
     AttentionBackend,
     AttentionBatch,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from plugserve.datatypes import Request
-from plugserve.interfaces import KVAllocator
+from plugserve.interfaces.kv_cache import KVAllocator
 from plugserve.sampling_params import SamplingParams
 from plugserve_plugins.kvcache import paged
 from plugserve_plugins.kvcache.paged import PagedKVAllocator, hash_block_tokens

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from plugserve.interfaces import Grammar, StructuredOutputBackend
+from plugserve.interfaces.structured_output import Grammar, StructuredOutputBackend
 from plugserve.plugins import get_registry
 from plugserve.sampling_params import StructuredOutputsParams
 

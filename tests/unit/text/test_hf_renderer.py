@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from plugserve.interfaces import Renderer
+from plugserve.interfaces.frontend import Renderer
 from plugserve_plugins.text.hf_renderer import HFRenderer, register_renderers
 
 CONVERSATION = [

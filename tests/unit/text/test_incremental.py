@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from plugserve.interfaces import Detokenizer
+from plugserve.interfaces.frontend import Detokenizer
 from plugserve.sampling_params import SamplingParams
 from plugserve_plugins.text.incremental import IncrementalDetokenizer, register_detokenizers
 

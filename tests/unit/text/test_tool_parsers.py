@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from plugserve.interfaces import ExtractedToolCalls, ToolCall, ToolParser
+from plugserve.interfaces.frontend import ExtractedToolCalls, ToolCall, ToolParser
 from plugserve.plugins import get_registry
 
 TOOLS = [

@@ -14,7 +14,7 @@ from transformers.models.gemma2.modeling_gemma2 import (
 )
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-from plugserve.interfaces import AttentionSpec, LayerAttention
+from plugserve.interfaces.model import AttentionSpec, LayerAttention
 from plugserve.model_files import CheckpointError
 from plugserve.worker.kernel_plan import ONEDNN_FUSED_MLP, KernelPlan
 from plugserve.worker.layers.mlp import GatedMLP

@@ -1,4 +1,4 @@
-"""Per-layer attention options (interfaces.LayerAttention) from the model class to the
+"""Per-layer attention options (interfaces.model.LayerAttention) from the model class to the
 backend: the model runner asks the model class, and refuses a backend that would ignore
 an option the layers need."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from plugserve.capabilities import has_layer_attention
-from plugserve.interfaces import FULL_ATTENTION, LayerAttention
+from plugserve.interfaces.model import FULL_ATTENTION, LayerAttention
 from plugserve.worker.model_runner import attention_layers, check_layer_attention
 from plugserve.worker.models.decoder import DecoderForCausalLM
 from plugserve.worker.models.llama import LlamaForCausalLM

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from plugserve import hookimpl
-from plugserve.interfaces import LinearLayer, LinearMethod, TiedLmHead
+from plugserve.interfaces.model import LinearLayer, LinearMethod, TiedLmHead
 from plugserve.plugins import PluginRegistry
 from plugserve.worker.layers.linear import Linear, RowParallelLinear
 from plugserve.worker.layers.plain_linear import PlainLinearMethod

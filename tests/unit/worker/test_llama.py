@@ -18,7 +18,7 @@ from correctness.tiny_checkpoints import tiny
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from plugserve import ops
-from plugserve.interfaces import AttentionBatch, AttentionSpec, CausalLM
+from plugserve.interfaces.model import AttentionBatch, AttentionSpec, CausalLM
 from plugserve.model_files import load_tokenizer
 from plugserve.worker import cpu_linear, cpu_ops
 from plugserve.worker.kernel_plan import ROW_BUCKETS

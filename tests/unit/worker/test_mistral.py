@@ -12,7 +12,7 @@ import torch
 from test_llama import BLOCK_SIZE, SIZES, PagedRunner
 from transformers import AutoModelForCausalLM, MistralConfig
 
-from plugserve.interfaces import FULL_ATTENTION, AttentionSpec, LayerAttention
+from plugserve.interfaces.model import FULL_ATTENTION, AttentionSpec, LayerAttention
 from plugserve.worker import cpu_ops
 from plugserve.worker.linear_methods import LinearMethodChooser, give_linear_methods
 from plugserve.worker.model_loader import finish_loading

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from plugserve.interfaces import AttentionBatch, AttentionSpec
+from plugserve.interfaces.model import AttentionBatch, AttentionSpec
 from plugserve.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from plugserve.worker.parallel import (
     HeadShard,

@@ -18,7 +18,7 @@ import json
 import uuid
 from typing import Any
 
-from plugserve.interfaces import ToolCall, ToolParser
+from plugserve.interfaces.frontend import ToolCall, ToolParser
 
 Delta = dict[str, Any]
 

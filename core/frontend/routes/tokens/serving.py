@@ -9,7 +9,7 @@ from typing import Any
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound
 from plugserve.frontend.routes.tokens.protocol import DetokenizeRequest, TokenizeRequest
 from plugserve.frontend.serving import render_chat_request
-from plugserve.interfaces import Renderer
+from plugserve.interfaces.frontend import Renderer
 
 
 class TokenServing:

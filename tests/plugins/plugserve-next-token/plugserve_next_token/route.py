@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from plugserve import SamplingParams
-from plugserve.interfaces import ApiServer
+from plugserve.interfaces.frontend import ApiServer
 
 # What JSON carries of a logprob no float can (a token ruled out has -inf).
 MIN_LOGPROB = -9999.0

@@ -1,7 +1,7 @@
 """Shortest-prompt-first scheduling, and an observer that records finished requests.
 
 Written only against plugserve's public surface: `plugserve.hookimpl`, the ranked-policy
-base `plugserve.interfaces.RankedPolicy`, the Request attributes the SchedulingPolicy
+base `plugserve.interfaces.scheduling.RankedPolicy`, the Request attributes the SchedulingPolicy
 protocol documents, and the observer hook's arguments.
 """
 
@@ -12,7 +12,7 @@ import os
 
 from plugserve import hookimpl
 from plugserve.datatypes import Request
-from plugserve.interfaces import RankedPolicy
+from plugserve.interfaces.scheduling import RankedPolicy
 
 
 class ShortestPromptFirst(RankedPolicy):

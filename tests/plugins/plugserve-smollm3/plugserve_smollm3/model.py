@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plugserve.interfaces import FULL_ATTENTION, AttentionBackend, LayerAttention
+from plugserve.interfaces.model import FULL_ATTENTION, AttentionBackend, LayerAttention
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.direct_call import direct_call
@@ -63,7 +63,7 @@ class NoPEDecoderLayer(PreNormDecoderLayer):
 
 
 class SmolLM3ForCausalLM(DecoderForCausalLM):
-    """interfaces.CausalLM for SmolLM3 checkpoints (Hugging Face names), tied or untied.
+    """interfaces.model.CausalLM for SmolLM3 checkpoints (Hugging Face names), tied or untied.
 
     The checkpoint's q/k/v and gate/up projections load into the fused layers through
     DecoderForCausalLM's packed_modules_mapping (q_proj → qkv_proj shard "q", ...)."""
