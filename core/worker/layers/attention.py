@@ -2,7 +2,8 @@
 
 One fused QKV projection (column-parallel by heads), optionally an RMSNorm over each q
 and each k head (Qwen3's q/k norm; Gemma 3's in Gemma's form), before RoPE; q and k
-rotated together, the backend's paged attention over this rank's heads, the output
+rotated together (or, in a layer without position embeddings, SmolLM3's "NoPE" layers,
+passed as projected), the backend's paged attention over this rank's heads, the output
 projection (row-parallel over the same heads' columns, summed over ranks).
 """
 
@@ -40,11 +41,14 @@ class Attention(nn.Module):
         parallel: ParallelContext = NO_PARALLEL,
         qk_norm_eps: float | None = None,
         qk_norm: Callable[[int, float], nn.Module] = RMSNorm,
+        rotate: bool = True,
     ):
         """num_heads, num_kv_heads: the model's (all ranks'); this rank keeps its shard.
         qk_norm_eps: give each q and k head an RMSNorm over head_dim (weights shared by
         the heads, so every rank holds them whole) with this epsilon; `qk_norm` builds it
         from (head_dim, eps) (norm.GemmaRMSNorm for Gemma 3).
+        rotate: False for a layer without rotary position embeddings (q and k attend as
+        projected; SmolLM3's NoPE layers).
         How the backend attends this layer (scale, window, soft-cap) is the backend's, by
         layer_idx (interfaces.model.AttentionSpec.layers)."""
         super().__init__()
@@ -67,6 +71,7 @@ class Attention(nn.Module):
         )
         self.q_norm = None if qk_norm_eps is None else qk_norm(head_dim, qk_norm_eps)
         self.k_norm = None if qk_norm_eps is None else qk_norm(head_dim, qk_norm_eps)
+        self.rotate = rotate
         self.layer_idx = layer_idx
         self.attention = attention  # not a submodule: one backend serves every layer
 
@@ -75,7 +80,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qkv = self._norm_qk_heads(qkv)
         # q and k rotate as one [T, heads + kv_heads, D] block of the fused output.
-        qk = rotary(qkv, rope, self.num_qk_heads)
+        if self.rotate:
+            qk = rotary(qkv, rope, self.num_qk_heads)
+        else:
+            qk = qkv[:, : self.num_qk_heads * self.head_dim].view(
+                -1, self.num_qk_heads, self.head_dim
+            )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(self.layer_idx, q, k, v)
