@@ -8,9 +8,9 @@ declared and documented here, once (as vLLM's models/interfaces.py):
 - executors: HasTensorParallelLimit, SupportsWeightReadProbe;
 - attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes,
   HonoursLayerAttention;
-- models: SupportsWeightPostProcessing, SupportsWeightBuffer, HasLayerAttention,
-  HasTiedLmHead;
-- linear methods: DescribesLinears, HasKernelPlan, SupportsWeightBuffer.
+- models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead;
+- linear methods: DescribesLinears, HasKernelPlan (with its KernelMeasurement),
+  SupportsWeightBuffer.
 """
 
 from __future__ import annotations
@@ -145,20 +145,6 @@ def honours_layer_attention(cls: object) -> TypeGuard[type[HonoursLayerAttention
 
 
 @runtime_checkable
-class SupportsWeightPostProcessing(Protocol):
-    """A model that re-lays out its weights for the kernels that will run them (packing
-    for oneDNN or plugserve's own bf16 kernel, fusing)."""
-
-    def process_weights_after_loading(self) -> None:
-        """Called once, after load_weights."""
-        ...
-
-
-def supports_weight_post_processing(model: object) -> TypeGuard[SupportsWeightPostProcessing]:
-    return isinstance(model, SupportsWeightPostProcessing)
-
-
-@runtime_checkable
 class SupportsWeightBuffer(Protocol):
     """A model, or a linear method, that may hold every weight a batch-1 step reads in one
     buffer; the engine's bandwidth-floor probe (SupportsWeightReadProbe) reads it."""
@@ -220,14 +206,40 @@ def describes_linears(method: object) -> TypeGuard[DescribesLinears]:
     return isinstance(method, DescribesLinears)
 
 
+# Set to 1 in a process, a linear method with HasKernelPlan measures its plan again rather
+# than read the one it cached for this machine (`plugserve bench kernels` sets it).
+REMEASURE_KERNELS_ENV = "PLUGSERVE_REMEASURE_KERNELS"
+
+
+@runtime_checkable
+class KernelMeasurement(Protocol):
+    """How a linear method chose its kernels by timing them on the model's own weights,
+    as `plugserve bench kernels` prints it."""
+
+    def cpu_model(self) -> str:
+        """The CPU it was measured on (what the plan is kept by)."""
+        ...
+
+    def describe(self) -> str:
+        """Lines saying what was timed (how much of the weights, how many rounds), the plan
+        chosen, and where it is kept (or why not)."""
+        ...
+
+    def table(self) -> str:
+        """The timings, one row per row bucket, one column per kernel, the chosen starred
+        (markdown)."""
+        ...
+
+
 @runtime_checkable
 class HasKernelPlan(Protocol):
-    """A linear method that runs its layers by a measured bf16 CPU kernel plan: the fused
-    CPU decoder follows the same plan, and `plugserve bench kernels` prints how it was
+    """A linear method that runs its layers by a kernel plan it measured on this machine
+    (the bf16 CPU kernels: which kernel each row count runs): a model pass fusing layers
+    over its weights follows the same plan, and `plugserve bench kernels` prints how it was
     chosen. Both are None before processing and where nothing was packed."""
 
-    kernel_plan: Any  # plugserve.worker.kernel_plan.KernelPlan
-    kernel_measurement: Any  # plugserve.worker.kernel_choice.Measurement
+    kernel_plan: Any  # the method's own plan type
+    kernel_measurement: KernelMeasurement | None
 
 
 def has_kernel_plan(method: object) -> TypeGuard[HasKernelPlan]:

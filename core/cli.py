@@ -87,39 +87,29 @@ def cmd_bench_serve(args: argparse.Namespace, _overrides: dict[str, Any]) -> int
 
 
 def cmd_bench_kernels(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    """Time every bf16 CPU matmul kernel on the model's own matmuls, per row bucket, now
-    (not from the cache), print the table, and keep the plan for this machine: what an
-    engine then runs."""
+    """Time every kernel of the model's linear method on the model's own matmuls, per row
+    bucket, now (not from the cache), print the table, and keep the plan for this machine:
+    what an engine then runs (capabilities.HasKernelPlan: the bf16 CPU kernels)."""
     import torch
 
-    from plugserve.capabilities import has_kernel_plan
+    from plugserve.capabilities import REMEASURE_KERNELS_ENV, has_kernel_plan
     from plugserve.llm import LLM
-    from plugserve.worker.kernel_choice import REMEASURE_ENV, cpu_model_name
     from plugserve.worker.linear_methods import linear_methods_of
 
-    os.environ[REMEASURE_ENV] = "1"  # this process's engine measures, whatever is cached
+    os.environ[REMEASURE_KERNELS_ENV] = "1"  # this process's engine measures, whatever is cached
     settings = {"dtype": "bfloat16", "kv_cache_memory": "32MiB", **overrides}
     llm = LLM(config=args.config, **settings)
     methods = linear_methods_of(llm.engine.executor.runner.model)
     measurements = (m.kernel_measurement for m in methods if has_kernel_plan(m))
     measurement = next((m for m in measurements if m is not None), None)
     if measurement is None:
-        raise ValueError("this model and machine run no packed bf16 CPU kernels: nothing to time")
-    print(f"CPU: {cpu_model_name()}; {torch.get_num_threads()} threads; model {llm.config.model}")
+        raise ValueError("this model and machine run no measured kernel plan: nothing to time")
     print(
-        f"ms for one step's matmuls ({measurement.measured_bytes / 2**20:.0f} of "
-        f"{measurement.total_bytes / 2**20:.0f} MiB of weights), median of "
-        f"{', '.join(map(str, measurement.rounds))} rounds by bucket; * chosen"
+        f"CPU: {measurement.cpu_model()}; {torch.get_num_threads()} threads; "
+        f"model {llm.config.model}"
     )
+    print(measurement.describe())
     print(measurement.table())
-    print(f"plan: {measurement.plan.describe()}")
-    if measurement.cache_file is not None:
-        print(f"kept in {measurement.cache_file}")
-    elif measurement.contended:
-        print(
-            f"not kept: other processes took {100 * measurement.others_share:.0f}% of the "
-            "CPUs while it was timed; measure again on a quiet machine"
-        )
     return 0
 
 

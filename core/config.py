@@ -17,11 +17,16 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, mo
 from plugserve.capabilities import reports_unavailability
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 
-# The slots stack.yaml selects; models are picked by the checkpoint's architecture.
-STACK_SLOTS = tuple(slot for slot in SLOT_HOOKS if slot != "model")
+# The slots stack.yaml selects one name for; models are picked by the checkpoint's
+# architecture, and model passes are a list (stack.model_passes).
+STACK_SLOTS = tuple(slot for slot in SLOT_HOOKS if slot not in ("model", "model_pass"))
 # stack.linear_method left unset: each linear layer runs the first of these for bf16 on a
 # CPU (the packed bf16 kernels), the second elsewhere (F.linear): worker/linear_methods.py.
 AUTOMATIC_LINEAR_METHODS = ("cpu_bf16", "plain")
+# stack.model_passes left unset: these, in this order, those of them registered (the
+# bundled ones only, so that an installed third-party pass never applies unasked; each
+# pass declines what it cannot run: worker/model_passes.py).
+AUTOMATIC_MODEL_PASSES = ("fused_cpu_decoder",)
 
 
 class _Section(BaseModel):
@@ -68,6 +73,18 @@ class StackSelection(_Section):
     # e.g. int8 (weight-only quantized). None: chosen by dtype and device
     # (AUTOMATIC_LINEAR_METHODS).
     linear_method: str | None = None
+    # Rewrites of how the loaded model's layers run (register_model_passes), applied in
+    # this order once the weights are processed: e.g. [fused_cpu_decoder]. None: the
+    # bundled automatic ones (AUTOMATIC_MODEL_PASSES); []: none.
+    model_passes: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _passes_once_each(self) -> StackSelection:
+        passes = self.model_passes or []
+        twice = sorted({name for name in passes if passes.count(name) > 1})
+        if twice:
+            raise ValueError(f"model_passes lists {', '.join(twice)} more than once")
+        return self
 
 
 class EngineConfig(_Section):
@@ -164,32 +181,47 @@ class StackConfig(_Section):
         block validates against its plugin's `Options`; raises PluginError with what is
         available."""
         registry = get_registry(self.disabled_plugins)
-        slots = tuple(slots or STACK_SLOTS)
-        for slot in slots:
+        slots = tuple(slots or (*STACK_SLOTS, "model_pass"))
+        for slot in (slot for slot in slots if slot in STACK_SLOTS):
             name = getattr(self.stack, slot)
-            if name is None:  # linear_method left to the dtype and device
-                continue
-            cls = registry.get(slot, name)
-            # A component that cannot run on this machine (no CUDA, a missing package)
-            # says why, so the error comes now rather than from a dying engine.
-            reason = cls.unavailable_reason() if reports_unavailability(cls) else None
-            if reason:
-                raise PluginError(f"{slot} {name!r} cannot run here: {reason}")
-            self._check_options(name, cls)
+            if name is not None:  # None: linear_method left to the dtype and device
+                self._check_selected(slot, name, registry.get(slot, name))
         automatic = self._automatic_linear_methods()
         if "linear_method" in slots:
             available = registry.implementations("linear_method")
             for name in automatic:
                 if name in self.plugins and name in available:
                     self._check_options(name, available[name].cls)
+        passes = self._selected_model_passes()
+        if "model_pass" in slots:
+            available = registry.implementations("model_pass")
+            for name in passes:
+                if self.stack.model_passes is not None:  # named, not merely automatic
+                    self._check_selected("model_pass", name, registry.get("model_pass", name))
+                elif name in available:
+                    self._check_options(name, available[name].cls)
         selected = {getattr(self.stack, slot) for slot in STACK_SLOTS} - {None}
-        selected |= set(automatic)
+        selected |= set(automatic) | set(passes)
         for name in self.plugins:
             if name != "disable" and name not in selected:
                 raise PluginError(
                     f"plugins.{name}: options for a plugin the stack does not select; "
                     f"selected: {', '.join(sorted(selected))}"
                 )
+
+    def _check_selected(self, slot: str, name: str, cls: type) -> None:
+        # A component that cannot run on this machine (no CUDA, a missing package) says
+        # why, so the error comes now rather than from a dying engine.
+        reason = cls.unavailable_reason() if reports_unavailability(cls) else None
+        if reason:
+            raise PluginError(f"{slot} {name!r} cannot run here: {reason}")
+        self._check_options(name, cls)
+
+    def _selected_model_passes(self) -> tuple[str, ...]:
+        """The passes stack.model_passes names, or where unset the automatic ones (applied
+        only where registered)."""
+        passes = self.stack.model_passes
+        return AUTOMATIC_MODEL_PASSES if passes is None else tuple(passes)
 
     def _automatic_linear_methods(self) -> tuple[str, ...]:
         """The linear methods the dtype and device may choose (none where one is named):

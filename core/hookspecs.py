@@ -140,6 +140,17 @@ def register_linear_methods(register: Register) -> None:
 
 
 @hookspec
+def register_model_passes(register: Register) -> None:
+    """Register ModelPass classes (interfaces.model.ModelPass): rewrites of how a loaded
+    model's decoder layers run (fused layers, the whole stack as one op, instrumentation),
+    applied once after the linear methods processed the weights. Selected by
+    `stack.model_passes`, a list applied in order; None (the default) applies the bundled
+    automatic ones (config.AUTOMATIC_MODEL_PASSES) where registered, so that an installed
+    pass never applies unasked; [] applies none. Register by "module:Class" reference
+    where the class imports worker code."""
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model classes (interfaces.model.CausalLM) under the Hugging Face architecture
     names they implement, e.g. `register("LlamaForCausalLM", LlamaForCausalLM)`, or by

@@ -41,6 +41,7 @@ SLOT_HOOKS: dict[str, str] = {
     "executor": "register_executors",
     "attention": "register_attention_backends",
     "linear_method": "register_linear_methods",
+    "model_pass": "register_model_passes",
     "model": "register_models",
 }
 

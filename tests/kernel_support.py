@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import pytest
 
 from plugserve import ops
-from plugserve.worker import cpu_linear, kernel_choice
-from plugserve.worker.kernel_plan import ONE_ROW, Kernel, KernelPlan, is_prefill
+from plugserve_plugins.cpu_bf16 import kernel_choice
+from plugserve_plugins.cpu_bf16.kernel_plan import ONE_ROW, Kernel, KernelPlan, is_prefill
+from plugserve_plugins.cpu_bf16.kernel_setting import KERNEL_ENV
 
 
 def missing_cpu_flags(flags: Sequence[str]) -> list[str]:
@@ -49,12 +50,12 @@ def require_kernel(name: str, flags: Sequence[str], unavailable_reason: str | No
 def offered_kernels_by_bucket() -> list[list[Kernel]]:
     """Per row bucket, every kernel the chooser may give it on this machine (exponent
     coding on, as served; nothing forced by PLUGSERVE_CPU_BF16_KERNEL)."""
-    forced = os.environ.pop(cpu_linear.KERNEL_ENV, None)
+    forced = os.environ.pop(KERNEL_ENV, None)
     try:
         return kernel_choice.candidates_here(coded=True)
     finally:
         if forced is not None:
-            os.environ[cpu_linear.KERNEL_ENV] = forced
+            os.environ[KERNEL_ENV] = forced
 
 
 def offered_kernels() -> list[Kernel]:

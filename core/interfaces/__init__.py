@@ -23,5 +23,6 @@ frontend module. Each name has one home, its module here:
 - executor: Executor, KVCacheInfo
 - structured_output: StructuredOutputBackend, Grammar
 - model: AttentionBackend (with LayerAttention, FULL_ATTENTION, AttentionSpec,
-  AttentionBatch), LinearMethod (with LinearLayer, LinearCompute, TiedLmHead), CausalLM
+  AttentionBatch), LinearMethod (with LinearLayer, LinearCompute, TiedLmHead), CausalLM,
+  ModelPass (with DecoderFrame, WholeStack, LayerRoute)
 """

@@ -1,11 +1,12 @@
 """The model side: what a layer's attention computes, the attention backend, the linear
-layer and its method, and the model architecture.
+layer and its method, the model architecture, and the passes that may change how a loaded
+model's layers run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -247,4 +248,90 @@ class CausalLM(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights under Hugging Face names."""
+        ...
+
+
+# ------------------------------------------------------------------ model passes
+
+
+@dataclass(frozen=True)
+class LayerRoute:
+    """What a model pass says of one decoder layer: it took the layer (`taken`), and
+    `path` names what runs it now (e.g. "fused bf16 CPU layer"), or it declined it, and
+    `why` says why (e.g. "its MLP is a mixture of experts"). The start-up log groups the
+    layers by what runs them and why."""
+
+    taken: bool
+    path: str
+    why: str = ""
+
+
+class WholeStack(Protocol):
+    """A replacement for the decoder frame's layer loop and final norm that a model pass
+    installs (DecoderFrame.install_stack), called as (x [T, hidden], rope: the step's
+    rotary inputs) → final-normed hidden states [T, hidden]: the frame calls it for the
+    steps whose token count it `runs`, and its own loop for the others."""
+
+    def runs(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens runs here."""
+        ...
+
+    def __call__(self, x: torch.Tensor, rope: Any) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class DecoderFrame(Protocol):
+    """What a model pass sees of a decoder-only model and may change
+    (plugserve.worker.models.decoder.DecoderForCausalLM offers it): the layer modules as
+    built and loaded, what the forward pass calls per layer, the final norm, the rotary
+    table and the tensor-parallel world size.
+
+    Each entry of `layer_fns` is called as the layer module is, (x, residual, rotary,
+    rope) → (output, residual), and a pass may replace it with any callable that computes
+    the same; a pass may also install a WholeStack running every layer and the final norm
+    at once."""
+
+    @property
+    def layers(self) -> Sequence[torch.nn.Module]:
+        """The decoder layers, in order, as the model file built them."""
+        ...
+
+    layer_fns: MutableSequence[Any]
+    # The whole-stack replacement a pass installed (install_stack), or None.
+    whole_stack: WholeStack | None
+
+    @property
+    def final_norm(self) -> torch.nn.Module: ...
+
+    @property
+    def rotary(self) -> Any:
+        """The rotary table the layers rotate by (plugserve.worker.layers.rotary)."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Tensor-parallel ranks the model is sharded over (1: unsharded)."""
+        ...
+
+    def install_stack(self, stack: WholeStack | None) -> None:
+        """Run the whole stack through `stack` where it `runs` a step (None: never)."""
+        ...
+
+
+@runtime_checkable
+class ModelPass(Protocol):
+    """A rewrite of how a loaded model's layers run, selected by `stack.model_passes`
+    (None: the bundled automatic list, plugserve.config.AUTOMATIC_MODEL_PASSES). Built
+    once per model load with no arguments (or `options=`), and applied once, after the
+    linear methods processed the weights (plugserve.worker.model_passes), in the order
+    the configuration lists the passes.
+
+    A pass looks at the layers' structure, takes those it can run (replacing their
+    entries in `layer_fns`, installing a whole-stack replacement) and leaves the others
+    as they are; it never changes what a layer computes beyond rounding. A later pass
+    sees what earlier ones installed."""
+
+    def apply(self, model: DecoderFrame) -> Sequence[LayerRoute]:
+        """Rewrite `model`'s layers; returns one LayerRoute per layer, in order (taken,
+        and what runs it now; or declined, and why)."""
         ...

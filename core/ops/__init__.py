@@ -1,5 +1,6 @@
-"""The compiled CPU ops: plugserve's own C++ kernels, the public headers a kernel plugin
-builds against, the helper that compiles both once per machine, and huge-page memory.
+"""The compiled CPU ops: core's own C++ kernels (cpu_ops.cpp), the public headers a kernel
+plugin builds against, the helper that compiles both once per machine, and huge-page
+memory.
 
 A kernel plugin depends on this package, never on the worker's internals. Its Python side
 needs only:
@@ -20,26 +21,33 @@ The public C++ ABI is the headers in `include_dir()`, included with quotes
   over them vectorize.
 - cpu_vec_math.h (AVX-512F): `load16`/`store16` (16 bf16 or fp32 elements as fp32 lanes,
   stored rounded as `store` does), `exp16` and `silu_mul16`.
+- cpu_ops.h: the elementwise kernels of a decoder layer that cpu_ops.cpp registers
+  (`rms_norm_impl`, `fused_add_rms_norm_impl`, `rms_norm_heads_impl`,
+  `rotary_embedding_impl`, `silu_and_mul_impl`) and their argument checks, for a plugin's
+  fused ops to run inside its own (the bf16 CPU fast path's cpu_decoder.cpp).
 - layer_attention.h: `LayerAttentionFn`, one layer's attention as a plain C++ call; an
   attention backend that offers one (AttentionBackend.cpu_layer_call) hands its address
-  and context to the fused CPU decoder, which calls it for every layer.
+  and context to a fused CPU decoder, which calls it for every layer.
 - row_pool.h (Linux, x86-64): `RowPool`, the batch-1 work split over the caller and one
-  helper thread that the one-row matmuls use, and `lookup_row_pool()`, which finds the
-  process's pool (owned by cpu_gemm.cpp's library) through torch's dispatcher, so that a
-  plugin's kernel shares the same helper without linking to core's libraries.
+  helper thread, and `lookup_row_pool()`, which finds the process's one pool through
+  torch's dispatcher, so that every plugin's kernel (the bf16 and int8 matmuls, the CPU
+  attention) shares the same helper without linking to another library. The pool is
+  core's: cpu_ops.cpp owns it and registers `plugserve_ops::row_pool_address` (and
+  row_pool_enabled / row_pool_set_enabled), so a plugin finds it wherever cpu_ops.cpp is
+  loaded (`load(OPS_SOURCE)`), whichever other plugins are. It is off until a plugin
+  turns it on (the bf16 CPU kernels do, where OpenMP's threads spin briefly).
 
 A source's build is keyed by its own text and the text of the headers it includes,
-transitively, so editing a header rebuilds only the libraries that include it. The other
-headers here (cpu_gemm.h, cpu_ops.h) belong to core's libraries below and may change in
-any release.
+transitively, so editing a header rebuilds only the libraries that include it.
 
 `plugserve.ops.process_env` says what environment an engine process starts with for
 these kernels (GOMP_SPINCOUNT); whoever spawns engines asks it, and this package imports
 torch only once one of the names above is used.
 
-Core's own libraries, whose Python wrappers live in the worker (cpu_linear, cpu_ops):
-cpu_gemm.cpp (packed bf16 matmuls and the row pool), cpu_ops.cpp (fused norm, RoPE,
-SiLU * up, argmax) and cpu_decoder.cpp (a stretch of the layer stack as one op).
+Core's own library, `OPS_SOURCE`, is cpu_ops.cpp (fused norm, q/k norm, RoPE, SiLU * up,
+argmax, and the row pool), which core's layers (plugserve.worker.cpu_ops) and the sampler
+call. The bf16 CPU fast path's kernels (packed matmuls, the fused decoder) are a plugin's
+(plugserve_plugins.cpu_bf16), built by the same helper.
 """
 
 from __future__ import annotations
@@ -64,14 +72,9 @@ _LAZY_NAMES = {
 }
 _SUBMODULES = ("build", "memory", "process_env")
 
-_HERE = Path(__file__).parent
-GEMM_SOURCE = _HERE / "cpu_gemm.cpp"
-OPS_SOURCE = _HERE / "cpu_ops.cpp"
-DECODER_SOURCE = _HERE / "cpu_decoder.cpp"
+OPS_SOURCE = Path(__file__).parent / "cpu_ops.cpp"
 
 __all__ = [
-    "DECODER_SOURCE",
-    "GEMM_SOURCE",
     "HUGE_PAGE_BYTES",
     "OPS_SOURCE",
     "cpu_flags",

@@ -1,37 +1,80 @@
-// The small ops of a decoder layer, fused for the CPU: RMSNorm (with the residual add),
-// neox RoPE in place, SiLU(gate) * up, and the greedy argmax over logits.
+// The small ops of a decoder layer, fused for the CPU: RMSNorm (with the residual add, or
+// over each q and k head), neox RoPE in place, SiLU(gate) * up, and the greedy argmax over
+// logits; and the process's one row pool (row_pool.h).
 //
 // Through ATen each of these is several passes over the activations plus a cast to fp32
 // and back per pass; at decode sizes their cost is mostly per-op dispatch (a bf16
 // F.rms_norm is ten ATen calls). Here each is one pass, in fp32, rounded once on store.
 //
-// Registered as torch.ops.plugserve_ops.*; built and loaded by cpu_ops.py. Rows are split
-// over ATen's thread pool, so the ops share the threads torch already runs on.
+// Registered as torch.ops.plugserve_ops.*; built and loaded by core (worker/cpu_ops.py,
+// the sampler) and by any plugin that runs these ops or the row pool. Rows are split over
+// ATen's thread pool, so the ops share the threads torch already runs on.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
 
+#if defined(__x86_64__) && defined(__linux__)
+#define PLUGSERVE_HAS_ROW_POOL 1
+#include "row_pool.h"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#ifdef PLUGSERVE_HAS_ROW_POOL
+namespace plugserve {
+
+// The process's one pool: other libraries (a plugin's matmuls or attention) find it
+// through the dispatcher (row_pool.h's lookup_row_pool), so whichever of them loads, it is
+// this library's. Off until a plugin turns it on (row_pool_set_enabled: the bf16 CPU
+// kernels do where OpenMP's threads spin briefly); its helper thread starts on first use.
+RowPool* shared_row_pool() {
+  static RowPool* pool = new RowPool();  // never deleted: its helper outlives static teardown
+  return pool;
+}
+
+}  // namespace plugserve
+#endif
+
 namespace {
 
+#ifdef PLUGSERVE_HAS_ROW_POOL
+int64_t row_pool_address() { return reinterpret_cast<int64_t>(plugserve::shared_row_pool()); }
+
+void row_pool_set_enabled(bool enabled) { plugserve::shared_row_pool()->set_enabled(enabled); }
+bool row_pool_enabled() { return plugserve::shared_row_pool()->enabled(); }
+
+// For tests of the pool's hand-over (row_pool.h).
+void row_pool_stall_helper_once(int64_t microseconds) {
+  plugserve::shared_row_pool()->stall_helper_once(microseconds);
+}
+void row_pool_release_helper() { plugserve::shared_row_pool()->release_helper(); }
+bool row_pool_stall_pending() { return plugserve::shared_row_pool()->stall_pending(); }
+int64_t row_pool_items_taken_over() { return plugserve::shared_row_pool()->items_taken_over(); }
+int64_t row_pool_late_items_dropped() {
+  return plugserve::shared_row_pool()->late_items_dropped();
+}
+int64_t row_pool_jobs_shared() { return plugserve::shared_row_pool()->jobs_shared(); }
+#endif
+
 using plugserve::check_norm;
+using plugserve::check_norm_heads;
 using plugserve::check_rotary;
 using plugserve::check_rows;
 using plugserve::fused_add_rms_norm_impl;
+using plugserve::rms_norm_heads_impl;
 using plugserve::rms_norm_impl;
 using plugserve::rotary_embedding_impl;
 using plugserve::silu_and_mul_impl;
 
 // Index of each row's largest value (the first, on ties), as torch.argmax gives it.
-// ATen's CPU argmax keeps an index beside every comparison and runs at a third of the
-// memory bandwidth over a [32, 49152] batch of logits; here a vectorized max pass, then
-// a search for its first occurrence.
+// ATen's CPU argmax keeps an index beside every comparison and runs well below the memory
+// bandwidth over a batch of logits; here a vectorized max pass, then a search for its
+// first occurrence.
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat &&
                   logits.size(1) > 0,
@@ -80,6 +123,14 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   dispatch(x, [&](auto t) { fused_add_rms_norm_impl<decltype(t)>(x, residual, weight, eps); });
 }
 
+void rms_norm_heads(at::Tensor x, const at::Tensor& weight, double eps, int64_t first_head,
+                    int64_t num_heads, int64_t head_dim) {
+  check_norm_heads(x, weight, first_head, num_heads, head_dim);
+  dispatch(x, [&](auto t) {
+    rms_norm_heads_impl<decltype(t)>(x, weight, eps, first_head, num_heads, head_dim);
+  });
+}
+
 void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tensor& cos_sin,
                       int64_t num_heads, int64_t head_dim) {
   check_rotary(qk, positions, cos_sin, num_heads, head_dim);
@@ -102,15 +153,30 @@ TORCH_LIBRARY(plugserve_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
+      "rms_norm_heads(Tensor(a!) x, Tensor weight, float eps, int first_head, int num_heads, "
+      "int head_dim) -> ()");
+  m.def(
       "rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos_sin, int num_heads, "
       "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+#ifdef PLUGSERVE_HAS_ROW_POOL
+  m.def("row_pool_address() -> int", &row_pool_address);
+  m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
+  m.def("row_pool_enabled() -> bool", &row_pool_enabled);
+  m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
+  m.def("row_pool_release_helper() -> ()", &row_pool_release_helper);
+  m.def("row_pool_stall_pending() -> bool", &row_pool_stall_pending);
+  m.def("row_pool_items_taken_over() -> int", &row_pool_items_taken_over);
+  m.def("row_pool_late_items_dropped() -> int", &row_pool_late_items_dropped);
+  m.def("row_pool_jobs_shared() -> int", &row_pool_jobs_shared);
+#endif
 }
 
 TORCH_LIBRARY_IMPL(plugserve_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm_heads", &rms_norm_heads);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);

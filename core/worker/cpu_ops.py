@@ -1,5 +1,5 @@
-"""Fused small ops for the CPU decoder layer (cpu_ops.cpp): RMSNorm with the residual
-add, RoPE in place, SiLU(gate) * up; and the sampler's greedy argmax.
+"""Fused small ops for a CPU decoder layer (cpu_ops.cpp): RMSNorm with the residual add or
+over each q and k head, RoPE in place, SiLU(gate) * up; and the sampler's greedy argmax.
 
 Used for bfloat16 on CPU, where the unfused ATen versions cost more in per-op dispatch
 and fp32 round trips than in arithmetic. float32 keeps ATen's ops, which match Hugging
@@ -44,12 +44,26 @@ def fused_add_rms_norm(
     return x, residual
 
 
+def rms_norm_heads(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    first_head: int,
+    num_heads: int,
+    head_dim: int,
+) -> None:
+    """In place: heads [first_head, first_head + num_heads) of each row of x [T, >= heads *
+    D] (row stride free, last dim dense), each x / rms(x) * weight over its D values."""
+    torch.ops.plugserve_ops.rms_norm_heads(x, weight, eps, first_head, num_heads, head_dim)
+
+
 def rotary_embedding(
     qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
     """Rotates, in place, the first num_heads heads of each row of qk [T, >= heads * D]
-    (row stride free, last dim dense) by its position. cos_sin: fp32 [positions, D], the
-    cosines of the D/2 frequencies then their sines."""
+    (row stride free, last dim dense) by its position. cos_sin: fp32 [positions, R], the
+    cosines of the R/2 frequencies then their sines: each head's first R dimensions rotate
+    (R = D, or a partial rotary factor's part), the rest pass through."""
     torch.ops.plugserve_ops.rotary_embedding(qk, positions, cos_sin, num_heads, head_dim)
 
 
@@ -60,7 +74,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) for [rows, vocab] logits (first index on ties, as torch);
-    through cpu_ops on CPU float32 (3.5x faster at 32 rows of 49152), else ATen."""
+    through cpu_ops on CPU float32 (faster than ATen's: cpu_ops.cpp), else ATen."""
     native = (
         logits.device.type == "cpu"
         and logits.dtype == torch.float32

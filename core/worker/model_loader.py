@@ -1,6 +1,7 @@
 """How a model folder becomes a loaded torch module: its safetensors weights read into a
 model class built on the target device in the target dtype, each linear layer run by the
-linear method the chooser gives it (worker/linear_methods.py).
+linear method the chooser gives it (worker/linear_methods.py), then the selected model
+passes applied (worker/model_passes.py).
 
 Where the folder comes from (built-in names, GGUF conversion) is plugserve.model_files,
 which every process can import without torch.
@@ -12,18 +13,19 @@ import contextlib
 import inspect
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from plugserve.capabilities import supports_weight_post_processing
+from plugserve.interfaces.model import LayerRoute
 from plugserve.model_files import safetensors_files
 from plugserve.worker.linear_methods import (
     LinearMethodChooser,
     give_linear_methods,
     process_linear_weights,
 )
+from plugserve.worker.model_passes import NamedPass, apply_model_passes
 
 # A progress bar while weights load: where stderr is a terminal (for any but a tiny
 # checkpoint), and in a log file only for a checkpoint this large (then at most one update
@@ -124,12 +126,13 @@ def load_model(
     device: torch.device,
     parallel: Any = None,
     linear_methods: LinearMethodChooser | None = None,
+    model_passes: Sequence[NamedPass] = (),
 ) -> torch.nn.Module:
     """Build `model_cls(hf_config=..., attention=...)` on `device` in `dtype`, give its
     linear layers the methods `linear_methods` chooses (None: every layer keeps the plain
-    one), load the folder's weights into it, process them (finish_loading) and return it
-    in eval mode. A tensor-parallel rank passes its ParallelContext, which the model class
-    must then accept as `parallel=`."""
+    one), load the folder's weights into it, process them and apply `model_passes`
+    (finish_loading), and return it in eval mode. A tensor-parallel rank passes its
+    ParallelContext, which the model class must then accept as `parallel=`."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(model_path))
@@ -149,13 +152,16 @@ def load_model(
     if (parallel is None or parallel.rank == 0) and shows_progress(num_bytes):
         weights = with_progress(weights, num_bytes)  # one bar, rank 0's
     model.load_weights(weights)  # type: ignore[operator]
-    finish_loading(model)
+    finish_loading(model, model_passes)
     return model.eval()
 
 
-def finish_loading(model: torch.nn.Module) -> None:
+def finish_loading(
+    model: torch.nn.Module, model_passes: Sequence[NamedPass] = ()
+) -> list[LayerRoute]:
     """After the weights load: each linear method processes its layers (packing,
-    quantizing), then the model its own (fusing layers over what the methods installed)."""
+    quantizing), then `model_passes` rewrite how the layers run, in order (fusing layers
+    over what the methods installed). Returns which path runs each layer and why (also
+    logged)."""
     process_linear_weights(model)
-    if supports_weight_post_processing(model):
-        model.process_weights_after_loading()
+    return apply_model_passes(model, model_passes)

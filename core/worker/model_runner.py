@@ -45,6 +45,7 @@ from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
 from plugserve.worker.linear_methods import LinearMethodChooser, linear_methods_of
 from plugserve.worker.model_loader import load_model
+from plugserve.worker.model_passes import model_passes_from_config
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
 from plugserve.worker.sampler import (
     LogprobsTensors,
@@ -171,6 +172,7 @@ class ModelRunner:
             self.device,
             parallel,
             linear_methods=linear_methods,
+            model_passes=model_passes_from_config(self.config, registry),
         )
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
         logger.info("%s", self._describe_kernels())

@@ -40,8 +40,8 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear:
-    """A quantized weight called like cpu_linear.PackedLinear: (x [M, K], out_dtype) →
-    x @ w.T + bias [M, N], in out_dtype (default x's dtype)."""
+    """A quantized weight, installed as the layer's matmul (interfaces.model.LinearCompute):
+    (x [M, K], out_dtype) → x @ w.T + bias [M, N], in out_dtype (default x's dtype)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.q, self.scale = quantize_rows(weight)

@@ -17,8 +17,8 @@ import torch
 from correctness.agreement import assert_agrees, clear_first_tokens
 from correctness.conftest import BF16_NEW_TOKENS
 from plugserve import LLM, SamplingParams
-from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import KernelPlan
+from plugserve_plugins.cpu_bf16 import cpu_features, kernel_setting, packed_linear
+from plugserve_plugins.cpu_bf16.kernel_plan import KernelPlan
 from tests.kernel_support import (
     missing_cpu_flags,
     offered_kernels,
@@ -79,7 +79,7 @@ def test_bf16_greedy_tokens_and_logprobs_match_hf_bf16(
 
 
 @pytest.mark.skipif(
-    bool(missing_cpu_flags(cpu_linear.OWN_KERNEL_CPU_FLAGS)),
+    bool(missing_cpu_flags(cpu_features.OWN_KERNEL_CPU_FLAGS)),
     reason="exponent-coded weights need cpu_gemm.cpp, and the CPU lacks its instructions",
 )
 def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
@@ -93,7 +93,7 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
     results = []
     for coded in (False, True):
         one_row = "own/coded" if coded else "own"
-        monkeypatch.setenv(cpu_linear.KERNEL_ENV, f"{one_row},own,own,own,own")
+        monkeypatch.setenv(kernel_setting.KERNEL_ENV, f"{one_row},own,own,own,own")
         llm = LLM(
             model="smollm2-135m-instruct",
             dtype="bfloat16",
@@ -138,14 +138,14 @@ def test_every_plan_the_chooser_can_make_serves_the_model(
     if pinned:
         llm = request.getfixturevalue("bf16_llm")
     else:
-        monkeypatch.setenv(cpu_linear.KERNEL_ENV, plan_setting(plan))
+        monkeypatch.setenv(kernel_setting.KERNEL_ENV, plan_setting(plan))
         llm = LLM(model="smollm2-135m-instruct", dtype="bfloat16", kv_cache_memory="64MiB")
     try:
         model = llm.engine.executor.runner.model
-        if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+        if packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
             assert model.kernel_plan == plan
             # Where the plan gives a bucket to cpu_gemm, the fused decoder takes its steps.
-            decoder = model.decoder
+            decoder = model.whole_stack
             own_buckets = [k.library == "own" for k in plan.by_bucket]
             assert (decoder is not None) == any(own_buckets)
             if decoder is not None:

@@ -25,8 +25,8 @@ from integration.conftest import (
     running_server,
 )
 from plugserve.bench.plugserve_server import PlugserveServer
-from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import TILED
+from plugserve_plugins.cpu_bf16 import packed_linear
+from plugserve_plugins.cpu_bf16.kernel_plan import TILED
 from tests.kernel_support import pinned_plan
 
 # The offline bf16 test's prompts and length (tests/correctness/test_bf16_matches_hf.py):
@@ -78,7 +78,7 @@ def bf16_server(tmp_path_factory) -> Iterator[PlugserveServer]:
 @pytest.mark.starts_server(transport="zmq", settings=SETTINGS)
 def test_the_engine_runs_the_served_bf16_path(bf16_server: PlugserveServer) -> None:
     log = bf16_server.log_text()
-    if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+    if packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
         # The suite's pinned plan (tests/conftest.py), followed as set, not measured.
         plan = pinned_plan()
         assert f"bf16 linears: {plan.describe()} (unmeasured: set" in log, log

@@ -110,3 +110,18 @@ def test_the_fp16_weights_linear_method_runs_every_linear_with_the_bundled_token
     assert linears and all(type(m.method).__name__ == "HalfPrecisionWeights" for m in linears)
     assert all(m.weight.dtype == torch.float16 and m.packed is None for m in linears)
     assert greedy_ids(llm, PROMPTS) == greedy_ids(bundled, PROMPTS)
+
+
+def test_the_layer_spans_pass_names_each_layer_in_a_profile_and_changes_no_output(
+    llm_with, bundled
+):
+    llm = llm_with("tests.plugins.minimal.model_pass", model_passes=["layer_spans"])
+    model = llm.engine.executor.runner.model
+    num_layers = len(model.model.layers)
+    assert all(type(f).__name__ == "Span" for f in model.layer_fns)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        ids = greedy_ids(llm, PROMPTS[:1])
+    spans = [event.name for event in profile.events() if event.name.startswith("layer ")]
+    assert set(spans) == {f"layer {i}" for i in range(num_layers)}
+    assert len(spans) == num_layers * GREEDY.max_tokens  # each layer once a step
+    assert ids == greedy_ids(bundled, PROMPTS[:1])

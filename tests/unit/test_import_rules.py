@@ -1,6 +1,6 @@
 """The import graph is the architecture (DESIGN, "Layers: what may import what"): this
 test reads every module's imports with `ast`, without importing anything, and holds
-them to four rules.
+them to five rules.
 
 (a) The contract imports only the contract. The contract is what a plugin is written
     against and what crosses a process boundary: hookspecs, interfaces (with the
@@ -10,13 +10,14 @@ them to four rules.
     and plugserve.plugins, through which config checks the names stack.yaml selects;
     never the engine, the worker, the frontend or a plugin.
 (b) A plugin imports plugserve's public surface only: `plugserve` (hookimpl), the
-    contract, plugserve.ops (the compiled ops: headers, build helper, huge pages) and
+    contract, plugserve.ops (the compiled ops: headers, build helper, huge pages),
+    plugserve.user_cache (where it keeps what it makes once per machine) and
     plugserve.logging_utils; an executor also the worker API it drives (the model
-    runner, worker.parallel) and plugserve.device; a linear method also the layers it
-    runs (plugserve.worker.layers: the plain method it may build on, the gated MLP) and
-    the bf16 CPU kernels' modules (worker.cpu_linear, kernel_choice, kernel_plan). Never
-    another plugin package (its own package's modules are fine), never engine or
-    frontend internals.
+    runner, worker.parallel) and plugserve.device; a linear method or a model pass also
+    the layers it runs or rewrites (plugserve.worker.layers: the plain method it may
+    build on, the decoder layer, attention, the gated MLP, the norms). Never another
+    plugin package (its own package's modules are fine), never engine or frontend
+    internals.
 (c) The API-server side never imports the model runner or model code
     (plugserve.worker.model_runner, plugserve.worker.models, plugserve.worker.layers).
     Followed transitively from every plugserve.frontend module through every plugserve
@@ -28,6 +29,10 @@ them to four rules.
 (d) No import cycles among modules, counting the imports that run when a module is
     first imported: at module level, not under `if TYPE_CHECKING:` (never run) nor in
     functions (run once every module is loaded).
+(e) The core imports no plugin, and no model file (the core's models, or a model package
+    such as the SmolLM3 example) imports the CPU kernels (plugserve_plugins.cpu_bf16);
+    nor does the core hold or include their C++ (cpu_gemm*, cpu_decoder*): how a layer
+    runs on a CPU is a plugin's, the linear method's or the model pass's.
 
 Everywhere else an import under `if TYPE_CHECKING:` counts like any other: a type
 annotation is a dependency of the layer that writes it. A failure names the file, the
@@ -53,6 +58,10 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[2]
 # Import name -> folder, as pyproject.toml's package-dir maps them.
 PACKAGE_DIRS = {"plugserve": ROOT / "core", "plugserve_plugins": ROOT / "plugins"}
+# Model packages written as a third party's (rule e): import name -> folder.
+MODEL_PACKAGE_DIRS = {
+    "plugserve_smollm3": ROOT / "tests" / "plugins" / "plugserve-smollm3" / "plugserve_smollm3"
+}
 
 CONTRACT = (
     "plugserve.hookspecs",
@@ -64,18 +73,26 @@ CONTRACT = (
     "plugserve.config",
 )
 CONTRACT_ALSO_MAY_IMPORT = ("plugserve", "plugserve.plugins")
-PLUGIN_PUBLIC_SURFACE = (*CONTRACT, "plugserve", "plugserve.ops", "plugserve.logging_utils")
+PLUGIN_PUBLIC_SURFACE = (
+    *CONTRACT,
+    "plugserve",
+    "plugserve.ops",
+    "plugserve.user_cache",
+    "plugserve.logging_utils",
+)
 EXECUTOR_ALSO_MAY_IMPORT = (
     "plugserve.worker.model_runner",
     "plugserve.worker.parallel",
     "plugserve.device",
 )
-LINEAR_METHOD_ALSO_MAY_IMPORT = (
-    "plugserve.worker.layers",
-    "plugserve.worker.cpu_linear",
-    "plugserve.worker.kernel_choice",
-    "plugserve.worker.kernel_plan",
-)
+# Plugins that hold linear methods or model passes, and what they may import beyond the
+# public surface.
+LAYER_PLUGINS = ("plugserve_plugins.linear_methods", "plugserve_plugins.cpu_bf16")
+LAYER_PLUGIN_ALSO_MAY_IMPORT = ("plugserve.worker.layers",)
+# The CPU kernels (rule e): the bf16 CPU fast path's package and its C++ sources.
+CPU_KERNELS = "plugserve_plugins.cpu_bf16"
+CPU_KERNEL_SOURCES = re.compile(r"^(cpu_gemm|cpu_decoder)\w*\.(cpp|h)$")
+MODEL_FILES = "plugserve.worker.models"
 API_SERVER = "plugserve.frontend"
 NEVER_IN_API_SERVER = (
     "plugserve.worker.model_runner",
@@ -242,8 +259,8 @@ def plugin_violations(graph: Graph) -> list[str]:
         public = [p for p in PLUGIN_PUBLIC_SURFACE if p != "plugserve"]
         if within(module, "plugserve_plugins.executors"):
             public += EXECUTOR_ALSO_MAY_IMPORT
-        if within(module, "plugserve_plugins.linear_methods"):
-            public += LINEAR_METHOD_ALSO_MAY_IMPORT
+        if within(module, *LAYER_PLUGINS):
+            public += LAYER_PLUGIN_ALSO_MAY_IMPORT
         for imp in imports:
             if within(imp.target, "plugserve_plugins"):
                 ok = within(imp.target, own)
@@ -365,6 +382,46 @@ def cycle_violations(graph: Graph) -> list[str]:
     ]
 
 
+def cpu_kernel_violations(graph: Graph, model_packages: Iterable[str] = ()) -> list[str]:
+    """Imports of a plugin by the core, and of the CPU kernels by a model file."""
+    found = []
+    for module, imports in graph.items():
+        core = within(module, "plugserve")
+        model_file = within(module, MODEL_FILES, *model_packages)
+        for imp in imports:
+            if core and within(imp.target, "plugserve_plugins"):
+                what = "the core imports no plugin"
+            elif model_file and within(imp.target, CPU_KERNELS):
+                what = "a model file imports no CPU kernel"
+            else:
+                continue
+            found.append(
+                f"{imp.where()}: rule (e), {what}: {module} imports {imp.target} ({imp.kind})"
+            )
+    return found
+
+
+def cpu_kernel_source_violations(core: Path) -> list[str]:
+    """The CPU kernels' C++ held in the core, or included by its sources."""
+    found = []
+    for path in sorted(core.rglob("*")):
+        if not path.is_file() or path.suffix not in (".cpp", ".h", ".py"):
+            continue
+        if CPU_KERNEL_SOURCES.match(path.name):
+            found.append(f"{_shown(path)}: rule (e), the core holds no CPU kernel's C++")
+            continue
+        if path.suffix == ".py":
+            continue
+        for line_number, line in enumerate(path.read_text().splitlines(), 1):
+            included = re.match(r'\s*#\s*include\s*"([^"]+)"', line)
+            if included and CPU_KERNEL_SOURCES.match(included.group(1)):
+                found.append(
+                    f"{_shown(path)}:{line_number}: rule (e), the core includes no CPU "
+                    f"kernel's header: {included.group(1)}"
+                )
+    return found
+
+
 # --------------------------------------------------------------------------- the tree
 
 
@@ -397,12 +454,21 @@ def test_no_import_cycles(graph: Graph) -> None:
     assert not violations, _report(violations)
 
 
+def test_the_core_and_model_files_never_import_the_cpu_kernels(graph: Graph) -> None:
+    models = read_graph({**PACKAGE_DIRS, **MODEL_PACKAGE_DIRS})
+    violations = cpu_kernel_violations(models, MODEL_PACKAGE_DIRS)
+    violations += cpu_kernel_source_violations(ROOT / "core")
+    assert not violations, _report(violations)
+
+
 def test_the_reader_finds_the_modules_the_rules_name(graph: Graph) -> None:
     # A renamed module must not turn a rule into one that checks nothing.
     named = [*CONTRACT, *PLUGIN_PUBLIC_SURFACE, *EXECUTOR_ALSO_MAY_IMPORT, *NEVER_IN_API_SERVER]
-    named += LINEAR_METHOD_ALSO_MAY_IMPORT
+    named += [*LAYER_PLUGINS, *LAYER_PLUGIN_ALSO_MAY_IMPORT, CPU_KERNELS, MODEL_FILES]
     named += [module for pair in SPAWNED_BY_NAME for module in pair]
     assert [m for m in named if m not in graph] == []
+    models = read_graph({**PACKAGE_DIRS, **MODEL_PACKAGE_DIRS})
+    assert [m for m in MODEL_PACKAGE_DIRS if m not in models] == []
     assert any(within(m, API_SERVER) for m in graph)
     assert registry_imports(ROOT / "pyproject.toml", graph)
 
@@ -437,6 +503,12 @@ FORBIDDEN = {
     "core/worker/helper.py": "from plugserve.worker import model_runner\n",
     "core/worker/models/__init__.py": "",
     "core/worker/models/llama.py": "",
+    "core/worker/models/qwen.py": "from plugserve_plugins.cpu_bf16 import fused_layer\n",
+    "core/ops/cpu_gemm.cpp": "",
+    "core/ops/cpu_ops.cpp": '#include "cpu_ops.h"\n#include "cpu_decoder.h"\n',
+    "plugins/cpu_bf16/__init__.py": "",
+    "plugins/cpu_bf16/fused_layer.py": "",
+    "models/acme/__init__.py": "from plugserve_plugins.cpu_bf16 import fused_layer\n",
     "plugins/__init__.py": "",
     "plugins/a/__init__.py": "",
     "plugins/a/x.py": "from plugserve_plugins.a import y\nfrom plugserve_plugins.b import y\n",
@@ -448,7 +520,8 @@ FORBIDDEN = {
 
 def test_each_rule_names_the_file_and_line_of_a_forbidden_import(tmp_path: Path) -> None:
     _write(tmp_path, FORBIDDEN)
-    graph = read_graph({"plugserve": tmp_path / "core", "plugserve_plugins": tmp_path / "plugins"})
+    roots = {"plugserve": tmp_path / "core", "plugserve_plugins": tmp_path / "plugins"}
+    graph = read_graph(roots)
 
     (contract,) = contract_violations(graph)
     assert contract.startswith(f"{tmp_path}/core/interfaces.py:3: rule (a)")
@@ -469,6 +542,18 @@ def test_each_rule_names_the_file_and_line_of_a_forbidden_import(tmp_path: Path)
         f"in a function) -> plugserve.worker.model_runner ({tmp_path}/core/engine/core.py:1, "
         "at module level)"
     )
+
+    with_models = read_graph({**roots, "acme": tmp_path / "models" / "acme"})
+    core_import, model_import = cpu_kernel_violations(with_models, ["acme"])
+    assert core_import.startswith(f"{tmp_path}/core/worker/models/qwen.py:1: rule (e)")
+    assert "the core imports no plugin" in core_import
+    assert model_import.startswith(f"{tmp_path}/models/acme/__init__.py:1: rule (e)")
+    assert "a model file imports no CPU kernel" in model_import
+    assert cpu_kernel_source_violations(tmp_path / "core") == [
+        f"{tmp_path}/core/ops/cpu_gemm.cpp: rule (e), the core holds no CPU kernel's C++",
+        f"{tmp_path}/core/ops/cpu_ops.cpp:2: rule (e), the core includes no CPU kernel's "
+        "header: cpu_decoder.h",
+    ]
 
     (cycle,) = cycle_violations(graph)
     assert cycle == (

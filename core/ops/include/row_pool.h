@@ -2,12 +2,12 @@
 // a batch-1 decode step's one-row matmuls (cpu_gemm.h) and its attention (the CPU paged
 // attention plugin), each a job of independent items written to their own places.
 //
-// On two cores the API server, the benchmark client and the engine's own IO threads need
-// ~0.7 ms of CPU per token. Under OpenMP every matmul ends at a barrier, so whichever
-// compute thread such a burst displaced held up the whole step: a 0.35 ms burst every 5 ms
-// made a batch-1 step 0.6-1.2 ms slower. Here the helper is a SCHED_IDLE thread, so the
-// kernel places those bursts on its core and the caller keeps its own; and the caller
-// finishes a job alone when the helper is away:
+// On a few cores the API server, the benchmark client and the engine's own IO threads take
+// bursts of CPU every token. Under OpenMP every matmul ends at a barrier, so whichever
+// compute thread such a burst displaced held up the whole step (figures:
+// docs/benchmarks-history.md, "bf16 CPU kernels by row count"). Here the helper is a
+// SCHED_IDLE thread, so the kernel places those bursts on its core and the caller keeps
+// its own; and the caller finishes a job alone when the helper is away:
 //
 // - The items (a matmul's 16-column blocks) are split into two contiguous halves, each
 //   worked front to back (one stream of weights). The caller, done with its own, takes
@@ -22,7 +22,7 @@
 //   point into: the job holds references to those, so they outlive the caller's use of
 //   them until the helper is done.
 //
-// One pool per process (cpu_gemm.cpp owns it; other libraries find it through the
+// One pool per process (core's cpu_ops.cpp owns it; other libraries find it through the
 // dispatcher, lookup_row_pool below). One caller at a time: a second concurrent caller
 // finds the pool busy and runs its job alone.
 #pragma once
@@ -82,9 +82,10 @@ class RowPool {
 
   RowPool() : helper_([this] { helper_loop(); }) { helper_.detach(); }
 
-  // Off until the process says OpenMP's threads stop spinning soon after a region (see
-  // cpu_linear.py): otherwise one spins for milliseconds on the helper's core after every
-  // region and the idle-class helper gets no time; the matmuls then keep OpenMP.
+  // Off until a plugin turns it on, where OpenMP's threads stop spinning soon after a region
+  // (the bf16 CPU kernels' cpu_features.openmp_spins_briefly): otherwise one spins for
+  // milliseconds on the helper's core after every region and the idle-class helper gets no
+  // time; the matmuls then keep OpenMP.
   void set_enabled(bool enabled) { enabled_.store(enabled, std::memory_order_relaxed); }
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
 
@@ -278,14 +279,13 @@ class RowPool {
   std::thread helper_;  // last: starts once every member above is initialized
 };
 
-// The process's pool as another library finds it (the one cpu_gemm.cpp owns and exposes as
-// plugserve_gemm::row_pool_address), or nullptr while that library is not loaded: jobs then
-// run on the calling thread alone. Looked up until found (an fp32 engine may attend before
-// a bf16 one in the same process loads the library), then kept.
+// The process's pool as another library finds it (the one core's cpu_ops.cpp owns and
+// exposes as plugserve_ops::row_pool_address), or nullptr while that library is not loaded:
+// jobs then run on the calling thread alone. Looked up until found, then kept.
 inline RowPool* lookup_row_pool() {
   static std::atomic<RowPool*> found{nullptr};
   if (RowPool* pool = found.load(std::memory_order_acquire)) return pool;
-  auto handle = c10::Dispatcher::singleton().findSchema({"plugserve_gemm::row_pool_address", ""});
+  auto handle = c10::Dispatcher::singleton().findSchema({"plugserve_ops::row_pool_address", ""});
   if (!handle.has_value()) return nullptr;
   auto* pool = reinterpret_cast<RowPool*>(handle->typed<int64_t()>().call());
   found.store(pool, std::memory_order_release);

@@ -106,8 +106,9 @@ class RotaryEmbedding(nn.Module):
 
     ATen path: rotate_half(x) * sin equals roll(x, D/2) * sin with the first half of sin
     negated, exactly (only signs move), which saves the split, negation and concatenation;
-    q and k rotate together. After `use_fused_op` (bf16 on CPU) the layers rotate through
-    cpu_ops in FusedCpuDecoderLayer, with `cos_sin`; `prepare` then gathers nothing.
+    q and k rotate together. After `use_fused_op` (a model pass running layers over the
+    fused CPU ops) the layers rotate through cpu_ops with `cos_sin`, and `prepare` gathers
+    nothing unless some layer still rotates on the ATen path.
     """
 
     def __init__(
@@ -139,21 +140,23 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.half = self.rotary_dim // 2
         self.cos_sin: torch.Tensor | None = None  # the fused op's table, once switched on
+        self.gathers = True  # whether prepare gathers the ATen path's cos and sin
 
     @property
     def partial(self) -> bool:
-        """Whether each head keeps dimensions unrotated (the fused op rotates them all)."""
+        """Whether each head keeps dimensions unrotated (a partial rotary factor)."""
         return self.rotary_dim != self.head_dim
 
-    def use_fused_op(self) -> None:
-        """Build cpu_ops' table: each position's D/2 cosines, then its D/2 unsigned sines
-        (the second half of `sin`)."""
-        if self.partial:
-            raise ValueError("the fused rotary op rotates whole heads (no partial rotary)")
+    def use_fused_op(self, *, gather: bool = False) -> None:
+        """Build cpu_ops' table: each position's rotary_dim/2 cosines, then its rotary_dim/2
+        unsigned sines (the second half of `sin`); cpu_ops rotates the first rotary_dim
+        dimensions of each head by it. `gather`: some layers still rotate on the ATen path,
+        so `prepare` keeps gathering their cos and sin."""
         self.cos_sin = torch.cat((self.cos[:, : self.half], self.sin[:, self.half :]), dim=-1)
+        self.gathers = gather
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
-        if self.cos_sin is not None:
+        if not self.gathers:
             return RopeStep(positions)
         return RopeStep(
             positions,

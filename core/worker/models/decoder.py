@@ -7,7 +7,10 @@ untied vocab-parallel head, the rotary table, the layer loop (each layer maps
 happens inside the next norm), logits gathered over tensor-parallel ranks, and loading
 Hugging Face names through `packed_modules_mapping` and the parameters' weight loaders.
 How each linear layer runs is its linear method's business (worker/linear_methods.py),
-whatever the architecture: the model file never chooses it.
+whatever the architecture: the model file never chooses it. After loading, model passes
+(worker/model_passes.py) may change how the layers run through the frame
+(interfaces.model.DecoderFrame): what the loop calls per layer (`layer_fns`), or the
+whole stack and final norm as one replacement (`install_stack`).
 
 A subclass builds its layers in `build_layer` and overrides a hook where its family
 differs (Gemma scales the embeddings, soft-caps the logits, ...).
@@ -15,25 +18,25 @@ differs (Gemma scales the embeddings, soft-caps the logits, ...).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from plugserve.capabilities import has_kernel_plan, supports_weight_buffer
-from plugserve.interfaces.model import FULL_ATTENTION, AttentionBackend, LayerAttention
-from plugserve.worker import cpu_ops
-from plugserve.worker.kernel_plan import KernelPlan
+from plugserve.interfaces.model import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    LayerAttention,
+    WholeStack,
+)
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
 from plugserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plugserve.worker.layers.norm import RMSNorm
 from plugserve.worker.layers.rotary import RopeStep, RotaryEmbedding, rope_parameters
 from plugserve.worker.linear_methods import linear_methods_of
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
-
-logger = logging.getLogger(__name__)
 
 # The fused projections of the shared layers (layers.attention.Attention and
 # layers.mlp.GatedMLP): checkpoint projection → (our module, its shard id there).
@@ -103,8 +106,10 @@ class DecoderForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.parallel)
         )
-        # What forward runs per layer: the modules, or fused replacements standing in.
+        # What forward runs per layer: the modules, or what a model pass put in their
+        # place; and where a pass installed one, the whole stack as one (install_stack).
         self.layer_fns: list[Any] = list(self.model.layers)
+        self.whole_stack: WholeStack | None = None
 
     # ------------------------------------------------------------------ what a family gives
 
@@ -134,12 +139,33 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    # ------------------------------------------------------------------ interfaces.model.DecoderFrame
+
+    @property
+    def layers(self) -> Sequence[nn.Module]:
+        return self.model.layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    def install_stack(self, stack: WholeStack | None) -> None:
+        self.whole_stack = stack
+
     # ------------------------------------------------------------------ interfaces.model.CausalLM
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
         x = self.embed(input_ids)
-        return self.run_layers(x, self.rotary.prepare(positions, x.dtype))
+        rope = self.rotary.prepare(positions, x.dtype)
+        stack = self.whole_stack
+        if stack is not None and stack.runs(x.shape[0]):
+            return stack(x, rope)
+        return self.run_layers(x, rope)
 
     def run_layers(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
         residual = None
@@ -160,9 +186,9 @@ class DecoderForCausalLM(nn.Module):
         return self.model.embed_tokens if self.lm_head is None else None
 
     @property
-    def kernel_plan(self) -> KernelPlan | None:
-        """bf16 on CPU: which kernel each row bucket's linears run, where their method
-        measured a plan (kernel_choice.py); the fused CPU decoder follows it too."""
+    def kernel_plan(self) -> Any:
+        """The kernel plan the linears' method measured, where one did
+        (capabilities.HasKernelPlan), else None."""
         plans = (m.kernel_plan for m in linear_methods_of(self) if has_kernel_plan(m))
         return next((plan for plan in plans if plan is not None), None)
 
@@ -170,17 +196,6 @@ class DecoderForCausalLM(nn.Module):
         """The packed weights in one buffer (bf16 on CPU with cpu_gemm), else None."""
         buffers = (m.weight_buffer() for m in linear_methods_of(self) if supports_weight_buffer(m))
         return next((buffer for buffer in buffers if buffer is not None), None)
-
-    def log_generic_path(self, reason: str) -> None:
-        """Say, where Llama would run the fused bf16 CPU decoder, that this model does not."""
-        weight = self.model.embed_tokens.weight
-        if cpu_ops.supported(weight.dtype, weight.device):
-            logger.info(
-                "%s runs its layers on the generic path (packed linears, ATen ops "
-                "between them): %s",
-                type(self).__name__,
-                reason,
-            )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown

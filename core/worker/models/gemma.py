@@ -16,9 +16,6 @@ the sliding layers rotate by the local base (10k), the global layers by the glob
 (1M) with its scaling (linear, factor 8, on the 4B-27B models). transformers' Gemma 3
 attention never applies attn_logit_softcapping (a config may carry it; the released ones
 have null), so neither does this.
-
-The fused bf16 CPU decoder (models/llama_cpu.py) has none of these layers: Gemma runs its
-layers through the modules, over packed linears where bf16 on CPU, and says so at start.
 """
 
 from __future__ import annotations
@@ -136,12 +133,6 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         if logits is None or cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
-
-    def process_weights_after_loading(self) -> None:
-        self.log_generic_path(
-            "the fused bf16 CPU decoder has no Gemma layers (a norm after each sublayer, "
-            "Gemma's RMSNorm, GELU)"
-        )
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

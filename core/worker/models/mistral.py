@@ -2,9 +2,8 @@
 not hidden_size / num_heads) and, where the config sets `sliding_window` (Mistral 7B
 v0.1: 4096; later versions None), every layer attending over that many positions.
 
-It is LlamaForCausalLM otherwise, the fused bf16 CPU decoder included: the window is
-the attention backend's to apply (AttentionSpec.layers), inside the one call each layer
-already makes to it.
+It is LlamaForCausalLM otherwise: the window is the attention backend's to apply
+(AttentionSpec.layers), inside the one call each layer makes to it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """What the mixture-of-experts families (Mixtral, Qwen3-MoE) add to the decoder frame:
 loading each expert's checkpoint tensors into the stacked weights of FusedMoE
-(layers/moe.py), and saying at start that the experts run on the generic path.
+(layers/moe.py).
 
-The router and the attention linears run their linear method like any Linear (bf16 on
-CPU: packed); the experts' stacked weights are not Linears and stay as loaded, for
-ATen's matmuls.
+The router and the attention linears run their linear method like any Linear; the
+experts' stacked weights are not Linears and stay as loaded, for ATen's matmuls.
 """
 
 from __future__ import annotations
@@ -32,10 +31,4 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             self.packed_modules_mapping,
             self.ignored_weight,
             route=self.expert_names.route,
-        )
-
-    def process_weights_after_loading(self) -> None:
-        self.log_generic_path(
-            "the fused bf16 CPU decoder has no mixture of experts (the experts run "
-            "ATen's matmuls on the tokens routed to them)"
         )

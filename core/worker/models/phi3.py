@@ -9,10 +9,6 @@
   rotary factor (Phi-4-mini: 0.75, the rest of each head passes unrotated).
 - No biases; the MLP's activation is the config's hidden_act (SiLU in every release).
 - Where the config sets `sliding_window`, every layer attends over that many positions.
-
-Bf16 on CPU it runs Llama's fused decoder where every head rotates whole; with a partial
-rotary factor (which the fused op lacks) its layers run the generic path, and the
-start-up log says so.
 """
 
 from __future__ import annotations
@@ -46,13 +42,4 @@ class Phi3ForCausalLM(MistralForCausalLM):
             theta,
             scaling,
             rotary_dim=int(head_dim * partial),
-        )
-
-    def process_weights_after_loading(self) -> None:
-        if not self.rotary.partial:
-            super().process_weights_after_loading()
-            return
-        self.log_generic_path(
-            "the fused bf16 CPU decoder rotates whole heads, and this model's "
-            "partial_rotary_factor leaves part of each head unrotated"
         )

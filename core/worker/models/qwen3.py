@@ -1,9 +1,6 @@
 """Qwen3 (dense): Llama's layer with an RMSNorm over each q and each k head before RoPE,
 no q/k/v biases, and head_dim from the config (128 in the released models, whatever
 hidden_size / num_heads is).
-
-The fused bf16 CPU decoder (models/llama_cpu.py) has no q/k norm: Qwen3 runs its layers
-through the modules, over packed linears where bf16 on CPU, and says so at start.
 """
 
 from __future__ import annotations
@@ -33,6 +30,3 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
         self, hf_config: Any, layer_idx: int, attention: AttentionBackend, parallel: ParallelContext
     ) -> PreNormDecoderLayer:
         return llama_layer(hf_config, layer_idx, attention, parallel, qkv_bias=False, qk_norm=True)
-
-    def process_weights_after_loading(self) -> None:
-        self.log_generic_path("the fused bf16 CPU decoder has no q/k norm")

@@ -52,5 +52,4 @@ def test_the_bundled_executors_and_model_declare_what_they_offer() -> None:
     assert not capabilities.has_tensor_parallel_limit(MultiprocExecutor)
     assert not capabilities.supports_weight_read_probe(MultiprocExecutor)
 
-    assert capabilities.supports_weight_post_processing(LlamaForCausalLM)
     assert capabilities.supports_weight_buffer(LlamaForCausalLM)

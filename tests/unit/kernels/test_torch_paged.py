@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from plugserve import ops
 from plugserve.capabilities import honours_layer_attention
 from plugserve.interfaces.model import (
     FULL_ATTENTION,
@@ -352,20 +353,19 @@ def test_the_native_plan_refuses_blocks_the_cache_cannot_hold(
 
 
 def row_pool_missing() -> str | None:
-    """Why the matmuls' helper thread is not here: it lives in cpu_gemm.cpp's library, built
-    and loaded wherever the CPU can run it (whichever bf16 kernel production prefers)."""
-    from plugserve.worker import cpu_linear
-
-    missing = missing_cpu_flags(cpu_linear.OWN_KERNEL_CPU_FLAGS)
+    """Why a decode row cannot be split over the row pool's helper thread here: the pool is
+    core's cpu_ops.cpp's (x86-64 Linux, built wherever there is a compiler), and the native
+    kernel splits a row only where it is built with AVX-512F."""
+    missing = missing_cpu_flags(("avx512f",))
     return f"the CPU lacks {' and '.join(missing)}" if missing else None
 
 
-# Skipped only where the CPU lacks cpu_gemm.cpp's instructions: where it has them, a library
+# Skipped only where the CPU lacks the split's instructions: where it has them, a library
 # that does not build fails these tests.
 ROW_POOL_MISSING = row_pool_missing()
 needs_row_pool = pytest.mark.skipif(
     ROW_POOL_MISSING is not None,
-    reason=f"the matmuls' helper thread needs cpu_gemm.cpp: {ROW_POOL_MISSING}",
+    reason=f"splitting a decode row over the helper thread: {ROW_POOL_MISSING}",
 )
 
 
@@ -378,15 +378,16 @@ def two_threads() -> Iterator[None]:
 
 
 def set_row_pool(enabled: bool) -> None:
-    torch.ops.plugserve_gemm.row_pool_set_enabled(enabled)
+    assert ops.load(ops.OPS_SOURCE), ops.unavailable_reason(ops.OPS_SOURCE)
+    torch.ops.plugserve_ops.row_pool_set_enabled(enabled)
 
 
 @pytest.fixture
 def row_pool_restored() -> Iterator[None]:
-    from plugserve.worker import cpu_linear
-
+    assert ops.load(ops.OPS_SOURCE), ops.unavailable_reason(ops.OPS_SOURCE)
+    enabled = torch.ops.plugserve_ops.row_pool_enabled()
     yield
-    set_row_pool(cpu_linear.openmp_spins_briefly())
+    set_row_pool(enabled)
 
 
 @dataclass
@@ -462,10 +463,10 @@ def test_a_decode_row_shared_with_the_matmul_helper_matches_one_thread(
     set_row_pool(False)
     alone = native.forward(0, *row.qkv).float()
     set_row_pool(True)
-    jobs_before = torch.ops.plugserve_gemm.row_pool_jobs_shared()
+    jobs_before = torch.ops.plugserve_ops.row_pool_jobs_shared()
     shared = native.forward(0, *row.qkv).float()
     # One job offered to the helper from 64 tokens on; below, the caller alone.
-    assert torch.ops.plugserve_gemm.row_pool_jobs_shared() - jobs_before == (seq_len >= 64)
+    assert torch.ops.plugserve_ops.row_pool_jobs_shared() - jobs_before == (seq_len >= 64)
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(shared, alone, atol=tolerance, rtol=tolerance)
     expected = row.backend("sdpa").forward(0, *row.qkv).float()
@@ -484,7 +485,7 @@ def test_a_decode_row_whose_helper_is_displaced_is_finished_by_the_caller() -> N
     """The helper held on its first slice until released: the caller computes that slice
     itself and returns with the right output; the helper's result, ready after its
     release, is dropped, so the rows attended meanwhile (other q) stay right too."""
-    gemm = torch.ops.plugserve_gemm
+    pool = torch.ops.plugserve_ops
     row = one_decode_row(400, 16, torch.bfloat16, seed=3)
     backend, (q, k, v) = row.backend("native"), row.qkv
     others = [torch.randn_like(q) for _ in range(4)]
@@ -497,24 +498,24 @@ def test_a_decode_row_whose_helper_is_displaced_is_finished_by_the_caller() -> N
         deadline = time.monotonic() + 30
         while True:
             backend.forward(0, others[0], k, v)  # the helper is awake (it sleeps after 50 us)
-            taken = gemm.row_pool_items_taken_over()
-            dropped = gemm.row_pool_late_items_dropped()
-            gemm.row_pool_stall_helper_once(HELPER_HOLD_US)
+            taken = pool.row_pool_items_taken_over()
+            dropped = pool.row_pool_late_items_dropped()
+            pool.row_pool_stall_helper_once(HELPER_HOLD_US)
             out = backend.forward(0, q, k, v)
-            if gemm.row_pool_items_taken_over() > taken:
+            if pool.row_pool_items_taken_over() > taken:
                 break
-            gemm.row_pool_release_helper()  # it took no slice of this row: again
+            pool.row_pool_release_helper()  # it took no slice of this row: again
             assert time.monotonic() < deadline, "the helper took no slice, or the caller waited"
         # The caller took over the slice the helper held, and computed it itself.
-        assert gemm.row_pool_items_taken_over() == taken + 1
+        assert pool.row_pool_items_taken_over() == taken + 1
         assert torch.equal(out, expected)
         later = [backend.forward(0, other, k, v) for other in others for _ in range(10)]
-        gemm.row_pool_release_helper()
+        pool.row_pool_release_helper()
         later += [backend.forward(0, other, k, v) for other in others for _ in range(10)]
         deadline = time.monotonic() + 30  # liveness only: it is back within microseconds
-        while gemm.row_pool_late_items_dropped() == dropped:
+        while pool.row_pool_late_items_dropped() == dropped:
             assert time.monotonic() < deadline, "the released helper kept the slice it had lost"
             time.sleep(0.001)
         assert all(torch.equal(o, expected_others[i // 10 % 4]) for i, o in enumerate(later))
     finally:
-        gemm.row_pool_release_helper()
+        pool.row_pool_release_helper()

@@ -8,10 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
-import torch
 
-from plugserve import ops
-from plugserve.worker import cpu_linear, cpu_ops
+from plugserve.worker import cpu_ops
+from plugserve_plugins.cpu_bf16 import cpu_features
 from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
 from plugserve_plugins.linear_methods import int8_weight_only
 from tests.kernel_support import require_kernel
@@ -24,18 +23,17 @@ class CompiledKernel:
     unavailable_reason: Callable[[], str | None]
 
 
-def _decoder_reason() -> str | None:
-    reason = ops.unavailable_reason(ops.DECODER_SOURCE)
-    if reason is None and not hasattr(torch.ops.plugserve_decoder, "decode_layers"):
-        return "cpu_decoder.cpp was built without its ops"
-    return reason
-
-
 KERNELS = (
     CompiledKernel(
-        "cpu_gemm.cpp", cpu_linear.OWN_KERNEL_CPU_FLAGS, cpu_linear.own_kernel_unavailable_reason
+        "cpu_gemm.cpp",
+        cpu_features.OWN_KERNEL_CPU_FLAGS,
+        cpu_features.own_kernel_unavailable_reason,
     ),
-    CompiledKernel("cpu_decoder.cpp", cpu_linear.OWN_KERNEL_CPU_FLAGS, _decoder_reason),
+    CompiledKernel(
+        "cpu_decoder.cpp",
+        cpu_features.OWN_KERNEL_CPU_FLAGS,
+        cpu_features.decoder_unavailable_reason,
+    ),
     CompiledKernel("cpu_ops.cpp", (), cpu_ops.unavailable_reason),
     CompiledKernel("cpu_paged_attention.cpp", (), cpu_paged_attention.unavailable_reason),
     CompiledKernel(

@@ -11,7 +11,10 @@ import pytest
 from plugserve import ops
 from plugserve.ops import build
 
-ATTENTION_SOURCE = Path(__file__).parents[3] / "plugins" / "kernels" / "cpu_paged_attention.cpp"
+PLUGINS = Path(__file__).parents[3] / "plugins"
+ATTENTION_SOURCE = PLUGINS / "kernels" / "cpu_paged_attention.cpp"
+# The bf16 CPU fast path's sources (a plugin's, with headers of its own beside them).
+CPU_BF16 = PLUGINS / "cpu_bf16"
 
 
 def names(headers: list[Path]) -> set[str]:
@@ -24,10 +27,19 @@ def test_the_attention_plugin_includes_only_public_headers() -> None:
     assert all(header.parent == ops.include_dir().resolve() for header in headers)
 
 
+def test_core_holds_only_its_own_library_and_the_public_headers() -> None:
+    ops_dir = Path(ops.__file__).parent
+    assert sorted(p.name for p in ops_dir.glob("*.cpp")) == ["cpu_ops.cpp"]
+    assert list(ops_dir.glob("*.h")) == []
+    headers = build.included_headers(ops.OPS_SOURCE, ops.include_dir())
+    assert names(headers) == {"cpu_ops.h", "row_pool.h", "cpu_bf16.h", "cpu_vec_math.h"}
+
+
 def test_headers_count_through_the_headers_that_include_them() -> None:
-    """cpu_decoder.cpp names cpu_gemm.h and cpu_ops.h; they bring cpu_gemm_amx.h beside
-    them, and row_pool.h, cpu_bf16.h and cpu_vec_math.h from the public folder."""
-    headers = build.included_headers(ops.DECODER_SOURCE, ops.include_dir())
+    """The plugin's cpu_decoder.cpp names cpu_gemm.h beside it and the public cpu_ops.h;
+    they bring cpu_gemm_amx.h beside them, and row_pool.h, cpu_bf16.h and cpu_vec_math.h
+    from the public folder."""
+    headers = build.included_headers(CPU_BF16 / "cpu_decoder.cpp", ops.include_dir())
     assert names(headers) == {
         "cpu_gemm.h",
         "cpu_gemm_amx.h",
@@ -41,9 +53,12 @@ def test_headers_count_through_the_headers_that_include_them() -> None:
 
 @pytest.fixture
 def copied_sources(tmp_path: Path) -> Path:
-    """plugserve.ops' sources and headers, and the attention plugin beside them."""
+    """plugserve.ops' sources and headers, the attention plugin and the bf16 CPU plugin's
+    sources and headers beside them."""
     ops_dir = Path(ops.__file__).parent
-    shutil.copytree(ops_dir, tmp_path / "ops", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    no_python = shutil.ignore_patterns("*.py", "__pycache__")
+    shutil.copytree(ops_dir, tmp_path / "ops", ignore=no_python)
+    shutil.copytree(CPU_BF16, tmp_path / "cpu_bf16", ignore=no_python)
     (tmp_path / "plugin").mkdir()
     shutil.copy(ATTENTION_SOURCE, tmp_path / "plugin")
     return tmp_path
@@ -58,13 +73,15 @@ def test_editing_a_header_rebuilds_only_the_libraries_that_include_it(
 ) -> None:
     include = copied_sources / "ops" / "include"
     plugin = copied_sources / "plugin" / ATTENTION_SOURCE.name
-    gemm, decoder = (copied_sources / "ops" / name for name in ("cpu_gemm.cpp", "cpu_decoder.cpp"))
+    gemm, decoder = (
+        copied_sources / "cpu_bf16" / name for name in ("cpu_gemm.cpp", "cpu_decoder.cpp")
+    )
 
     def keys() -> dict[str, str]:
         return {source.name: build.cache_key(source, include) for source in (plugin, gemm, decoder)}
 
     before = keys()
-    append_comment(copied_sources / "ops" / "cpu_gemm.h")
+    append_comment(copied_sources / "cpu_bf16" / "cpu_gemm.h")
     after_gemm_header = keys()
     assert after_gemm_header[plugin.name] == before[plugin.name]  # not included
     assert after_gemm_header[gemm.name] != before[gemm.name]

@@ -101,6 +101,56 @@ def test_rotary_embedding_rotates_q_and_k_in_place_and_leaves_v(dtype: torch.dty
     assert torch.equal(qkv[:, qk_heads * head_dim :], v_before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_partial_rotary_table_rotates_each_heads_first_part_as_the_aten_path(
+    dtype: torch.dtype,
+) -> None:
+    """A table rotary_dim wide (Phi-4-mini's partial rotary factor) rotates each head's
+    first rotary_dim dimensions as RotaryEmbedding's own forward does and leaves the rest
+    and v as they were."""
+    head_dim, heads, kv_heads = 16, 4, 2
+    rotary = RotaryEmbedding(head_dim, 64, 500.0, {"rope_type": "default"}, rotary_dim=12)
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 3, 7, 63])
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qk_heads = heads + kv_heads
+    expected = rotary(qkv.float(), rotary.prepare(positions, torch.float32), qk_heads)
+    before = qkv.clone()
+
+    rotary.use_fused_op()
+    assert rotary.cos_sin is not None and rotary.cos_sin.shape == (64, 12)
+    cpu_ops.rotary_embedding(qkv, positions, rotary.cos_sin, qk_heads, head_dim)
+
+    by_head = qkv[:, : qk_heads * head_dim].view(-1, qk_heads, head_dim)
+    close(by_head, expected)
+    assert torch.equal(
+        by_head[..., 12:], before[:, : qk_heads * head_dim].view_as(by_head)[..., 12:]
+    )
+    assert torch.equal(qkv[:, qk_heads * head_dim :], before[:, qk_heads * head_dim :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_heads_normalizes_each_head_of_the_range_in_place(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norm: each head of [first, first + count) of every row, RMS-normalized
+    over head_dim times the shared weight; the other heads untouched."""
+    head_dim, heads = 16, 8
+    torch.manual_seed(0)
+    x = torch.randn(5, heads * head_dim).to(dtype)
+    weight = (torch.randn(head_dim) + 1).to(dtype)
+    before = x.clone()
+
+    cpu_ops.rms_norm_heads(x, weight, EPS, 2, 3, head_dim)
+
+    by_head, was = x.view(5, heads, head_dim), before.view(5, heads, head_dim)
+    close(
+        by_head[:, 2:5],
+        reference_rms_norm(was[:, 2:5].reshape(-1, head_dim), weight).view(5, 3, -1),
+    )
+    assert torch.equal(by_head[:, :2], was[:, :2]) and torch.equal(by_head[:, 5:], was[:, 5:])
+    with pytest.raises(RuntimeError, match="must hold heads"):
+        cpu_ops.rms_norm_heads(x, weight, EPS, 6, 3, head_dim)
+
+
 def test_rotary_embedding_rejects_a_position_beyond_the_table() -> None:
     rotary = RotaryEmbedding(64, 128, 10000.0, {"rope_type": "default"})
     rotary.use_fused_op()

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from plugserve.worker import cpu_linear
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.checkpoint import load_checkpoint
 from plugserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -34,6 +33,7 @@ from plugserve.worker.linear_methods import (
     process_linear_weights,
 )
 from plugserve.worker.parallel import ParallelContext
+from plugserve_plugins.cpu_bf16 import packed_linear
 
 FUSED = {
     "q_proj": ("qkv_proj", "q"),
@@ -422,7 +422,7 @@ def test_nothing_is_packed_in_fp32() -> None:
 
 
 @pytest.mark.skipif(
-    not cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")),
+    not packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")),
     reason="no bf16 packing on this CPU",
 )
 def test_a_packed_block_computes_what_it_did_and_refuses_a_second_load() -> None:

@@ -27,7 +27,7 @@ from plugserve.worker.linear_methods import (
 )
 from plugserve.worker.models.llama import LlamaForCausalLM
 from plugserve.worker.parallel import ParallelContext
-from plugserve_plugins.linear_methods.cpu_bf16 import PackedCpuBf16
+from plugserve_plugins.cpu_bf16.linear_method import PackedCpuBf16
 from plugserve_plugins.linear_methods.int8_weight_only import Int8WeightOnly
 
 CPU = torch.device("cpu")

@@ -15,14 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_llama import SIZES, PagedRunner, make_backend
 from torch import nn
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from plugserve.model_files import CheckpointError
-from plugserve.worker import cpu_linear
 from plugserve.worker.layers.checkpoint import load_checkpoint
 from plugserve.worker.layers.linear import Linear
 from plugserve.worker.layers.moe import (
@@ -38,6 +36,8 @@ from plugserve.worker.models.mixtral import MixtralForCausalLM
 from plugserve.worker.models.moe_decoder import MoeDecoderForCausalLM
 from plugserve.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from plugserve.worker.parallel import ParallelContext, init_parallel
+from plugserve_plugins.cpu_bf16 import packed_linear
+from tests.model_support import SIZES, PagedRunner, automatic_passes, make_backend
 
 HIDDEN, EXPERTS, TOP_K = 32, 6, 2
 # Uneven on two ranks: 7 + 6 rows of every expert's gate and up.
@@ -368,8 +368,9 @@ def test_bf16_on_cpu_packs_router_and_attention_and_keeps_the_experts_stacked(
 ) -> None:
     """finish_loading measures a kernel plan on the model's linears (the
     router among them) and packs them; the experts' stacked weights are no Linear and
-    stay as loaded, for ATen; the log says the layers run the generic path; the logits
-    are the unpacked bf16 model's within bf16 rounding."""
+    stay as loaded, for ATen; the start-up log says the fused CPU decoder declined the
+    experts' layers (and took Qwen3-MoE's dense one); the logits are the unpacked bf16
+    model's within bf16 rounding."""
     model_cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else MixtralForCausalLM
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -392,15 +393,17 @@ def test_bf16_on_cpu_packs_router_and_attention_and_keeps_the_experts_stacked(
 
     plain, fast = build(), build()
     with caplog.at_level(logging.INFO):
-        finish_loading(fast)
+        finish_loading(fast, automatic_passes())
 
     blocks = [m for m in fast.modules() if isinstance(m, FusedMoE)]
     assert len(blocks) == (1 if isinstance(config, Qwen3MoeConfig) else 2)
-    if cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+    if packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
         assert fast.kernel_plan is not None
         assert all(m.packed is not None for m in fast.modules() if isinstance(m, Linear))
         assert all(b.gate.packed is not None for b in blocks)
-        assert "generic path" in caplog.text
+        assert "generic modules: fused_cpu_decoder: its MLP is a FusedMoE" in caplog.text
+        dense = isinstance(config, Qwen3MoeConfig)  # its layer 0
+        assert ("layer 0: fused bf16 CPU layer" in caplog.text) == dense
     for block, as_loaded in zip(
         blocks, (m for m in plain.modules() if isinstance(m, FusedMoE)), strict=True
     ):

@@ -10,17 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_llama import SIZES, PagedRunner, make_backend
 from transformers import AutoModelForCausalLM, Phi3Config
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
 from plugserve.model_files import CheckpointError
-from plugserve.worker import cpu_ops
-from plugserve.worker.linear_methods import LinearMethodChooser, give_linear_methods
-from plugserve.worker.model_loader import finish_loading, iter_weights
-from plugserve.worker.models.llama_cpu import FusedCpuDecoder, FusedCpuDecoderLayer
+from plugserve.worker.model_loader import iter_weights
 from plugserve.worker.models.phi3 import Phi3ForCausalLM
 from plugserve.worker.parallel import ParallelContext
+from tests.model_support import make_backend
 
 HEAD_DIM = 8
 # Uneven on two ranks everywhere: KV heads 2 + 1 (query heads 4 + 2), intermediate
@@ -177,49 +174,3 @@ def test_partial_rotary_rotates_the_first_part_of_each_head_as_transformers() ->
     expected = torch.cat((q_hf, k_hf), dim=1).transpose(1, 2)[0]
     torch.testing.assert_close(ours, expected)
     assert torch.equal(ours[..., 6:], qk.view(tokens, heads, HEAD_DIM)[..., 6:])
-
-
-@pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason="cpu_ops.cpp not built")
-@pytest.mark.usefixtures("own_kernel")
-@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["whole-heads", "partial-rotary"])
-def test_bf16_on_cpu_runs_the_fused_decoder_where_every_head_rotates_whole(
-    partial: float,
-) -> None:
-    """Llama's fused bf16 CPU decoder (longrope's scaled table in its rotary op) where
-    heads rotate whole; the generic path, same logits within bf16 rounding, where part
-    of each head stays unrotated (the fused op has no partial rotary)."""
-    # test_llama.py's sizes (head_dim 16), with SHARDED's positions and untied head.
-    config = Phi3Config(
-        **{**SIZES, "max_position_embeddings": SHARDED["max_position_embeddings"]},
-        tie_word_embeddings=False,
-        original_max_position_embeddings=16,
-        rope_parameters=longrope(16, int(16 * partial) // 2, partial_rotary_factor=partial),
-    )
-    torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-    def build() -> Phi3ForCausalLM:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            backend = make_backend(config, num_blocks=16, dtype=torch.bfloat16)
-            model = Phi3ForCausalLM(hf_config=config, attention=backend)
-            chooser = LinearMethodChooser(dtype=torch.bfloat16, device=torch.device("cpu"))
-            give_linear_methods(model, chooser)
-        finally:
-            torch.set_default_dtype(previous)
-        model.load_weights(hf_model.state_dict().items())
-        return model
-
-    plain, fast = build(), build()
-    finish_loading(fast)
-    if partial == 1.0:
-        assert all(isinstance(f, FusedCpuDecoderLayer) for f in fast.layer_fns)
-        assert isinstance(fast.decoder, FusedCpuDecoder)
-    else:
-        assert fast.decoder is None and fast.rotary.cos_sin is None
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (40, 3, 20)]
-    rows = [(str(i), p) for i, p in enumerate(prompts)]
-    expected = PagedRunner(plain, plain.model.layers[0].self_attn.attention, 16).step(rows)
-    actual = PagedRunner(fast, fast.model.layers[0].self_attn.attention, 16).step(rows)
-    torch.testing.assert_close(actual, expected, atol=0.05, rtol=0.05)

@@ -1,12 +1,12 @@
 // bf16 matmul on AVX-512-BF16 CPUs: out = x @ W.T (+ bias), for any number of rows.
 //
-// A decode step's matmuls are bound by reading the weights, yet oneDNN (torch 2.13) reads
-// them well below the memory bandwidth at decode sizes. Here each thread streams its own
-// slice of the packed weight once, and every 64-byte load feeds all the rows' VDPBF16PS
-// accumulators held in registers. Measured on a 2-core Zen 4, SmolLM2's matmuls: 24%
-// faster than oneDNN's at 1 row, 16% at 32, equal at 512 to 2048.
+// A decode step's matmuls are bound by reading the weights, yet oneDNN reads them well
+// below the memory bandwidth at decode sizes. Here each thread streams its own slice of the
+// packed weight once, and every 64-byte load feeds all the rows' VDPBF16PS accumulators
+// held in registers (against oneDNN: docs/benchmarks-history.md, "bf16 CPU kernels by row
+// count").
 //
-// Packed layout (cpu_linear.py builds it): [N/16 blocks][K/2 pairs][16 columns][2]: one
+// Packed layout (weight_arena.py builds it): [N/16 blocks][K/2 pairs][16 columns][2]: one
 // 64-byte vector holds a pair of consecutive k for 16 output columns, as VDPBF16PS takes
 // it. Rows are done 8 at a time against 3 column blocks (24 accumulators); further row
 // chunks re-read the tile's weights from cache, not memory, while the next tile's stream in.
@@ -14,15 +14,13 @@
 // One row (a batch-1 decode step) is a pure weight stream and runs its own loop: one block
 // at a time with four accumulators over alternating k-pairs (one would wait on the
 // previous VDPBF16PS). Threads split the work into contiguous shares and take what is left
-// of each other's at the end (for_each_item).
-// With the weights on huge pages (cpu_linear.WeightArena), SmolLM2's 269 MB per step
-// read in 3.8 ms instead of 4.8 at a 75 GB/s phase of this VM, 5.2 instead of 6.0 at 49.
+// of each other's at the end (for_each_item). The weights lie on huge pages
+// (weight_arena.WeightArena), which streams them faster.
 //
 // Which one-row loop is fastest depends on the CPU, so the caller picks it (OneRowMode,
 // chosen by measurement in kernel_choice.py): the stream's prefetches non-temporal (NTA:
-// on a 2-core Zen 4 a step 0.16-0.30 ms faster, the caches kept for the step's Python) or
-// into all levels (T0: on a 2-core Xeon with AMX and a 480 MB L3, SmolLM2's matmuls at one
-// row in 11.4 ms instead of 18); or no stream at all, one row through the tile kernel.
+// the caches kept for the step's Python) or into all levels (T0: where a large L3 holds
+// much of the model); or no stream at all, one row through the tile kernel.
 //
 // One row can also read a lossless exponent-coded copy of the weight (row_block_coded), 12
 // bits a weight instead of 16: a trained model's bf16 weights use few exponents, and one
@@ -30,8 +28,8 @@
 // vectors and summed in the same order, it gives the plain kernel's results bit for bit.
 //
 // cpu_gemm.cpp registers linear_bf16 as torch.ops.plugserve_gemm.linear_bf16 (built and
-// loaded by cpu_linear.py); cpu_decoder.cpp calls it inside its fused stretch. Defined only
-// where the CPU has AVX512_BF16 (PLUGSERVE_HAS_BF16_GEMM).
+// loaded by cpu_features.py); cpu_decoder.cpp calls it inside its fused stretch. Defined
+// only where the CPU has AVX512_BF16 (PLUGSERVE_HAS_BF16_GEMM).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -50,8 +48,8 @@
 
 namespace plugserve {
 
-// The process's one RowPool (row_pool.h), or nullptr where this library cannot reach it:
-// cpu_gemm.cpp owns it, other libraries that include this header look it up.
+// The process's one RowPool (row_pool.h: core's cpu_ops.cpp owns it), or nullptr where this
+// library cannot reach it; each library including this header defines it as a lookup.
 RowPool* shared_row_pool();
 
 
@@ -148,11 +146,11 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
   for (; kp + kChains <= pairs; kp += kChains) {
     for (int c = 0; c < kChains; ++c) {
       const uint16_t* p = w + (kp + c) * 32;
-      // Non-temporal: each weight line is read once a step, and a batch-1 step streams
-      // 270 MB through the caches. Fetched as T0 they evicted everything the step's Python,
-      // numpy and small ops touch between matmuls (a numpy call cold cost 5-18 us against
-      // ~1 hot); with NTA a step is 0.16-0.30 ms faster (paired, in the engine). The
-      // batched tiles keep T0: each reads its weight tile once per 8 rows.
+      // Non-temporal: each weight line is read once a step, and a batch-1 step streams the
+      // whole model through the caches. Fetched as T0 they evicted everything the step's
+      // Python, numpy and small ops touch between matmuls; with NTA a step is faster where
+      // the caches are small. The batched tiles keep T0: each reads its weight tile once
+      // per 8 rows.
       stream_prefetch<Cached>(reinterpret_cast<const char*>(p) + kPrefetchPairs * kPairBytes);
       acc[c] = dot_pair(acc[c], x, kp + c, _mm512_loadu_si512(p));
     }
@@ -161,7 +159,7 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
   finish_row<Out>(acc, bias, out, col, n);
 }
 
-// The exponent-coded copy of a packed weight (cpu_linear.code_exponents builds it), one
+// The exponent-coded copy of a packed weight (exponent_coding.code_exponents builds it), one
 // record of coded_block_bytes(pairs) per 16-column block:
 //   table: 32 uint16, each an exponent already shifted into place (e << 7); entries 16-31
 //          repeat 0-15, so an index's fifth bit (the next nibble's low bit) is ignored.
@@ -173,11 +171,9 @@ void row_block(const uint16_t* x, const uint16_t* w, int64_t pairs, const float*
 // Lane j is word j of the plain layout's 64-byte vector, so decoding gives that vector.
 // An uncoded block's record holds, after its marked table, the block's first
 // uncoded_pairs_in_record(pairs) plain 64-byte k-pair vectors, and the kernel reads only the
-// rest from the plain packed weight. Its record used to be left empty: the one-row stream
-// then prefetched up to 6 KB of nothing ahead of it and read the whole plain block (18.4 KB
-// at K=576, 49 KB at 1536) cold from elsewhere. On a 2-core Zen 4 the 4.4 % of SmolLM2's
-// layer blocks that are uncoded (24 % of down_proj's) took 12-13 % of its one-row matmuls'
-// samples (perf, c=1 decode).
+// rest from the plain packed weight: with an empty record the one-row stream would prefetch
+// nothing useful ahead of the block and read all of it cold from elsewhere, and the few
+// uncoded blocks would take far more than their share of the time.
 constexpr int64_t kCodedTableBytes = 64;
 constexpr int64_t kCodedGroupBytes = 96;  // two k-pairs
 constexpr uint16_t kUncodedBlock = 0xffff;  // no shifted exponent has bit 15 set
@@ -204,8 +200,8 @@ inline __m512i decode_lanes(const uint8_t* sign_mantissa, __m512i exponent) {
 template <typename Out, bool Cached>
 void row_block_coded(const uint16_t* x, const uint8_t* block, int64_t pairs, const float* bias,
                      void* out, int64_t col, int64_t n) {
-  // Further ahead than row_block's 2 KB: on this VM 3-8 KB read the chain of SmolLM2's
-  // matmuls in 0.85x the floor's time against 0.89x at 2 KB (12 KB: 0.88x).
+  // Further ahead than row_block's 2 KB: the distance that read the coded stream fastest
+  // (docs/benchmarks-history.md, "bf16 CPU kernels by row count").
   constexpr int64_t kPrefetchBytes = 6144;
   const __m512i table = _mm512_loadu_si512(block);
   const uint8_t* groups = block + kCodedTableBytes;
@@ -327,7 +323,7 @@ TileFn<Out> tile_for(int64_t rows, int64_t blocks) {
 
 // Runs work(i) for every i in [0, items) on torch's threads. Each thread works its own
 // contiguous share front to back, so that its weight reads form one sequential stream (runs
-// taken from a shared counter interleave the threads' streams: 25% slower at one row).
+// taken from a shared counter interleave the threads' streams, slower at one row).
 // A thread done with its share then takes items one at a time from the back of a share
 // still being worked: when the API server or the client takes one of two cores for a
 // moment, the other thread finishes the matmul instead of waiting for it at the barrier.
@@ -421,8 +417,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
     // While this tile's rows compute, the next tile's weights (contiguous after this one's,
     // a line per block and k-pair) stream in, spread over the row chunks: a thread's
     // memory reads then overlap the chunks that compute from cache instead of alternating
-    // with them (32 rows: 20-30 % less time with the weights cold). One chunk (up to 8
-    // rows) is a stream of its own tile only.
+    // with them. One chunk (up to 8 rows) is a stream of its own tile only.
     const char* next = reinterpret_cast<const char*>(wp + (b0 + nb) * block_stride);
     const int64_t next_lines = chunks > 1 ? std::min(kBlockTile, blocks - b0 - nb) * pairs : 0;
     const int64_t per_pair = (next_lines + chunks * pairs - 1) / (chunks * pairs);
@@ -465,7 +460,7 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
               "x must be bfloat16 [rows, in_features] with a dense last dim");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.scalar_type() == at::kBFloat16,
-              "packed must be bfloat16 [N/16, K/2, 16, 2] from cpu_linear.pack_k_pairs");
+              "packed must be bfloat16 [N/16, K/2, 16, 2] from weight_arena.pack_k_pairs");
   const int64_t pairs = packed.size(1), blocks = packed.size(0);
   TORCH_CHECK(x.size(1) == 2 * pairs, "x has ", x.size(1), " features, the weight ",
               2 * pairs);
@@ -478,7 +473,7 @@ inline at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   if (coded.has_value())
     TORCH_CHECK(pairs % 2 == 0 && coded->scalar_type() == at::kByte && coded->is_contiguous() &&
                     coded->numel() == blocks * coded_block_bytes(pairs),
-                "coded must be uint8 [N/16, coded_block_bytes] from cpu_linear.code_exponents");
+                "coded must be uint8 [N/16, coded_block_bytes] from exponent_coding.code_exponents");
   TORCH_CHECK(one_row_mode >= kStreamNonTemporal && one_row_mode <= kAmx,
               "one_row_mode must be 0 (stream, non-temporal), 1 (stream, cached), 2 (tiled) "
               "or 3 (AMX tiles for every row count)");

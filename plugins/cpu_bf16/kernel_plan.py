@@ -1,11 +1,11 @@
 """Which kernel runs a bf16 CPU matmul of a given number of rows: the plan's vocabulary.
 
-No kernel wins everywhere. On a 2-core Xeon with AMX, SmolLM2's matmuls at one row take
-11.4 ms in cpu_gemm.cpp (prefetching into the caches) and 14.6 in oneDNN, while at 32 rows
-oneDNN's AMX tiles take 17.6 and cpu_gemm.cpp 36; on a 2-core Zen 4 without AMX
-cpu_gemm.cpp wins up to 32 rows, with non-temporal prefetches. So a model's matmuls are
-dispatched by their row count, in buckets (ROW_BUCKETS), to the kernel that measured
-fastest for that bucket on this machine (kernel_choice.py): a KernelPlan.
+No kernel wins everywhere: which one is fastest depends on the CPU (AMX tiles or not, its
+caches) and on the number of rows, a weight stream winning one-row steps where tile
+kernels win batches (measurements: docs/benchmarks-history.md, "bf16 CPU kernels by row
+count"). So a model's matmuls are dispatched by their row count, in buckets
+(ROW_BUCKETS), to the kernel that measured fastest for that bucket on this machine
+(kernel_choice.py): a KernelPlan.
 
 Torch-free apart from the annotations, so that a plan can be read, printed and cached
 anywhere.
@@ -32,8 +32,9 @@ class RowBucket:
 
 # The row counts the engine's steps produce: batch-1 decode, small and large decode
 # batches, short and long prefill chunks (whose head runs on the few sampled rows, a
-# decode bucket). Prefill is split at 256 rows: oneDNN's fused MLP saved 7 % of two
-# 1024-token prompts' prefill on a Xeon with AMX and cost 4 % of a 128-token one's.
+# decode bucket). Prefill is split at 256 rows: oneDNN's fused MLP pays off on long
+# prefill chunks and not on short ones (docs/benchmarks-history.md, "bf16 CPU kernels by
+# row count").
 ROW_BUCKETS: tuple[RowBucket, ...] = (
     RowBucket("1", 1, 1, 1),
     RowBucket("2-8", 2, 8, 8),

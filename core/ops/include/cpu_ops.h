@@ -1,7 +1,9 @@
 // The elementwise kernels of a bf16/fp32 decoder layer on CPU: RMSNorm (with the residual
-// add), neox RoPE in place, SiLU(gate) * up. One pass each, in fp32, rounded once on store.
-// cpu_ops.cpp registers them as ops; cpu_decoder.cpp runs them inside its fused stretch;
-// both check their arguments with the checks at the end.
+// add, or over each head of q and k), neox RoPE in place, SiLU(gate) * up. One pass each,
+// in fp32, rounded once on store. Core's cpu_ops.cpp registers them as ops; a plugin's
+// fused decoder (the bf16 CPU fast path's cpu_decoder.cpp) runs them inside its own ops;
+// both check their arguments with the checks at the end. Public: in namespace plugserve,
+// included as "cpu_ops.h" (plugserve.ops' docstring).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -68,12 +70,36 @@ void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tens
   });
 }
 
+// In place: each of the heads [first_head, first_head + num_heads) of every row of x,
+// x / rms(x) * weight over its head_dim values (Qwen3's q/k norm, weight [head_dim] shared
+// by the heads).
+template <typename T>
+void rms_norm_heads_impl(at::Tensor& x, const at::Tensor& weight, double eps, int64_t first_head,
+                         int64_t num_heads, int64_t head_dim) {
+  const int64_t rows = x.size(0), row_stride = x.stride(0);
+  T* base = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, rows, grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t h = first_head; h < first_head + num_heads; ++h) {
+        T* head = base + r * row_stride + h * head_dim;
+        const float scale = inverse_rms(head, head_dim, static_cast<float>(eps));
+        for (int64_t i = 0; i < head_dim; ++i)
+          store(head + i, to_float(head[i]) * scale * to_float(wp[i]));
+      }
+    }
+  });
+}
+
 // Rotates the first num_heads heads of each row of qk in place (rotate-half / neox form):
-// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of a head.
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves of the head's first
+// rotary_dim dimensions (cos_sin's width: all of them, or a partial rotary factor's part),
+// the rest passed through.
 template <typename T>
 void rotary_embedding_impl(at::Tensor& qk, const at::Tensor& positions, const at::Tensor& cos_sin,
                            int64_t num_heads, int64_t head_dim) {
-  const int64_t rows = qk.size(0), half = head_dim / 2, max_positions = cos_sin.size(0);
+  const int64_t rows = qk.size(0), rotary_dim = cos_sin.size(1), half = rotary_dim / 2;
+  const int64_t max_positions = cos_sin.size(0);
   T* base = qk.data_ptr<T>();
   const int64_t row_stride = qk.stride(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -83,7 +109,7 @@ void rotary_embedding_impl(at::Tensor& qk, const at::Tensor& positions, const at
                 " is outside the RoPE table (", max_positions, " positions)");
   at::parallel_for(0, rows, grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* cos = table + pos[r] * head_dim;
+      const float* cos = table + pos[r] * rotary_dim;
       const float* sin = cos + half;
       for (int64_t h = 0; h < num_heads; ++h) {
         T* x = base + r * row_stride + h * head_dim;
@@ -110,8 +136,8 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
       T* dst = op + r * out_stride;
       int64_t i = 0;
 #ifdef PLUGSERVE_HAS_VEC_MATH
-      // 16 at a time: the scalar loop's std::exp held a 128-token prefill step's SiLU at
-      // ~90 us a layer on a 2-core Zen 4 (SmolLM2, 1536 features).
+      // 16 at a time: the scalar loop's std::exp made SiLU a visible share of a prefill
+      // step (docs/benchmarks-history.md, "bf16 CPU kernels by row count").
       for (; i + 16 <= n; i += 16) store16(dst + i, silu_mul16(load16(gate + i), load16(up + i)));
 #endif
       for (; i < n; ++i) {
@@ -153,14 +179,27 @@ inline void check_norm(const at::Tensor& x, const at::Tensor& other, const char*
 inline void check_rotary(const at::Tensor& qk, const at::Tensor& positions,
                          const at::Tensor& cos_sin, int64_t num_heads, int64_t head_dim) {
   check_rows(qk, "qk");
-  TORCH_CHECK(head_dim % 2 == 0 && qk.size(1) >= num_heads * head_dim,
-              "qk rows must hold num_heads heads of an even head_dim");
+  TORCH_CHECK(qk.size(1) >= num_heads * head_dim, "qk rows must hold num_heads heads");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == qk.size(0),
               "positions must be contiguous int64 [rows]");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
-                  cos_sin.dim() == 2 && cos_sin.size(1) == head_dim,
-              "cos_sin must be contiguous float32 [positions, head_dim]");
+                  cos_sin.dim() == 2 && cos_sin.size(1) % 2 == 0 && cos_sin.size(1) > 0 &&
+                  cos_sin.size(1) <= head_dim,
+              "cos_sin must be contiguous float32 [positions, rotary_dim], rotary_dim even "
+              "and at most head_dim");
+}
+
+// Checks for a norm over heads [first_head, first_head + num_heads) of each row of x.
+inline void check_norm_heads(const at::Tensor& x, const at::Tensor& weight, int64_t first_head,
+                             int64_t num_heads, int64_t head_dim) {
+  check_rows(x, "x");
+  TORCH_CHECK(first_head >= 0 && num_heads >= 0 && head_dim > 0 &&
+                  (first_head + num_heads) * head_dim <= x.size(1),
+              "x rows must hold heads [first_head, first_head + num_heads)");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == head_dim &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [head_dim] of x's dtype");
 }
 
 }  // namespace plugserve

@@ -1,12 +1,15 @@
-// Everything a bf16 Llama decoder computes between two attention calls, as one op:
+// Everything a bf16 pre-norm decoder computes between two attention calls, as one op:
 //
 //   h = o_proj(attention output); residual += h; h = rms_norm(residual) * post-attention norm
 //   m = down(silu(gate(h)) * up(h)); residual += m; m = rms_norm(residual) * next norm
-//   then, unless this was the last layer: qkv = the next layer's qkv_proj(m), RoPE applied
+//   then, unless this was the last layer: qkv = the next layer's qkv_proj(m), its q/k norm
+//   over each q and k head where it has one (Qwen3), RoPE where it rotates (not in
+//   SmolLM3's NoPE layers; over the first rotary dimensions with a partial rotary factor)
 //
-// At batch 1 a decode step is ~270 short ops, and calling each from Python costs more than
-// many of them take: eight calls and a frame per layer become one. The arithmetic is
-// cpu_gemm.h's and cpu_ops.h's, in the same order, so results equal the per-op path's.
+// At batch 1 a decode step is a few hundred short ops, and calling each from Python costs
+// more than many of them take: eight calls and a frame per layer become one. The
+// arithmetic is cpu_gemm.h's and cpu_ops.h's, in the same order, so results equal the
+// per-op path's (fused_layer.py).
 //
 // The weights of every layer sit in one LayerStack, built once at load. decode_stretch runs
 // one stretch of it (the fallback, with the attention backend's forward called from Python
@@ -15,9 +18,9 @@
 // Python instead of sixty, and no Python runs while the weights stream.
 //
 // Registered as torch.ops.plugserve_decoder.decode_stretch and decode_layers, with
-// torch.classes.plugserve_decoder.LayerStack; built and loaded by models/llama_cpu.py.
-// Only where cpu_gemm.h builds (AVX512_BF16), since it takes the weights in that kernel's
-// packed layout.
+// torch.classes.plugserve_decoder.LayerStack; built and loaded by cpu_features.py for
+// fused_stack.py. Only where cpu_gemm.h builds (AVX512_BF16), since it takes the weights
+// in that kernel's packed layout.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -32,8 +35,8 @@
 namespace plugserve {
 
 RowPool* shared_row_pool() {
-  // cpu_gemm.cpp's pool: the packed weights this library multiplies come from its loader,
-  // so it is loaded first. Without it the one-row matmuls run on the calling thread.
+  // Core's cpu_ops.cpp's pool, loaded before this library (cpu_features.py). Without it
+  // the one-row matmuls run on the calling thread.
   return lookup_row_pool();
 }
 
@@ -44,7 +47,9 @@ namespace {
 using BF16 = c10::BFloat16;
 
 // Every layer's weights, built once at load; the *_coded ones are the matmuls' exponent-coded
-// copies (cpu_gemm.h) where the model has them, which a one-row step reads instead.
+// copies (cpu_gemm.h) where the model has them, which a one-row step reads instead. The
+// next_* fields are what the next layer does to its qkv before attention: its q/k norm
+// weights (none without one) and whether it rotates.
 struct LayerStack : torch::CustomClassHolder {
   struct Layer {
     int64_t attention_layer;
@@ -59,6 +64,9 @@ struct LayerStack : torch::CustomClassHolder {
     c10::optional<at::Tensor> next_qkv_proj, next_qkv_bias;
     int64_t qkv_features;
     c10::optional<at::Tensor> o_coded, gate_up_coded, down_coded, next_qkv_coded;
+    c10::optional<at::Tensor> next_q_norm, next_k_norm;
+    double next_qk_norm_eps;
+    bool next_rotates;
   };
 
   LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -83,16 +91,21 @@ struct LayerStack : torch::CustomClassHolder {
                  c10::optional<at::Tensor> next_qkv_bias, int64_t qkv_features,
                  c10::optional<at::Tensor> o_coded, c10::optional<at::Tensor> gate_up_coded,
                  c10::optional<at::Tensor> down_coded,
-                 c10::optional<at::Tensor> next_qkv_coded) {
+                 c10::optional<at::Tensor> next_qkv_coded,
+                 c10::optional<at::Tensor> next_q_norm, c10::optional<at::Tensor> next_k_norm,
+                 double next_qk_norm_eps, bool next_rotates) {
     TORCH_CHECK(layers.empty() || layers.back().next_qkv_proj.has_value(),
                 "the last layer added has no next qkv_proj: the stack is complete");
+    TORCH_CHECK(next_q_norm.has_value() == next_k_norm.has_value(),
+                "a q/k norm needs both the q and the k weights");
     layers.push_back({attention_layer, std::move(o_proj), std::move(o_bias),
                       std::move(post_attention_norm), std::move(gate_up_proj),
                       std::move(gate_up_bias), std::move(down_proj), std::move(down_bias),
                       std::move(next_norm), eps, std::move(next_qkv_proj),
                       std::move(next_qkv_bias), qkv_features, std::move(o_coded),
                       std::move(gate_up_coded), std::move(down_coded),
-                      std::move(next_qkv_coded)});
+                      std::move(next_qkv_coded), std::move(next_q_norm),
+                      std::move(next_k_norm), next_qk_norm_eps, next_rotates});
   }
 
   std::vector<Layer> layers;
@@ -102,7 +115,7 @@ struct LayerStack : torch::CustomClassHolder {
 };
 
 // The mode a weight runs in: AMX tiles need K divisible by 32, and a weight that is not
-// runs the vector kernel, as cpu_linear.PackedLinear runs it outside the stack.
+// runs the vector kernel, as packed_linear.PackedLinear runs it outside the stack.
 int64_t mode_for(const at::Tensor& packed, int64_t one_row_mode) {
   return one_row_mode == plugserve::kAmx && packed.size(1) % 16 != 0
              ? plugserve::kStreamNonTemporal
@@ -144,10 +157,19 @@ at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
                                           layer.next_qkv_bias, c10::nullopt,
                                           layer.next_qkv_coded,
                                           mode_for(*layer.next_qkv_proj, stack.one_row_mode));
-  const int64_t num_qk_heads = stack.num_heads + stack.num_kv_heads;
-  plugserve::check_rotary(qkv, positions, stack.cos_sin, num_qk_heads, stack.head_dim);
-  plugserve::rotary_embedding_impl<BF16>(qkv, positions, stack.cos_sin, num_qk_heads,
-                                         stack.head_dim);
+  const int64_t heads = stack.num_heads, kv_heads = stack.num_kv_heads, d = stack.head_dim;
+  if (layer.next_q_norm.has_value()) {
+    plugserve::check_norm_heads(qkv, *layer.next_q_norm, 0, heads, d);
+    plugserve::check_norm_heads(qkv, *layer.next_k_norm, heads, kv_heads, d);
+    plugserve::rms_norm_heads_impl<BF16>(qkv, *layer.next_q_norm, layer.next_qk_norm_eps, 0,
+                                         heads, d);
+    plugserve::rms_norm_heads_impl<BF16>(qkv, *layer.next_k_norm, layer.next_qk_norm_eps,
+                                         heads, kv_heads, d);
+  }
+  if (layer.next_rotates) {
+    plugserve::check_rotary(qkv, positions, stack.cos_sin, heads + kv_heads, d);
+    plugserve::rotary_embedding_impl<BF16>(qkv, positions, stack.cos_sin, heads + kv_heads, d);
+  }
   return qkv;
 }
 

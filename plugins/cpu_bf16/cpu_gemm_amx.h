@@ -4,9 +4,8 @@
 // which is exactly a row of an AMX B tile (TDPBF16PS's VNNI pairs): 16 consecutive k-pairs
 // of a block are one B tile, read in place with a 64-byte stride. x needs no repacking
 // either: an A tile is 16 rows of 32 consecutive k. So the same weights serve the vector
-// kernel and this one, and a plan may give batches to whichever measures faster (at 32
-// rows on a 2-core Xeon, SmolLM2's matmuls are compute-bound in VDPBF16PS and memory-bound
-// here).
+// kernel and this one, and a plan may give batches to whichever measures faster (at a few
+// dozen rows the vector kernel is compute-bound where this one is still memory-bound).
 //
 // Per work item, two 16-column blocks against up to 32 rows: C tiles tmm0-3 (row tile r,
 // block c at tmm 2r + c), A tiles tmm4-5, B tiles tmm6-7. More rows run again from the top
@@ -116,9 +115,8 @@ void linear_rows_amx(const uint16_t* x, int64_t x_stride, int64_t rows, const ui
   const int64_t items = (blocks + 1) / 2;
   at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
     int configured = -1;  // m0 * 64 + m1 of the tiles this thread configured
-    // Item outside, rows inside: an item's two blocks (36 KB at K = 576) stay in L1/L2
-    // while every row chunk reads them (rows outside re-read them from L3: SmolLM2's
-    // matmuls at 1024 rows 149 ms).
+    // Item outside, rows inside: an item's two blocks stay in L1/L2 while every row chunk
+    // reads them (rows outside would re-read them from L3 for every chunk).
     for (int64_t item = first; item < last; ++item) {
       const int64_t b0 = 2 * item;
       const int nb = b0 + 1 < blocks ? 2 : 1;

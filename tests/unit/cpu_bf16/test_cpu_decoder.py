@@ -1,14 +1,15 @@
 """A stretch of the layer stack (cpu_decoder.cpp's decode_stretch) against the ops it fuses,
-called one by one."""
+called one by one: Llama's stretch, and the next layer's variants (Qwen3's q/k norm, no
+rotation in a NoPE layer, a partial rotary factor)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plugserve import ops
-from plugserve.worker import cpu_linear, cpu_ops
-from plugserve.worker.kernel_plan import (
+from plugserve.worker import cpu_ops
+from plugserve_plugins.cpu_bf16 import cpu_features, packed_linear, weight_arena
+from plugserve_plugins.cpu_bf16.kernel_plan import (
     OWN,
     OWN_CACHED,
     OWN_CODED,
@@ -19,7 +20,7 @@ from plugserve.worker.kernel_plan import (
 )
 
 OPS_MISSING = cpu_ops.unavailable_reason()
-DECODER_MISSING = ops.unavailable_reason(ops.DECODER_SOURCE)
+DECODER_MISSING = cpu_features.decoder_unavailable_reason()
 pytestmark = [
     # cpu_gemm.cpp forced wherever this CPU can run it (conftest.py), else skipped saying why.
     pytest.mark.usefixtures("own_kernel"),
@@ -42,10 +43,10 @@ def make_args(last: bool, one_row: Kernel = OWN) -> dict[str, object]:
     shapes = [(HIDDEN, Q_HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER), (QKV, HIDDEN)]
     weights = [bf16(*shape) for shape in shapes]
     plan = KernelPlan((one_row,) + (OWN,) * (len(ROW_BUCKETS) - 1))
-    arena = cpu_linear.WeightArena.for_weights(weights, plan)
+    arena = weight_arena.WeightArena.for_weights(weights, plan)
     o_bias, qkv_bias = bf16(HIDDEN), bf16(QKV)
     o, gate_up, down, qkv = (
-        cpu_linear.PackedLinear(w, bias, arena=arena, plan=plan)
+        packed_linear.PackedLinear(w, bias, arena=arena, plan=plan)
         for w, bias in zip(weights, [o_bias, None, None, qkv_bias], strict=True)
     )
     return {
@@ -57,7 +58,35 @@ def make_args(last: bool, one_row: Kernel = OWN) -> dict[str, object]:
         "next_norm": bf16(HIDDEN),
         "qkv": None if last else qkv,
         "cos_sin": torch.randn(32, HEAD_DIM),
+        # The next layer's q/k norm weights (None: none), and whether it rotates.
+        "q_norm": None,
+        "k_norm": None,
+        "rotates": True,
     }
+
+
+# The next layer's variants: what a stretch does to its qkv before attention.
+VARIANTS = {
+    "llama": {},
+    "qk-norm": {"q_norm": "weight", "k_norm": "weight"},
+    "no-rotation": {"rotates": False},
+    "partial-rotary": {"cos_sin": "half"},
+    "qk-norm-no-rotation": {"q_norm": "weight", "k_norm": "weight", "rotates": False},
+}
+
+
+def variant(a: dict, name: str) -> dict:
+    """`a` with the next layer's variant `name` (VARIANTS)."""
+    torch.manual_seed(1)
+    made = {}
+    for key, value in VARIANTS[name].items():
+        if value == "weight":
+            made[key] = bf16(HEAD_DIM) + 1
+        elif value == "half":  # rotating each head's first half, the rest passed through
+            made[key] = torch.randn(32, HEAD_DIM // 2)
+        else:
+            made[key] = value
+    return {**a, **made}
 
 
 def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -74,6 +103,7 @@ def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> tor
         0 if qkv is None else qkv.out_features,
         a["o"].coded, a["gate_up"].coded, a["down"].coded,
         None if qkv is None else qkv.coded,
+        a["q_norm"], a["k_norm"], EPS, a["rotates"],
     )  # fmt: skip
     positions = torch.tensor([3, 0, 17])[: attention_out.shape[0]]
     return torch.ops.plugserve_decoder.decode_stretch(stack, 0, attention_out, residual, positions)
@@ -87,19 +117,24 @@ def one_by_one(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> 
     if a["qkv"] is None:
         return m
     qkv = a["qkv"](m)
-    cpu_ops.rotary_embedding(
-        qkv,
-        torch.tensor([3, 0, 17])[: qkv.shape[0]],
-        a["cos_sin"],
-        Q_HEADS + KV_HEADS,
-        HEAD_DIM,
-    )
+    if a["q_norm"] is not None:
+        cpu_ops.rms_norm_heads(qkv, a["q_norm"], EPS, 0, Q_HEADS, HEAD_DIM)
+        cpu_ops.rms_norm_heads(qkv, a["k_norm"], EPS, Q_HEADS, KV_HEADS, HEAD_DIM)
+    if a["rotates"]:
+        cpu_ops.rotary_embedding(
+            qkv,
+            torch.tensor([3, 0, 17])[: qkv.shape[0]],
+            a["cos_sin"],
+            Q_HEADS + KV_HEADS,
+            HEAD_DIM,
+        )
     return qkv
 
 
+@pytest.mark.parametrize("next_layer", list(VARIANTS))
 @pytest.mark.parametrize("last", [False, True], ids=["to-next-qkv", "last-layer"])
-def test_equals_the_ops_it_fuses_in_their_order(last: bool) -> None:
-    a = make_args(last)
+def test_equals_the_ops_it_fuses_in_their_order(last: bool, next_layer: str) -> None:
+    a = variant(make_args(last), next_layer)
     attention_out, residual = bf16(TOKENS, Q_HEADS * HEAD_DIM), bf16(TOKENS, HIDDEN)
     expected_residual = residual.clone()
     expected = one_by_one(a, attention_out, expected_residual)
@@ -153,3 +188,28 @@ def test_rejects_a_norm_weight_of_another_width_and_a_position_past_the_table() 
         torch.ops.plugserve_decoder.decode_stretch(
             stack, 0, attention_out, residual, torch.tensor([3, 0, 17])
         )
+
+
+def test_the_next_layers_variants_change_its_qkv_as_their_ops_do() -> None:
+    """The variants are not a no-op the comparison above could miss: each gives another
+    qkv than Llama's stretch, and a partial rotary table leaves each head's rest as
+    projected."""
+    a = make_args(last=False)
+    attention_out, residual = bf16(TOKENS, Q_HEADS * HEAD_DIM), bf16(TOKENS, HIDDEN)
+    outputs = {
+        name: call_op(variant(a, name), attention_out, residual.clone()) for name in VARIANTS
+    }
+    names = list(VARIANTS)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            assert not torch.equal(outputs[first], outputs[second]), (first, second)
+    by_head = (-1, Q_HEADS + 2 * KV_HEADS, HEAD_DIM)
+    unrotated = outputs["no-rotation"].view(by_head)[..., HEAD_DIM // 2 :]
+    assert torch.equal(outputs["partial-rotary"].view(by_head)[..., HEAD_DIM // 2 :], unrotated)
+
+
+def test_a_q_norm_without_its_k_norm_is_refused() -> None:
+    a = {**make_args(last=False), "q_norm": bf16(HEAD_DIM)}
+    attention_out, residual = bf16(TOKENS, Q_HEADS * HEAD_DIM), bf16(TOKENS, HIDDEN)
+    with pytest.raises(RuntimeError, match="needs both the q and the k weights"):
+        call_op(a, attention_out, residual)

@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from plugserve import ops
-from plugserve.worker import cpu_linear
+from plugserve_plugins.cpu_bf16 import (
+    cpu_features,
+    exponent_coding,
+    kernel_setting,
+    packed_linear,
+    weight_arena,
+)
 from tests.kernel_support import missing_cpu_flags
 
 # cpu_gemm.cpp forced (conftest.py's own_kernel), skipped where this CPU cannot run it.
@@ -58,7 +64,7 @@ def test_packed_linear_is_the_fp32_product_rounded_once(
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
 
-    linear = cpu_linear.PackedLinear(weight, bias)
+    linear = packed_linear.PackedLinear(weight, bias)
     out = linear(x)
 
     assert linear.own_kernel == (kernel == "own")
@@ -69,7 +75,7 @@ def test_lm_head_sized_matmul(kernel: str) -> None:
     torch.manual_seed(0)
     weight = torch.randn(49152, 576, dtype=torch.bfloat16) * 0.05
     x = torch.randn(4, 576, dtype=torch.bfloat16)
-    linear = cpu_linear.PackedLinear(weight)
+    linear = packed_linear.PackedLinear(weight)
     assert linear.own_kernel == (kernel == "own")
     assert_rounded_once(linear(x), reference(x, weight, None))
 
@@ -88,7 +94,7 @@ def test_a_matmul_is_exact_while_another_thread_takes_a_core(rows: int) -> None:
     stop = threading.Event()
     busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
     try:
-        linear = cpu_linear.PackedLinear(weight)
+        linear = packed_linear.PackedLinear(weight)
         expected = linear(x)
         assert_rounded_once(expected, reference(x, weight, None))
         busy.start()
@@ -112,7 +118,7 @@ def test_the_row_pool_is_for_processes_whose_openmp_spins_briefly(
         monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     else:
         monkeypatch.setenv("GOMP_SPINCOUNT", setting)
-    assert cpu_linear.openmp_spins_briefly() is uses_helper
+    assert cpu_features.openmp_spins_briefly() is uses_helper
 
 
 @on_own_kernel
@@ -127,9 +133,9 @@ def test_loading_the_kernel_turns_the_row_pool_on_only_where_openmp_spins_briefl
         env["GOMP_SPINCOUNT"] = setting
     code = (
         "import torch\n"
-        "from plugserve.worker import cpu_linear\n"
-        "assert cpu_linear.own_kernel_unavailable_reason() is None\n"
-        "print(torch.ops.plugserve_gemm.row_pool_enabled())"
+        "from plugserve_plugins.cpu_bf16 import cpu_features\n"
+        "assert cpu_features.own_kernel_unavailable_reason() is None\n"
+        "print(torch.ops.plugserve_ops.row_pool_enabled())"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -153,11 +159,11 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
     weight = torch.randn(1000, 576, dtype=torch.bfloat16) * 0.05  # 63 blocks, the last of 8
     bias = torch.randn(1000, dtype=torch.bfloat16)
     inputs = [torch.randn(1, 576, dtype=torch.bfloat16) for _ in range(4)]
-    gemm = torch.ops.plugserve_gemm
+    pool = torch.ops.plugserve_ops  # the row pool is core's cpu_ops.cpp's
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        linear = cpu_linear.PackedLinear(weight, bias)
+        linear = packed_linear.PackedLinear(weight, bias)
         expected = [linear(x) for x in inputs]
         for x, out in zip(inputs, expected, strict=True):
             assert_rounded_once(out, reference(x, weight, bias))
@@ -166,30 +172,30 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
         deadline = time.monotonic() + 30
         while True:
             linear(inputs[1])  # the helper is awake (it sleeps after 50 us idle)
-            taken = gemm.row_pool_items_taken_over()
-            dropped = gemm.row_pool_late_items_dropped()
-            gemm.row_pool_stall_helper_once(HELPER_HOLD_US)
+            taken = pool.row_pool_items_taken_over()
+            dropped = pool.row_pool_late_items_dropped()
+            pool.row_pool_stall_helper_once(HELPER_HOLD_US)
             first = linear(inputs[0])
-            if gemm.row_pool_items_taken_over() > taken:
+            if pool.row_pool_items_taken_over() > taken:
                 break
-            gemm.row_pool_release_helper()  # it took no block of this call: again
+            pool.row_pool_release_helper()  # it took no block of this call: again
             assert time.monotonic() < deadline, "the helper took no block, or the caller waited"
         # The caller took over the block the helper held, and computed it itself.
-        assert gemm.row_pool_items_taken_over() == taken + 1
+        assert pool.row_pool_items_taken_over() == taken + 1
         assert torch.equal(first, expected[0])
         # The result is the caller's now: a late write from the helper would show here.
         first.zero_()
         later = [linear(x) for x in inputs[1:] for _ in range(20)]  # the helper still held
-        gemm.row_pool_release_helper()
+        pool.row_pool_release_helper()
         later += [linear(x) for x in inputs[1:] for _ in range(20)]  # and back meanwhile
         deadline = time.monotonic() + 30  # liveness only: it is back within microseconds
-        while gemm.row_pool_late_items_dropped() == dropped:
+        while pool.row_pool_late_items_dropped() == dropped:
             assert time.monotonic() < deadline, "the released helper kept the block it had lost"
             time.sleep(0.001)
         assert torch.count_nonzero(first) == 0
         assert all(torch.equal(out, expected[1 + i // 20 % 3]) for i, out in enumerate(later))
     finally:
-        gemm.row_pool_release_helper()
+        pool.row_pool_release_helper()
         torch.set_num_threads(previous)
 
 
@@ -202,27 +208,27 @@ def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
     helper is done."""
     torch.manual_seed(9)
     x = torch.randn(1, 576, dtype=torch.bfloat16)
-    gemm = torch.ops.plugserve_gemm
+    pool = torch.ops.plugserve_ops  # the row pool is core's cpu_ops.cpp's
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for _ in range(5):
             weight = torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05
-            linear = cpu_linear.PackedLinear(weight)
+            linear = packed_linear.PackedLinear(weight)
             expected = reference(x, weight, None)
-            taken, dropped = gemm.row_pool_items_taken_over(), gemm.row_pool_late_items_dropped()
-            gemm.row_pool_stall_helper_once(5000)
+            taken, dropped = pool.row_pool_items_taken_over(), pool.row_pool_late_items_dropped()
+            pool.row_pool_stall_helper_once(5000)
             out = linear(x)
             deadline = time.monotonic() + 30  # liveness only
             # Until the helper takes an item of a job (it may sleep through some), again.
-            while gemm.row_pool_stall_pending():
+            while pool.row_pool_stall_pending():
                 assert time.monotonic() < deadline, "the helper never took an item"
                 out = linear(x)
             # The item it took stalled, and the caller took it over.
-            assert gemm.row_pool_items_taken_over() > taken
+            assert pool.row_pool_items_taken_over() > taken
             del linear, weight
             # It wakes, computes from the freed weight and drops what it finds taken over.
-            while gemm.row_pool_late_items_dropped() == dropped:
+            while pool.row_pool_late_items_dropped() == dropped:
                 assert time.monotonic() < deadline, "the stalled helper never came back"
                 time.sleep(0.001)
             assert_rounded_once(out, expected)
@@ -236,7 +242,7 @@ def test_one_row_matmuls_from_two_threads_at_once_are_each_exact() -> None:
     """One caller at a time shares the helper; a second one meanwhile runs alone."""
     torch.manual_seed(8)
     weight = torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05
-    linear = cpu_linear.PackedLinear(weight)
+    linear = packed_linear.PackedLinear(weight)
     inputs = [torch.randn(1, 576, dtype=torch.bfloat16) for _ in range(2)]
     expected = [linear(x) for x in inputs]
     previous = torch.get_num_threads()
@@ -266,12 +272,12 @@ def test_rows_with_a_stride_are_read_in_place() -> None:
     weight = torch.randn(64, 32, dtype=torch.bfloat16)
     wide = torch.randn(5, 48, dtype=torch.bfloat16)
     x = wide[:, :32]
-    assert_rounded_once(cpu_linear.PackedLinear(weight)(x), reference(x, weight, None))
+    assert_rounded_once(packed_linear.PackedLinear(weight)(x), reference(x, weight, None))
 
 
 def test_k_pair_layout_puts_sixteen_columns_of_a_k_pair_together() -> None:
     weight = torch.arange(20 * 4, dtype=torch.float32).view(20, 4).to(torch.bfloat16)
-    packed = cpu_linear.pack_k_pairs(weight)
+    packed = weight_arena.pack_k_pairs(weight)
     assert packed.shape == (2, 2, 16, 2)  # 20 columns → 2 blocks (the second padded)
     # Block 0, k-pair 1, column 3 holds W[3, 2:4].
     assert packed[0, 1, 3].tolist() == weight[3, 2:4].tolist()
@@ -293,7 +299,7 @@ def test_fp32_output_is_the_fp32_product_unrounded(rows: int, with_bias: bool) -
     weight = torch.randn(1000, 576, dtype=torch.bfloat16) * 0.05
     bias = torch.randn(1000, dtype=torch.bfloat16) if with_bias else None
     inputs = [torch.randn(rows, 576, dtype=torch.bfloat16) for _ in range(2)]
-    linear = cpu_linear.PackedLinear(weight, bias)
+    linear = packed_linear.PackedLinear(weight, bias)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -312,7 +318,7 @@ def test_fp32_output_is_the_fp32_product_unrounded(rows: int, with_bias: bool) -
 
 @on_own_kernel
 def test_own_kernel_rejects_mismatched_inputs() -> None:
-    packed = cpu_linear.pack_k_pairs(torch.zeros(32, 16, dtype=torch.bfloat16))
+    packed = weight_arena.pack_k_pairs(torch.zeros(32, 16, dtype=torch.bfloat16))
     op = torch.ops.plugserve_gemm.linear_bf16
     with pytest.raises(RuntimeError, match="x has 18 features"):
         op(torch.zeros(2, 18, dtype=torch.bfloat16), packed, 32, None)
@@ -329,7 +335,7 @@ def test_odd_input_width_falls_back_to_onednn() -> None:
     torch.manual_seed(2)
     weight = torch.randn(48, 33, dtype=torch.bfloat16)
     x = torch.randn(3, 33, dtype=torch.bfloat16)
-    linear = cpu_linear.PackedLinear(weight)
+    linear = packed_linear.PackedLinear(weight)
     assert not linear.own_kernel
     assert_rounded_once(linear(x), reference(x, weight, None))
     as_fp32 = linear(x, torch.float32)  # asked for fp32, as the LM head asks
@@ -340,19 +346,19 @@ def test_odd_input_width_falls_back_to_onednn() -> None:
 def test_an_arena_holds_packed_weights_back_to_back_from_a_huge_page_boundary() -> None:
     torch.manual_seed(3)
     weights = [torch.randn(n, k, dtype=torch.bfloat16) for n, k in [(40, 64), (960, 576)]]
-    arena = cpu_linear.WeightArena.for_weights([*weights, torch.zeros(8, 33)])  # 2 fit
+    arena = weight_arena.WeightArena.for_weights([*weights, torch.zeros(8, 33)])  # 2 fit
     assert arena is not None
-    linears = [cpu_linear.PackedLinear(w, arena=arena) for w in weights]
+    linears = [packed_linear.PackedLinear(w, arena=arena) for w in weights]
 
     first, second = (linear.weight for linear in linears)
     assert first.data_ptr() % ops.HUGE_PAGE_BYTES == 0
     assert second.data_ptr() == first.data_ptr() + 2 * first.numel()
     for linear, weight in zip(linears, weights, strict=True):
-        assert torch.equal(linear.weight, cpu_linear.pack_k_pairs(weight))
+        assert torch.equal(linear.weight, weight_arena.pack_k_pairs(weight))
         x = torch.randn(3, weight.shape[1], dtype=torch.bfloat16)
         assert_rounded_once(linear(x), reference(x, weight, None))
     with pytest.raises(ValueError, match="arena full"):
-        cpu_linear.PackedLinear(weights[0], arena=arena)
+        packed_linear.PackedLinear(weights[0], arena=arena)
 
 
 def test_huge_page_buffer_is_aligned_writable_and_eligible_for_huge_pages() -> None:
@@ -392,7 +398,7 @@ def vma_field(address: int, field: str) -> str:
 def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch, add: list[str], drop: list[str]) -> None:
     """ops.cpu_flags() as on a CPU with `add` and without `drop` (the library
     loaded first, under this CPU's flags, so as not to build it again under the fake ones)."""
-    cpu_linear.own_kernel_unavailable_reason()
+    cpu_features.own_kernel_unavailable_reason()
     flags = [flag for flag in ops.cpu_flags().split() if flag not in drop]
     monkeypatch.setattr(ops, "cpu_flags", lambda: " ".join([*flags, *add]))
 
@@ -406,23 +412,23 @@ def test_every_kernel_that_runs_here_is_a_candidate_unless_one_is_named(
     them to one."""
     fake_cpu_flags(monkeypatch, add=["amx_bf16"] if amx else [], drop=["amx_bf16"])
     # Where the CPU has cpu_gemm.cpp's instructions it must run (a failed build fails here).
-    runnable = not missing_cpu_flags(cpu_linear.OWN_KERNEL_CPU_FLAGS)
-    onednn = cpu_linear._onednn_bf16_supported()
-    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    runnable = not missing_cpu_flags(cpu_features.OWN_KERNEL_CPU_FLAGS)
+    onednn = cpu_features.onednn_bf16_supported()
+    monkeypatch.delenv(kernel_setting.KERNEL_ENV, raising=False)
     expected = (*(["own"] if runnable else []), *(["onednn"] if onednn else []), "aten")
-    assert cpu_linear.allowed_libraries() == expected
+    assert kernel_setting.allowed_libraries() == expected
     weight = torch.zeros(32, 64, dtype=torch.bfloat16)
     if onednn:
-        monkeypatch.setenv(cpu_linear.KERNEL_ENV, "onednn")
-        assert cpu_linear.allowed_libraries() == ("onednn",)
-        assert not cpu_linear.PackedLinear(weight).own_kernel
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
+        monkeypatch.setenv(kernel_setting.KERNEL_ENV, "onednn")
+        assert kernel_setting.allowed_libraries() == ("onednn",)
+        assert not packed_linear.PackedLinear(weight).own_kernel
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "own")
     if runnable:
-        assert cpu_linear.allowed_libraries() == ("own",)
-        assert cpu_linear.PackedLinear(weight).own_kernel
+        assert kernel_setting.allowed_libraries() == ("own",)
+        assert packed_linear.PackedLinear(weight).own_kernel
     else:
         with pytest.raises(RuntimeError, match="cannot run here"):
-            cpu_linear.allowed_libraries()
+            kernel_setting.allowed_libraries()
 
 
 @pytest.mark.parametrize(
@@ -436,18 +442,18 @@ def test_a_cpu_without_avx512_bf16_is_named_as_what_is_missing(
     monkeypatch: pytest.MonkeyPatch, drop: list[str], reason: str
 ) -> None:
     # The kernel's other flags present, whatever this CPU has: only `drop` is missing.
-    present = [flag for flag in cpu_linear.OWN_KERNEL_CPU_FLAGS if flag not in drop]
+    present = [flag for flag in cpu_features.OWN_KERNEL_CPU_FLAGS if flag not in drop]
     fake_cpu_flags(monkeypatch, add=present, drop=drop)
-    assert cpu_linear.own_kernel_unavailable_reason() == reason
-    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
-    assert "own" not in cpu_linear.allowed_libraries()
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own")
+    assert cpu_features.own_kernel_unavailable_reason() == reason
+    monkeypatch.delenv(kernel_setting.KERNEL_ENV, raising=False)
+    assert "own" not in kernel_setting.allowed_libraries()
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "own")
     with pytest.raises(
         RuntimeError, match=f"KERNEL=own, but cpu_gemm.cpp cannot run here: {reason}"
     ):
-        cpu_linear.allowed_libraries()
+        kernel_setting.allowed_libraries()
     with pytest.raises(RuntimeError, match=re.escape(reason)):
-        cpu_linear.code_exponents(torch.zeros(1, 2, 16, 2, dtype=torch.bfloat16))
+        exponent_coding.code_exponents(torch.zeros(1, 2, 16, 2, dtype=torch.bfloat16))
 
 
 def test_without_a_compiler_the_reason_says_so(
@@ -457,26 +463,26 @@ def test_without_a_compiler_the_reason_says_so(
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))  # no build of it there
     monkeypatch.setattr(ops.build, "_failures", {})  # nothing tried yet
-    assert cpu_linear._load_own_kernel.__wrapped__() == (
+    assert cpu_features._load_own_kernel.__wrapped__() == (
         f"cpu_gemm.cpp cannot be built or loaded: no C++ compiler: {compiler} not found (set $CXX)"
     )
 
 
 def test_an_unknown_kernel_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "fastest")
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match="PLUGSERVE_CPU_BF16_KERNEL='fastest'"):
-        cpu_linear.allowed_libraries()
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own,onednn")  # two buckets of four
+        kernel_setting.allowed_libraries()
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "own,onednn")  # two buckets of four
     with pytest.raises(ValueError, match="expected 5 kernels"):
-        cpu_linear.forced_plan()
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, "own,own,own,fastest")
+        kernel_setting.forced_plan()
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "own,own,own,fastest")
     with pytest.raises(ValueError, match="expected 5 kernels"):
-        cpu_linear.forced_plan()
+        kernel_setting.forced_plan()
 
 
 def test_a_plan_can_be_set_one_kernel_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, " aten, aten ,aten,aten,aten")
-    plan = cpu_linear.forced_plan()
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, " aten, aten ,aten,aten,aten")
+    plan = kernel_setting.forced_plan()
     assert plan is not None and plan.libraries() == {"aten"}
-    assert cpu_linear.allowed_libraries() == ("aten",)
-    assert cpu_linear.default_plan() == plan
+    assert kernel_setting.allowed_libraries() == ("aten",)
+    assert kernel_setting.default_plan() == plan

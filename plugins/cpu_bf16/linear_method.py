@@ -1,18 +1,21 @@
 """bf16 on CPU: every linear weight of a model laid out once for the kernels its measured
-plan runs (plugserve.worker.kernel_choice), and the plan's table logged.
+plan runs (kernel_choice.py), and the plan's table logged.
 
 The layers load the checkpoint's weights as the plain method does. After loading, the
 method, given all its layers at once, chooses the plan (cached per machine and model
 shape, else timed on these weights: every matmul of a step, each gated MLP as one), then
-packs every layer for it (cpu_linear.PackedLinear), and the tied LM head as a head.
+packs every layer for it (packed_linear.PackedLinear), and the tied LM head as a head.
 cpu_gemm's copies lie in one arena in module order (a step's read order: layer by layer,
-qkv, o, gate-up, down), the tied head last. Where this machine packs no weight of the
-model's dtype (fp32, a CPU without bf16 matmuls), the layers keep F.linear.
+qkv, o, gate-up, down), the tied head last. Where the plan runs some prefill chunks' MLPs
+as oneDNN post-ops, each gated MLP's gate, up and down weights are also packed for that
+(fused_mlp.FusedMLP), which the fused decoder layer runs (fused_layer.py). Where this
+machine packs no weight of the model's dtype (fp32, a CPU without bf16 matmuls), the
+layers keep F.linear.
 
 The option `coded_weights` (on by default) lets one-row matmuls read a lossless
-exponent-coded copy of each weight (12 bits a weight instead of 16; the same results bit
-for bit), for 75 % more memory for the weights; whether they do is measured with the
-other kernels.
+exponent-coded copy of each weight (exponent_coding.py: 12 bits a weight instead of 16;
+the same results bit for bit), held beside the plain packed copy; whether they do is
+measured with the other kernels.
 """
 
 from __future__ import annotations
@@ -26,22 +29,28 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from plugserve.interfaces.model import LinearLayer, TiedLmHead
-from plugserve.worker import cpu_linear, kernel_choice
-from plugserve.worker.kernel_plan import KernelPlan
 from plugserve.worker.layers.mlp import GatedMLP
 from plugserve.worker.layers.plain_linear import PlainLinearMethod
+from plugserve_plugins.cpu_bf16 import kernel_choice
+from plugserve_plugins.cpu_bf16.cpu_features import row_pool_enabled
+from plugserve_plugins.cpu_bf16.fused_mlp import FusedMLP
+from plugserve_plugins.cpu_bf16.kernel_plan import TILED, KernelPlan
+from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear, packing_supported
+from plugserve_plugins.cpu_bf16.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class CpuPacking:
-    """How a model's linears run: the plan, and the arena of cpu_gemm's copies (None where
-    the plan never runs cpu_gemm)."""
+    """How a model's linears run: the plan, the arena of cpu_gemm's copies (None where
+    the plan never runs cpu_gemm), and each gated MLP's oneDNN post-op form, by the
+    MLP's id, where the plan runs prefill chunks' MLPs that way."""
 
     plan: KernelPlan
-    arena: cpu_linear.WeightArena | None
+    arena: WeightArena | None
     measurement: kernel_choice.Measurement
+    fused_mlps: dict[int, FusedMLP]
 
 
 class PackedCpuBf16(PlainLinearMethod):
@@ -73,7 +82,12 @@ class PackedCpuBf16(PlainLinearMethod):
     def describe(self) -> str:
         if self.packing is None:
             return "bf16 linears: as the model runs them (no kernel plan)"
-        return f"bf16 linears: {cpu_linear.describe_bf16_path(self.packing.plan)}"
+        return f"bf16 linears: {describe_bf16_path(self.packing.plan)}"
+
+    def fused_mlp(self, mlp: nn.Module) -> FusedMLP | None:
+        """`mlp`'s oneDNN post-op form (for the buckets whose kernel has fused_mlp), where
+        this method built one: a SiLU GatedMLP without biases on one rank."""
+        return None if self.packing is None else self.packing.fused_mlps.get(id(mlp))
 
     def process_weights_after_loading(
         self,
@@ -85,28 +99,28 @@ class PackedCpuBf16(PlainLinearMethod):
         weights = [layer.weight for layer in layers]  # type: ignore[attr-defined]
         if tied_head is not None:
             weights.append(tied_head.weight)
-        if not weights or not cpu_linear.packing_supported(weights[0].dtype, weights[0].device):
+        if not weights or not packing_supported(weights[0].dtype, weights[0].device):
             return
         steps = step_matmuls(model, layers, tied_head)
         measurement = kernel_choice.plan_for(steps, coded=self.options.coded_weights)
         plan = measurement.plan
         log_plan(measurement)
-        arena = cpu_linear.WeightArena.for_weights(weights, plan)
+        arena = WeightArena.for_weights(weights, plan)
         owned = {id(layer) for layer in layers}
-        # modules() visits a GatedMLP before its linears: its pack reads their loaded
-        # weights, which theirs then free.
+        fused_mlps: dict[int, FusedMLP] = {}
+        # modules() visits a GatedMLP before its linears: its fused form reads their
+        # loaded weights, which packing them then frees.
         for module in model.modules():
             if isinstance(module, GatedMLP) and _owns_mlp(owned, module):
-                module.pack(arena, plan)
+                if plan.fused_mlp and _fuses(module):
+                    fused_mlps[id(module)] = _fused_mlp(module)
             elif id(module) in owned:
                 layer: LinearLayer = module  # type: ignore[assignment]
                 weight = layer.weight  # type: ignore[attr-defined]
-                layer.install(cpu_linear.PackedLinear(weight, layer.matmul_bias, arena, plan))
+                layer.install(PackedLinear(weight, layer.matmul_bias, arena, plan))
         if tied_head is not None:
-            tied_head.install_head(
-                cpu_linear.PackedLinear(tied_head.weight, arena=arena, plan=plan)
-            )
-        self.packing = CpuPacking(plan, arena, measurement)
+            tied_head.install_head(PackedLinear(tied_head.weight, arena=arena, plan=plan))
+        self.packing = CpuPacking(plan, arena, measurement, fused_mlps)
 
 
 def step_matmuls(
@@ -140,6 +154,36 @@ def step_matmuls(
 
 def _owns_mlp(owned: set[int], mlp: GatedMLP) -> bool:
     return id(mlp.gate_up_proj) in owned and id(mlp.down_proj) in owned
+
+
+def _fuses(mlp: GatedMLP) -> bool:
+    """Whether oneDNN's post-ops compute this MLP: SiLU (its only gated activation), whole
+    on this rank (a shard's down_proj needs its all-reduce), without biases."""
+    return (
+        mlp.hidden_act == "silu"
+        and mlp.down_proj.parallel.world_size == 1
+        and mlp.gate_up_proj.bias is None
+        and mlp.down_proj.bias is None
+    )
+
+
+def _fused_mlp(mlp: GatedMLP) -> FusedMLP:
+    gate_up = mlp.gate_up_proj.weight
+    return FusedMLP(gate_up[: mlp.inter], gate_up[mlp.inter :], mlp.down_proj.weight)
+
+
+def describe_bf16_path(plan: KernelPlan) -> str:
+    """One line for the start-up log: which kernel each row bucket runs, and whether
+    one-row steps share their work with the row pool's helper thread (which also needs
+    more than one torch thread)."""
+    line = plan.describe()
+    one_row = plan.by_bucket[0]
+    if one_row.library == "own" and one_row.one_row_mode != TILED:
+        pool = row_pool_enabled() and torch.get_num_threads() > 1
+        line += "; one-row cpu_gemm steps " + (
+            "shared with the helper thread" if pool else "on the calling threads only"
+        )
+    return line
 
 
 def log_plan(measurement: kernel_choice.Measurement) -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from plugserve.user_cache import cache_root
-from plugserve.worker import cpu_linear, kernel_choice
-from plugserve.worker.kernel_plan import (
+from plugserve_plugins.cpu_bf16 import cpu_features, kernel_choice, kernel_setting, packed_linear
+from plugserve_plugins.cpu_bf16.kernel_plan import (
     KERNELS_BY_NAME,
     OWN_AMX,
     ROW_BUCKETS,
@@ -28,7 +28,7 @@ from plugserve.worker.kernel_plan import (
 # Where only ATen runs bf16 matmuls there is nothing to choose; the tests of the choice's
 # logic alone (a fake clock, /proc readings) run everywhere.
 needs_a_choice = pytest.mark.skipif(
-    not cpu_linear.packing_supported(torch.bfloat16, torch.device("cpu")),
+    not packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")),
     reason="no packed bf16 kernel on this CPU",
 )
 
@@ -52,7 +52,7 @@ def tiny_step(seed: int = 0, hidden: int = 64) -> list[kernel_choice.Step]:
 
 
 def all_candidates() -> list[list[Kernel]]:
-    libraries = cpu_linear.allowed_libraries()
+    libraries = kernel_setting.allowed_libraries()
     return [candidates_for(b, libraries, coded=True) for b in range(len(ROW_BUCKETS))]
 
 
@@ -139,7 +139,7 @@ def plan_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An empty plugserve cache dir, with nothing set that forces a plan or a measurement."""
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(kernel_choice.REMEASURE_ENV, raising=False)
-    monkeypatch.delenv(cpu_linear.KERNEL_ENV, raising=False)
+    monkeypatch.delenv(kernel_setting.KERNEL_ENV, raising=False)
     return tmp_path
 
 
@@ -168,7 +168,7 @@ def test_the_plan_is_measured_once_per_machine_and_model_shape(
 @needs_a_choice
 def test_a_set_plan_is_not_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(cpu_linear.KERNEL_ENV, ",".join(["aten"] * len(ROW_BUCKETS)))
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, ",".join(["aten"] * len(ROW_BUCKETS)))
     measurement = kernel_choice.plan_for(tiny_step())
     assert measurement.plan == KernelPlan.single(KERNELS_BY_NAME["aten"])
     assert measurement.cache_file is None and not any(measurement.times_ms)
@@ -180,7 +180,7 @@ def test_a_set_plan_is_not_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 def test_each_call_runs_its_buckets_kernel_bit_for_bit(rows: int) -> None:
     """A linear under a mixed plan gives, for each row count, exactly what the kernel its
     bucket names gives."""
-    libraries = cpu_linear.allowed_libraries()
+    libraries = kernel_setting.allowed_libraries()
     if len(libraries) < 2:
         pytest.skip("one kernel library here: nothing to dispatch between")
     # Libraries alternate from bucket to bucket: their sums round differently, so a call
@@ -190,8 +190,8 @@ def test_each_call_runs_its_buckets_kernel_bit_for_bit(rows: int) -> None:
     generator = torch.Generator().manual_seed(rows)
     weight = (torch.randn(96, 1536, generator=generator) * 0.05).to(torch.bfloat16)
     bias = torch.randn(96, generator=generator).to(torch.bfloat16)
-    linear = cpu_linear.PackedLinear(weight, bias, plan=plan)
-    reference = cpu_linear.PackedLinear(weight, bias, kernels=[first, second])
+    linear = packed_linear.PackedLinear(weight, bias, plan=plan)
+    reference = packed_linear.PackedLinear(weight, bias, kernels=[first, second])
     x = torch.randn(rows, 1536, generator=generator).to(torch.bfloat16)
     chosen = plan.for_rows(rows)
     other = second if chosen == first else first
@@ -208,7 +208,7 @@ def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
     """`plugserve bench kernels` measures SmolLM2's matmuls now (not from the cache) and
     prints the table; an engine started after it reads that plan from the cache."""
     env = {**os.environ, "PLUGSERVE_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    env.pop(cpu_linear.KERNEL_ENV, None)
+    env.pop(kernel_setting.KERNEL_ENV, None)
     # The compiled kernels from the usual cache, so that nothing is built again here.
     for name in ("kernels", "models"):
         source = cache_root() / name
@@ -247,7 +247,7 @@ def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
     assert f"measured before, cached in {plans[0]}" in engine.stderr, engine.stderr[-3000:]
 
 
-@pytest.mark.skipif(not cpu_linear.amx_available(), reason="no AMX tiles here")
+@pytest.mark.skipif(not cpu_features.amx_available(), reason="no AMX tiles here")
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (40, 576), (600, 1536)])
 def test_amx_tiles_compute_the_matmul_over_the_vector_kernels_weights(
@@ -260,7 +260,7 @@ def test_amx_tiles_compute_the_matmul_over_the_vector_kernels_weights(
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(out_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    linear = cpu_linear.PackedLinear(weight, bias, plan=KernelPlan.single(OWN_AMX))
+    linear = packed_linear.PackedLinear(weight, bias, plan=KernelPlan.single(OWN_AMX))
     expected = x.float() @ weight.float().T + bias
     torch.testing.assert_close(linear(x, torch.float32), expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(linear(x).float(), expected, atol=1e-2, rtol=1e-2)  # bf16 out

@@ -1,4 +1,4 @@
-"""The exponent-coded copy of a packed bf16 weight (cpu_gemm.h, cpu_linear.code_exponents).
+"""The exponent-coded copy of a packed bf16 weight (cpu_gemm.h, exponent_coding.code_exponents).
 
 A one-row matmul reads it instead of the packed weight: 12 bits a weight where a 16-column
 block uses at most 16 exponents. It is lossless and summed in the plain kernel's order,
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from plugserve import ops
-from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import OWN, OWN_CODED, ROW_BUCKETS, KernelPlan
+from plugserve_plugins.cpu_bf16 import cpu_features, exponent_coding, packed_linear, weight_arena
+from plugserve_plugins.cpu_bf16.kernel_plan import OWN, OWN_CODED, ROW_BUCKETS, KernelPlan
 
 # cpu_gemm.cpp forced wherever this CPU can run it (conftest.py), else skipped saying why.
 pytestmark = pytest.mark.usefixtures("own_kernel")
@@ -34,14 +34,16 @@ def trained_like(out_features: int, in_features: int, seed: int) -> torch.Tensor
 
 def table_of(coded: torch.Tensor) -> torch.Tensor:
     """Each block's 32 table entries, as unsigned 16-bit values."""
-    return coded[:, : cpu_linear.CODED_TABLE_BYTES].contiguous().view(torch.int16).int() & 0xFFFF
+    return (
+        coded[:, : exponent_coding.CODED_TABLE_BYTES].contiguous().view(torch.int16).int() & 0xFFFF
+    )
 
 
 def decode(coded: torch.Tensor, pairs: int) -> torch.Tensor:
     """The reference decoder: a coded weight → the packed bf16 bits [blocks, pairs, 32]."""
     blocks = coded.shape[0]
     table = table_of(coded)
-    groups = coded[:, cpu_linear.CODED_TABLE_BYTES :].reshape(blocks, pairs // 2, 3, 32).int()
+    groups = coded[:, exponent_coding.CODED_TABLE_BYTES :].reshape(blocks, pairs // 2, 3, 32).int()
     bits = torch.empty(blocks, pairs, 32, dtype=torch.int32)
     for half, (index, sign_mantissa) in enumerate(
         [(groups[:, :, 0] & 0xF, groups[:, :, 1]), (groups[:, :, 0] >> 4, groups[:, :, 2])]
@@ -57,15 +59,15 @@ def packed_bits(packed: torch.Tensor) -> torch.Tensor:
 
 def test_coding_is_lossless_for_blocks_of_at_most_sixteen_exponents() -> None:
     weight = trained_like(64, 576, seed=0)
-    used = torch.unique((packed_bits(cpu_linear.pack_k_pairs(weight[16:32])) >> 7) & 0xFF)
+    used = torch.unique((packed_bits(weight_arena.pack_k_pairs(weight[16:32])) >> 7) & 0xFF)
     for extra in range(17 - used.numel()):  # block 1: one exponent too many, so uncoded
         weight[20, 7 + extra] = 2.0 ** (10 + extra)
-    packed = cpu_linear.pack_k_pairs(weight)
-    coded = cpu_linear.code_exponents(packed)
+    packed = weight_arena.pack_k_pairs(weight)
+    coded = exponent_coding.code_exponents(packed)
 
     assert coded.dtype == torch.uint8
-    assert coded.shape == (4, cpu_linear.coded_block_bytes(576))
-    assert cpu_linear.coded_block_bytes(576) == 64 + 576 // 4 * 96  # 12 bits a weight, + table
+    assert coded.shape == (4, exponent_coding.coded_block_bytes(576))
+    assert exponent_coding.coded_block_bytes(576) == 64 + 576 // 4 * 96  # 12 bits a weight, + table
     uncoded = table_of(coded)[:, 0] == UNCODED
     assert uncoded.tolist() == [False, True, False, False]
     assert torch.equal(decode(coded, 288)[~uncoded], packed_bits(packed)[~uncoded])
@@ -78,9 +80,9 @@ def test_coding_is_lossless_for_blocks_of_at_most_sixteen_exponents() -> None:
 def one_row_threads(request: pytest.FixtureRequest, own_kernel: None) -> Iterator[None]:
     """One-row matmuls on the row pool's helper (as in an engine process), or on OpenMP's
     threads (a process whose OpenMP spins long)."""
-    torch.ops.plugserve_gemm.row_pool_set_enabled(request.param)
+    torch.ops.plugserve_ops.row_pool_set_enabled(request.param)
     yield
-    torch.ops.plugserve_gemm.row_pool_set_enabled(cpu_linear.openmp_spins_briefly())
+    torch.ops.plugserve_ops.row_pool_set_enabled(cpu_features.openmp_spins_briefly())
 
 
 @pytest.mark.usefixtures("one_row_threads")
@@ -97,8 +99,8 @@ def test_one_row_through_the_coded_copy_gives_the_plain_kernels_bits(
     weight = trained_like(out_features, in_features, seed=out_features + in_features)
     # Block 0 uncoded (32 exponents): read from its record and the packed copy.
     weight[:16, :2] = (2.0 ** torch.arange(-16, 16)).reshape(16, 2)
-    packed = cpu_linear.pack_k_pairs(weight)
-    coded = cpu_linear.code_exponents(packed)
+    packed = weight_arena.pack_k_pairs(weight)
+    coded = exponent_coding.code_exponents(packed)
     assert table_of(coded)[0, 0] == UNCODED
     bias = torch.randn(out_features) if with_bias else None
     op = torch.ops.plugserve_gemm.linear_bf16
@@ -115,11 +117,11 @@ def test_an_uncoded_block_streams_its_first_pairs_from_its_record() -> None:
     weight."""
     weight = trained_like(32, 576, seed=8)
     weight[3, :20] = 2.0 ** torch.arange(-10, 10)  # block 0: 20 more exponents, so uncoded
-    packed = cpu_linear.pack_k_pairs(weight)
-    coded = cpu_linear.code_exponents(packed)
+    packed = weight_arena.pack_k_pairs(weight)
+    coded = exponent_coding.code_exponents(packed)
     assert (table_of(coded)[:, 0] == UNCODED).tolist() == [True, False]
     in_record = 288 * 3 // 4  # 216 of 288 k-pairs: as many 64-byte vectors as the record holds
-    record = coded[0, cpu_linear.CODED_TABLE_BYTES :].view(torch.int16)
+    record = coded[0, exponent_coding.CODED_TABLE_BYTES :].view(torch.int16)
     assert torch.equal(
         record[: in_record * 32], packed[0, :in_record].reshape(-1).view(torch.int16)
     )
@@ -136,8 +138,8 @@ def test_an_uncoded_block_streams_its_first_pairs_from_its_record() -> None:
 
 def test_one_row_reads_the_coded_copy_and_several_rows_the_packed_one() -> None:
     weight = trained_like(96, 64, seed=5)
-    packed = cpu_linear.pack_k_pairs(weight)
-    garbage = torch.full_like(cpu_linear.code_exponents(packed), 0x55)  # decodes to nonsense
+    packed = weight_arena.pack_k_pairs(weight)
+    garbage = torch.full_like(exponent_coding.code_exponents(packed), 0x55)  # decodes to nonsense
     op = torch.ops.plugserve_gemm.linear_bf16
     row = torch.randn(1, 64).bfloat16()
     # Equal results alone would also hold if the coded copy were never read.
@@ -147,29 +149,29 @@ def test_one_row_reads_the_coded_copy_and_several_rows_the_packed_one() -> None:
 
 
 def test_a_coded_copy_of_the_wrong_size_is_rejected() -> None:
-    packed = cpu_linear.pack_k_pairs(trained_like(32, 16, seed=6))
-    coded = cpu_linear.code_exponents(packed)
+    packed = weight_arena.pack_k_pairs(trained_like(32, 16, seed=6))
+    coded = exponent_coding.code_exponents(packed)
     op = torch.ops.plugserve_gemm.linear_bf16
     x = torch.zeros(1, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="coded must be uint8"):
         op(x, packed, 32, None, None, coded[:1])
     with pytest.raises(RuntimeError, match="K divisible by 4"):
-        cpu_linear.code_exponents(cpu_linear.pack_k_pairs(trained_like(32, 18, seed=7)))
+        exponent_coding.code_exponents(weight_arena.pack_k_pairs(trained_like(32, 18, seed=7)))
 
 
 def test_an_arena_holds_coded_copies_only_where_the_plan_reads_them() -> None:
     weights = [trained_like(n, k, seed=n) for n, k in [(40, 64), (48, 70), (960, 576)]]
     plain = KernelPlan.single(OWN)
-    plain_arena = cpu_linear.WeightArena.for_weights(weights, plain)
+    plain_arena = weight_arena.WeightArena.for_weights(weights, plain)
     assert plain_arena is not None
     assert all(
-        cpu_linear.PackedLinear(w, arena=plain_arena, plan=plain).coded is None for w in weights
+        packed_linear.PackedLinear(w, arena=plain_arena, plan=plain).coded is None for w in weights
     )
 
     coded = KernelPlan((OWN_CODED,) + (OWN,) * (len(ROW_BUCKETS) - 1))
-    arena = cpu_linear.WeightArena.for_weights(weights, coded)
+    arena = weight_arena.WeightArena.for_weights(weights, coded)
     assert arena is not None
-    first, odd, last = (cpu_linear.PackedLinear(w, arena=arena, plan=coded) for w in weights)
+    first, odd, last = (packed_linear.PackedLinear(w, arena=arena, plan=coded) for w in weights)
     assert odd.own_kernel and odd.coded is None  # 70 inputs: 35 k-pairs, not whole groups
     assert first.coded is not None and last.coded is not None
     assert first.coded.data_ptr() % ops.HUGE_PAGE_BYTES == 0

@@ -1,5 +1,6 @@
-// Registers cpu_gemm.h's bf16 matmul as torch.ops.plugserve_gemm.linear_bf16; built and
-// loaded by cpu_linear.py. Only where the CPU has AVX512_BF16 (else it registers nothing).
+// Registers cpu_gemm.h's bf16 matmul as torch.ops.plugserve_gemm.linear_bf16, and the
+// exponent coding of its packed weights; built and loaded by cpu_features.py. Only where
+// the CPU has AVX512_BF16 (else it registers nothing).
 #include <torch/library.h>
 
 #include "cpu_gemm.h"
@@ -9,39 +10,21 @@
 namespace plugserve {
 
 RowPool* shared_row_pool() {
-  static RowPool* pool = new RowPool();  // never deleted: its helper outlives static teardown
-  return pool;
+  // Core's cpu_ops.cpp owns the process's pool (cpu_features.py loads that library first);
+  // without it the one-row matmuls run on the calling threads.
+  return lookup_row_pool();
 }
 
 }  // namespace plugserve
 
 namespace {
 
-// The pool's address, for the other libraries that run jobs on it (row_pool.h's
-// lookup_row_pool: cpu_decoder.cpp, the CPU paged attention plugin).
-int64_t row_pool_address() { return reinterpret_cast<int64_t>(plugserve::shared_row_pool()); }
-
-void row_pool_set_enabled(bool enabled) { plugserve::shared_row_pool()->set_enabled(enabled); }
-bool row_pool_enabled() { return plugserve::shared_row_pool()->enabled(); }
-
-// For tests of the pool's hand-over (row_pool.h).
-void row_pool_stall_helper_once(int64_t microseconds) {
-  plugserve::shared_row_pool()->stall_helper_once(microseconds);
-}
-void row_pool_release_helper() { plugserve::shared_row_pool()->release_helper(); }
-bool row_pool_stall_pending() { return plugserve::shared_row_pool()->stall_pending(); }
-int64_t row_pool_items_taken_over() { return plugserve::shared_row_pool()->items_taken_over(); }
-int64_t row_pool_late_items_dropped() {
-  return plugserve::shared_row_pool()->late_items_dropped();
-}
-int64_t row_pool_jobs_shared() { return plugserve::shared_row_pool()->jobs_shared(); }
-
 // packed [N/16, K/2, 16, 2] bf16 → out, uint8 [N/16, coded_block_bytes(K/2)]: the
 // exponent-coded copy that one-row matmuls read (the layout is in cpu_gemm.h).
 void code_exponents(const at::Tensor& packed, at::Tensor out) {
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.scalar_type() == at::kBFloat16,
-              "packed must be bfloat16 [N/16, K/2, 16, 2] from cpu_linear.pack_k_pairs");
+              "packed must be bfloat16 [N/16, K/2, 16, 2] from weight_arena.pack_k_pairs");
   const int64_t blocks = packed.size(0), pairs = packed.size(1);
   const int64_t record = plugserve::coded_block_bytes(pairs);
   TORCH_CHECK(pairs % 2 == 0, "a coded weight needs K divisible by 4, not ", 2 * pairs);
@@ -95,15 +78,6 @@ TORCH_LIBRARY(plugserve_gemm, m) {
       "ScalarType? out_dtype=None, Tensor? coded=None, int one_row_mode=0) -> Tensor");
   m.def("code_exponents(Tensor packed, Tensor(a!) out) -> ()");
   m.def("amx_available() -> bool", &plugserve::amx_available);
-  m.def("row_pool_address() -> int", &row_pool_address);
-  m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
-  m.def("row_pool_enabled() -> bool", &row_pool_enabled);
-  m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
-  m.def("row_pool_release_helper() -> ()", &row_pool_release_helper);
-  m.def("row_pool_stall_pending() -> bool", &row_pool_stall_pending);
-  m.def("row_pool_items_taken_over() -> int", &row_pool_items_taken_over);
-  m.def("row_pool_late_items_dropped() -> int", &row_pool_late_items_dropped);
-  m.def("row_pool_jobs_shared() -> int", &row_pool_jobs_shared);
 }
 
 TORCH_LIBRARY_IMPL(plugserve_gemm, CPU, m) {

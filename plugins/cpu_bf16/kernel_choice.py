@@ -36,10 +36,12 @@ from pathlib import Path
 import torch
 
 from plugserve import ops
+from plugserve.capabilities import REMEASURE_KERNELS_ENV
 from plugserve.ops.build import cache_key as source_key
 from plugserve.user_cache import cache_root
-from plugserve.worker import cpu_linear
-from plugserve.worker.kernel_plan import (
+from plugserve_plugins.cpu_bf16.cpu_features import GEMM_SOURCE, amx_available
+from plugserve_plugins.cpu_bf16.fused_mlp import FusedMLP
+from plugserve_plugins.cpu_bf16.kernel_plan import (
     KERNELS,
     KERNELS_BY_NAME,
     ONE_ROW,
@@ -49,25 +51,28 @@ from plugserve.worker.kernel_plan import (
     candidates_for,
     is_prefill,
 )
+from plugserve_plugins.cpu_bf16.kernel_setting import allowed_libraries, forced_plan
+from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
+from plugserve_plugins.cpu_bf16.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
 
-REMEASURE_ENV = "PLUGSERVE_REMEASURE_KERNELS"
+REMEASURE_ENV = REMEASURE_KERNELS_ENV
 # Timed on at most this many bytes of bf16 weights (a step's leading layers).
 MEASURED_BYTES = 768 * 2**20
 # Rounds per bucket: every candidate once a round; the median over rounds counts.
 DECODE_ROUNDS, PREFILL_ROUNDS = 7, 3
 # A candidate this many times slower than a decode bucket's best is not timed in the
 # prefill buckets, where it only falls further behind (cpu_gemm's vector kernel against
-# AMX tiles: 3x at 32 rows, 8x at 1024), and its long runs would take most of the
-# measuring time. Decode buckets time every candidate: oneDNN, 1.6x behind at 8 rows, led
-# at 32 before cpu_gemm had AMX tiles.
+# AMX tiles), and its long runs would take most of the measuring time. Decode buckets
+# time every candidate: one far behind at a few rows may lead at more.
 LOSER_FACTOR = 2.5
 _PLAN_FORMAT = 3  # 3: prefill buckets timed on fresh row counts
 # Above this share of the machine's CPU time taken by processes outside this server's
-# process group while the candidates ran, a plan is not kept. On a 2-core EPYC beside a
-# test run the 9-64-row bucket measured 69.6 ms for cpu_gemm against 26.1 alone, and the
-# 65-256 bucket flipped to oneDNN; a quiet machine's own noise stays below 5 %.
+# process group while the candidates ran, a plan is not kept: beside a test run the
+# timings are the other processes' as much as the kernels', and buckets flip; a quiet
+# machine's own noise stays well below it (docs/benchmarks-history.md, "bf16 CPU kernels
+# by row count").
 CONTENDED_SHARE = 0.15
 
 
@@ -95,7 +100,8 @@ Step = LinearStep | GatedMlpStep
 
 @dataclass
 class Measurement:
-    """Per bucket, each candidate's median milliseconds for a step's matmuls."""
+    """Per bucket, each candidate's median milliseconds for a step's matmuls
+    (capabilities.KernelMeasurement)."""
 
     plan: KernelPlan
     times_ms: list[dict[str, float | None]]
@@ -112,6 +118,25 @@ class Measurement:
     @property
     def contended(self) -> bool:
         return self.others_share is not None and self.others_share > CONTENDED_SHARE
+
+    def cpu_model(self) -> str:
+        return str(self.key.get("cpu") or cpu_model_name())
+
+    def describe(self) -> str:
+        lines = [
+            f"ms for one step's matmuls ({self.measured_bytes / 2**20:.0f} of "
+            f"{self.total_bytes / 2**20:.0f} MiB of weights), median of "
+            f"{', '.join(map(str, self.rounds))} rounds by bucket; * chosen",
+            f"plan: {self.plan.describe()}",
+        ]
+        if self.cache_file is not None:
+            lines.append(f"kept in {self.cache_file}")
+        elif self.contended and self.others_share is not None:
+            lines.append(
+                f"not kept: other processes took {100 * self.others_share:.0f}% of the "
+                "CPUs while it was timed; measure again on a quiet machine"
+            )
+        return "\n".join(lines)
 
     def table(self) -> str:
         """A markdown table: buckets down, candidates across, the chosen time starred. A
@@ -176,7 +201,7 @@ def plan_for(
     library allowed), that one, unmeasured."""
     candidates = candidates_here(coded)
     total = sum(_step_bytes(step) for step in steps)
-    forced = cpu_linear.forced_plan()
+    forced = forced_plan()
     if forced is not None or all(len(c) == 1 for c in candidates):
         plan = forced or KernelPlan(tuple(c[0] for c in candidates))
         return Measurement(plan, [{} for _ in ROW_BUCKETS], [0] * len(ROW_BUCKETS), 0, total)
@@ -208,11 +233,11 @@ def plan_for(
 
 def candidates_here(coded: bool) -> list[list[Kernel]]:
     """Per ROW_BUCKETS bucket, the kernels a plan may give it on this machine: those of the
-    allowed libraries (cpu_linear.allowed_libraries), coded ones where `coded` allows them,
+    allowed libraries (kernel_setting.allowed_libraries), coded ones where `coded` allows them,
     AMX tiles where cpu_gemm.cpp runs them here. Every consumer of a plan must run each."""
-    libraries = cpu_linear.allowed_libraries()
+    libraries = allowed_libraries()
     coded = coded and "own" in libraries
-    amx = "own" in libraries and cpu_linear.amx_available()
+    amx = "own" in libraries and amx_available()
     return [candidates_for(b, libraries, coded, amx) for b in range(len(ROW_BUCKETS))]
 
 
@@ -330,11 +355,10 @@ def time_candidates(
 def run_rows(bucket: int) -> Iterator[int]:
     """The row count of each run in a bucket, warm-ups included. A decode bucket repeats
     its measured count. A prefill bucket counts up from it, a new count each run: oneDNN
-    builds (JIT-compiles) a primitive for each row count it has not seen, 1-6 ms per weight
-    shape at ~130 rows on a 2-core EPYC, and serving's prompts rarely repeat a length. Timed
-    on 128 rows again and again, oneDNN's fused MLP led cpu_gemm 74 to 76 ms and took the
-    65-256 bucket; the server's 128-140-token prefill steps then ran ~20 ms slower than
-    with cpu_gemm (fastest steps 108-112 ms against 89, the same EPYC, SmolLM2 bf16)."""
+    builds (JIT-compiles) a primitive for each row count it has not seen, and serving's
+    prompts rarely repeat a length; timed on one row count again and again, a kernel that
+    builds per shape wins a bucket it then loses in serving (docs/benchmarks-history.md,
+    "bf16 CPU kernels by row count")."""
     measured = ROW_BUCKETS[bucket].measured_rows
     return itertools.count(measured) if is_prefill(bucket) else itertools.repeat(measured)
 
@@ -366,12 +390,12 @@ class _StepBench:
         arena = None
         if own:  # on huge pages as in serving; coded copies where a candidate reads them
             layout = next((k for k in own if k.coded), own[0])
-            arena = cpu_linear.WeightArena.for_weights(plain, KernelPlan.single(layout))
+            arena = WeightArena.for_weights(plain, KernelPlan.single(layout))
         self.calls: list[Callable[[Kernel, torch.Tensor], torch.Tensor]] = []
         self.inputs: list[int] = []  # each step's input width
         for step in steps:
             if isinstance(step, LinearStep):
-                linear = cpu_linear.PackedLinear(step.weight, step.bias, arena, kernels=kernels)
+                linear = PackedLinear(step.weight, step.bias, arena, kernels=kernels)
                 out_dtype = torch.float32 if step.head else None
                 self.calls.append(_linear_call(linear, out_dtype))
                 self.inputs.append(step.weight.shape[1])
@@ -400,20 +424,20 @@ class _StepBench:
 
 
 def _linear_call(
-    linear: cpu_linear.PackedLinear, out_dtype: torch.dtype | None
+    linear: PackedLinear, out_dtype: torch.dtype | None
 ) -> Callable[[Kernel, torch.Tensor], torch.Tensor]:
     return lambda kernel, x: linear.run(kernel, x, out_dtype)
 
 
 def _mlp_call(
-    step: GatedMlpStep, arena: cpu_linear.WeightArena | None, kernels: set[Kernel]
+    step: GatedMlpStep, arena: WeightArena | None, kernels: set[Kernel]
 ) -> Callable[[Kernel, torch.Tensor], torch.Tensor]:
-    gate_up = cpu_linear.PackedLinear(step.gate_up, step.gate_up_bias, arena, kernels=kernels)
-    down = cpu_linear.PackedLinear(step.down, step.down_bias, arena, kernels=kernels)
+    gate_up = PackedLinear(step.gate_up, step.gate_up_bias, arena, kernels=kernels)
+    down = PackedLinear(step.down, step.down_bias, arena, kernels=kernels)
     inter = step.down.shape[1]
     fused = None
     if any(k.fused_mlp for k in kernels) and step.gate_up_bias is None:
-        fused = cpu_linear.FusedMLP(step.gate_up[:inter], step.gate_up[inter:], step.down)
+        fused = FusedMLP(step.gate_up[:inter], step.gate_up[inter:], step.down)
     silu_and_mul = torch.ops.plugserve_ops.silu_and_mul if ops.load(ops.OPS_SOURCE) else None
 
     def run(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
@@ -460,7 +484,7 @@ def _cache_key(steps: Sequence[Step], candidates: list[list[Kernel]]) -> dict[st
         "threads": torch.get_num_threads(),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
         "torch": torch.__version__,
-        "kernels": source_key(ops.GEMM_SOURCE) if "own" in cpu_linear.allowed_libraries() else "",
+        "kernels": source_key(GEMM_SOURCE) if "own" in allowed_libraries() else "",
         "candidates": [[k.name for k in bucket] for bucket in candidates],
         "shapes": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16],
         "layers": len(steps),

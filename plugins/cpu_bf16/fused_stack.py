@@ -1,0 +1,127 @@
+"""The whole layer stack of a single-rank bf16 model as one C++ op (cpu_decoder.cpp), over
+the layers the fused_cpu_decoder pass built (fused_layer.py) and the weights cpu_gemm.cpp
+packed: what the decoder frame calls instead of its layer loop and final norm
+(interfaces.model.WholeStack) for the steps whose row count the plan gives cpu_gemm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plugserve.capabilities import supports_fused_cpu_layer
+from plugserve_plugins.cpu_bf16.cpu_features import decoder_unavailable_reason
+from plugserve_plugins.cpu_bf16.fused_layer import FusedCpuDecoderLayer, Matmul
+from plugserve_plugins.cpu_bf16.kernel_plan import AMX, KernelPlan, bucket_index
+from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
+
+
+class FusedCpuDecoder:
+    """Called as (embeddings, rope) → final-normed hidden states.
+
+    Where the attention backend offers its kernel as a C++ call, the whole stack is one op
+    (decode_layers). Otherwise, between two calls of the backend's forward, it makes one op
+    call (decode_stretch: o_proj, the norms, the MLP, the next layer's qkv, its q/k norm
+    and RoPE), where FusedCpuDecoderLayer makes eight and a frame. The final norm is the
+    last stretch's "next" norm. Same ops in the same order as FusedCpuDecoderLayer
+    (tested).
+    """
+
+    @staticmethod
+    def unsupported_reason(layers: list[FusedCpuDecoderLayer]) -> str | None:
+        """Why these layers cannot run as one op (None where they can): every linear needs
+        a cpu_gemm-packed weight on one rank (a row-parallel shard's all-reduce needs the
+        module), every layer the same heads, and the op must build."""
+        if not layers:
+            return "no layers"
+        linears = [
+            linear
+            for layer in layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        if not all(isinstance(m, PackedLinear) and m.own_kernel for m in linears):
+            return "not every linear has cpu_gemm.cpp's packed weight"
+        shapes = {(layer.heads, layer.head_dim) for layer in layers}
+        if len(shapes) > 1:
+            return "the layers differ in their heads"
+        return decoder_unavailable_reason()
+
+    def __init__(
+        self,
+        layers: list[FusedCpuDecoderLayer],
+        final_norm: torch.Tensor,
+        plan: KernelPlan,
+        cos_sin: torch.Tensor,
+    ) -> None:
+        self.layers = layers
+        first = layers[0]
+        # Every stretch's weights, held in C++ once (decode_stretch, decode_layers).
+        self.stack = torch.classes.plugserve_decoder.LayerStack(
+            cos_sin, first.heads[0], first.heads[1], first.head_dim, plan.one_row_mode
+        )
+        # The steps it runs: those whose row count the plan gives cpu_gemm; the others run
+        # layer by layer, each linear through its plan's kernel.
+        # (Its matmuls run one cpu_gemm mode: AMX tiles for every row count, or not.)
+        stack_amx = plan.one_row_mode == AMX
+        self.runs_bucket = tuple(
+            kernel.library == "own" and (kernel.one_row_mode == AMX) == stack_amx
+            for kernel in plan.by_bucket
+        )
+        for layer, following in zip(layers, [*layers[1:], None], strict=True):
+            o, gate_up, down = map(_packed, (layer.o_proj, layer.gate_up_proj, layer.down_proj))
+            qkv = None if following is None else _packed(following.qkv_proj)
+            self.stack.add_layer(
+                layer.layer_idx,
+                o.weight,
+                o.own_bias,
+                layer.post_attention_norm,
+                gate_up.weight,
+                gate_up.own_bias,
+                down.weight,
+                down.own_bias,
+                final_norm if following is None else following.input_norm,
+                layer.eps,
+                None if qkv is None else qkv.weight,
+                None if qkv is None else qkv.own_bias,
+                0 if qkv is None else qkv.out_features,
+                o.coded,
+                gate_up.coded,
+                down.coded,
+                None if qkv is None else qkv.coded,
+                # The next layer's q/k norm and whether it rotates.
+                None if following is None else following.q_norm,
+                None if following is None else following.k_norm,
+                0.0 if following is None else following.qk_norm_eps,
+                following is not None and following.cos_sin is not None,
+            )
+        self.attention = first.attention
+        # Asked once: a Protocol check costs microseconds, too many for every step.
+        self.offers_layer_call = supports_fused_cpu_layer(self.attention)
+
+    def runs(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens runs here (its kernel is cpu_gemm's)."""
+        return self.runs_bucket[bucket_index(rows)]
+
+    def __call__(self, x: torch.Tensor, rope: Any) -> torch.Tensor:
+        ops = torch.ops.plugserve_ops
+        decoder_ops = torch.ops.plugserve_decoder
+        positions = rope.positions
+        first = self.layers[0]
+        residual = x
+        qkv = first.qkv_proj(ops.rms_norm(x, first.input_norm, first.eps))
+        first.norm_and_rotate(qkv, positions)
+        # Where the backend offers its kernel as a C++ call (for this step: it may offer it
+        # only for some), decode_layers runs every layer in one op.
+        call = self.attention.cpu_layer_call() if self.offers_layer_call else None
+        if call is not None:
+            return decoder_ops.decode_layers(self.stack, qkv, residual, positions, *call)
+        for index, layer in enumerate(self.layers):
+            qkv = decoder_ops.decode_stretch(
+                self.stack, index, layer.attend(qkv), residual, positions
+            )
+        return qkv  # after the last layer, the final-normed hidden states
+
+
+def _packed(linear: Matmul) -> PackedLinear:
+    assert isinstance(linear, PackedLinear)
+    return linear
