@@ -8,18 +8,18 @@ import it.
 
 from __future__ import annotations
 
-# After each parallel region GNU OpenMP's threads spin 300000 turns (~6 ms here) before
-# they sleep: at a batch-1 decode step that kept a second core busy through the step's
-# Python, where the one-row matmuls' helper thread (row_pool.h) and the API server could
-# have run. 2000 turns still cover the gaps between the regions of a batched step.
+# After each parallel region GNU OpenMP's threads spin 300000 turns before they sleep: at a
+# batch-1 decode step that kept a second core busy through the step's Python, where the
+# one-row matmuls' helper thread (row_pool.h) and the API server could have run. 2000
+# turns still cover the gaps between the regions of a batched step.
 #
 # glibc's malloc returns a large freed block to the kernel at once (mmap'd past a threshold
-# it raises only as far as the largest block freed so far; the heap's top trimmed past
-# 128 KB), so each prefill's [tokens, intermediate] activations came back as fresh pages
-# that every step faulted in and zeroed again. Blocks up to 32 MB (the most glibc allows
-# here) now come from the heap, and up to 1 GB of free heap stays mapped: SmolLM2 bf16 on a
-# 2-core Xeon with AMX, two 1024-token prompts prefilled in 462 ms instead of 592, one in
-# 251 instead of 269. Both variables are read when the process starts.
+# it raises only as far as the largest block freed so far; the heap's top trimmed past a
+# small size), so each prefill's [tokens, intermediate] activations came back as fresh
+# pages that every step faulted in and zeroed again. Blocks up to 32 MB (the most glibc
+# allows here) now come from the heap, and up to 1 GB of free heap stays mapped (figures:
+# docs/benchmarks-history.md, "bf16 CPU kernels by row count"). Both variables are read
+# when the process starts.
 ENGINE_ENVIRONMENT = {
     "GOMP_SPINCOUNT": "2000",
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),

@@ -72,6 +72,23 @@ def test_options_for_a_plugin_not_in_the_stack_are_rejected():
         load_config(None, {"plugins.priority": {"x": 1}})
 
 
+def test_model_passes_are_a_list_of_registered_names_once_each():
+    """Unset: the bundled automatic passes (their options allowed); []: none; a named pass
+    must be registered; none twice."""
+    assert load_config().stack.model_passes is None
+    assert load_config(None, {"plugins.fused_cpu_decoder": {}}).plugins  # automatic
+    assert load_config(None, {"stack.model_passes": []}).stack.model_passes == []
+    assert load_config(None, {"model_passes": ["fused_cpu_decoder"]}).stack.model_passes == [
+        "fused_cpu_decoder"
+    ]
+    with pytest.raises(PluginError, match=r"unknown model_pass 'spans'; available: "):
+        load_config(None, {"model_passes": ["spans"]})
+    with pytest.raises(ValueError, match="lists fused_cpu_decoder more than once"):
+        load_config(None, {"model_passes": ["fused_cpu_decoder", "fused_cpu_decoder"]})
+    with pytest.raises(PluginError, match=r"plugins\.fused_cpu_decoder"):
+        load_config(None, {"model_passes": [], "plugins.fused_cpu_decoder": {}})
+
+
 def test_cli_prints_the_resolved_config(capsys, tmp_path):
     assert main(["config", "--stack.scheduler", "priority", "--max-num-seqs", "8"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)

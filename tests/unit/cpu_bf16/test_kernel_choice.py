@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from plugserve.user_cache import cache_root
-from plugserve_plugins.cpu_bf16 import cpu_features, kernel_choice, kernel_setting, packed_linear
+from plugserve_plugins.cpu_bf16 import (
+    cpu_features,
+    cpu_usage,
+    kernel_choice,
+    kernel_setting,
+    packed_linear,
+)
 from plugserve_plugins.cpu_bf16.kernel_plan import (
     KERNELS_BY_NAME,
     OWN_AMX,
@@ -289,19 +295,19 @@ def test_cpu_usage_counts_the_machine_and_this_process_group_from_proc(tmp_path:
         (100, 20, 50, 3, 2, 25),
         {10: (group, 30, 12), 11: (group + 1, 500, 500), 12: (group, 1, 1)},
     )
-    usage = kernel_choice.cpu_usage(proc)
+    usage = cpu_usage.cpu_usage(proc)
     assert usage is not None
     assert usage.machine_busy == pytest.approx(200 / tick)  # steal counts, idle and iowait not
     assert usage.own_group == pytest.approx(44 / tick)
-    assert kernel_choice.cpu_usage(tmp_path / "none") is None  # no /proc: unknown
+    assert cpu_usage.cpu_usage(tmp_path / "none") is None  # no /proc: unknown
 
 
 def test_this_process_work_counts_in_its_own_group_on_the_real_proc() -> None:
-    before = kernel_choice.cpu_usage()
+    before = cpu_usage.cpu_usage()
     if before is None:
         pytest.skip("no /proc/stat here")
     deadline = time.monotonic() + 60  # liveness only
-    while (now := kernel_choice.cpu_usage()).own_group == before.own_group:  # type: ignore[union-attr]
+    while (now := cpu_usage.cpu_usage()).own_group == before.own_group:  # type: ignore[union-attr]
         assert time.monotonic() < deadline, "this process's CPU time never showed"
         sum(range(100_000))
     assert now.machine_busy >= before.machine_busy
@@ -309,14 +315,14 @@ def test_this_process_work_counts_in_its_own_group_on_the_real_proc() -> None:
 
 def test_others_share_is_the_busy_time_outside_this_process_group() -> None:
     cores = os.cpu_count() or 1
-    before = kernel_choice.CpuUsage(wall=10.0, machine_busy=100.0, own_group=40.0)
+    before = cpu_usage.CpuUsage(wall=10.0, machine_busy=100.0, own_group=40.0)
     # Two seconds: this group took 1 core-second, others 0.5 x the whole machine.
-    after = kernel_choice.CpuUsage(wall=12.0, machine_busy=100.0 + 1 + cores, own_group=41.0)
-    assert kernel_choice.others_share(before, after) == pytest.approx(0.5)
-    only_own = kernel_choice.CpuUsage(wall=12.0, machine_busy=101.0, own_group=41.0)
-    assert kernel_choice.others_share(before, only_own) == 0.0
-    assert kernel_choice.others_share(before, before) is None  # no time passed
-    assert kernel_choice.others_share(None, after) is None
+    after = cpu_usage.CpuUsage(wall=12.0, machine_busy=100.0 + 1 + cores, own_group=41.0)
+    assert cpu_usage.others_share(before, after) == pytest.approx(0.5)
+    only_own = cpu_usage.CpuUsage(wall=12.0, machine_busy=101.0, own_group=41.0)
+    assert cpu_usage.others_share(before, only_own) == 0.0
+    assert cpu_usage.others_share(before, before) is None  # no time passed
+    assert cpu_usage.others_share(None, after) is None
 
 
 @needs_a_choice
@@ -328,10 +334,10 @@ def test_a_plan_timed_beside_a_busy_process_is_used_but_not_kept(
     cores = os.cpu_count() or 1
     readings = iter(
         [
-            kernel_choice.CpuUsage(wall=0.0, machine_busy=0.0, own_group=0.0),
-            kernel_choice.CpuUsage(wall=1.0, machine_busy=0.9 * cores, own_group=0.0),
-            kernel_choice.CpuUsage(wall=2.0, machine_busy=0.9 * cores, own_group=0.0),
-            kernel_choice.CpuUsage(wall=3.0, machine_busy=0.9 * cores + 1, own_group=1.0),
+            cpu_usage.CpuUsage(wall=0.0, machine_busy=0.0, own_group=0.0),
+            cpu_usage.CpuUsage(wall=1.0, machine_busy=0.9 * cores, own_group=0.0),
+            cpu_usage.CpuUsage(wall=2.0, machine_busy=0.9 * cores, own_group=0.0),
+            cpu_usage.CpuUsage(wall=3.0, machine_busy=0.9 * cores + 1, own_group=1.0),
         ]
     )
     monkeypatch.setattr(kernel_choice, "cpu_usage", lambda: next(readings))
