@@ -9,10 +9,10 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# CPU flags of native bf16 arithmetic: AVX512-BF16's dot products (AMD Zen 4/5, Intel
-# Cooper Lake on), AMX's bf16 tiles (Intel Sapphire Rapids on). Where the CPU has either,
-# the bf16 kernels (worker/cpu_linear.py) read half the bytes of fp32 at the same
-# arithmetic speed or better; without them bf16 is converted in software, slower than fp32.
+# CPU flags of native bf16 arithmetic: AVX512-BF16's dot products and AMX's bf16 tiles.
+# Where the CPU has either, the bf16 kernels (the cpu_bf16 linear method) read half the
+# bytes of fp32 at the same arithmetic speed or better; without them bf16 is converted in
+# software, slower than fp32.
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
