@@ -1,4 +1,5 @@
-"""The engine-core process: IO threads around a busy loop (phases 4 and 10).
+"""The engine-core process: IO threads around a busy loop (phases 4 and 10 of
+docs/request-path.md).
 
 The input thread receives frames, decodes them and queues them. The busy loop drains the
 input queue, steps the engine and hands each step's outputs on, and blocks on the input
