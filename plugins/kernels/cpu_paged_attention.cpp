@@ -254,8 +254,8 @@ bool weighted_sum_fast(int64_t group, int64_t head_dim, const float* p, int64_t 
 // A batch-1 decode row's attention as a RowPool job (row_pool.h), so that the matmuls'
 // helper thread, idle while the caller attends, reads half of the context: one item per KV
 // head and half of the context, each the unnormalized softmax of its slice
-// (flash-decoding), merged by the caller. At 192 tokens the row took 9-12 us a layer on
-// one thread, the context mostly coming from memory.
+// (flash-decoding), merged by the caller. One thread alone reads the context mostly from
+// memory (docs/benchmarks-history.md, "Figures from code comments").
 constexpr int64_t kSplitMinTokens = 64;  // below this the hand-over costs more than it saves
 constexpr int64_t kSlices = 2;
 
@@ -526,8 +526,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
     }
   };
   // One row (a batch-1 decode step) is shared with the one-row matmuls' helper thread
-  // where there is one, or else runs on this thread: its ~10 us of work would leave
-  // OpenMP's other thread spinning for far longer afterwards on the core where that
+  // where there is one, or else runs on this thread: its few microseconds of work would
+  // leave OpenMP's other thread spinning for far longer afterwards on the core where that
   // helper runs next.
   if (rows == 1) {
 #ifdef PLUGSERVE_SPLIT_DECODE
