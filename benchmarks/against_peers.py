@@ -1,11 +1,11 @@
-"""plugserve against its peers: the performance issue's whole table in one go.
+"""plugserve against its peers: the whole comparison table in one go.
 
 One server at a time (the machine's cores are shared by nothing else): plugserve
 (`plugserve serve --dtype bfloat16 --enable-prefix-caching false`), vLLM's CPU build
-(../shared/peers/run_vllm.sh, its OpenMP threads bound to every core, none reserved) and
-llama.cpp's llama-server (../shared/peers/run_llamaserver.sh; skipped with a note when it
-is not built). Every server is driven by the same client, vLLM's own
-(../shared/peers/bench.sh: `vllm bench serve`, seed = the concurrency), on two workloads:
+(the peer scripts' run_vllm.sh, its OpenMP threads bound to every core, none reserved) and
+llama.cpp's llama-server (run_llamaserver.sh; skipped with a note when it is not built).
+Every server is driven by the same client, vLLM's own (bench.sh: `vllm bench serve`, seed
+= the concurrency), on two workloads:
 
 - reference: random 128-token prompts, 128 output tokens, EOS ignored, at c=1 (16
   prompts), 8 and 32 (64 prompts): output tok/s; at c=1 also TTFT p50 and ITL p50;
@@ -15,15 +15,18 @@ is not built). Every server is driven by the same client, vLLM's own
 It prints the CPU (model, AMX or not), the read bandwidth (plugserve.bench.roofline,
 measured with no server running before each server and after the last) and the
 bandwidth floor of a batch-1 bf16 step, the table (runs side by side, A / B / ...), and
-the issue's acceptance criteria against vLLM, each marked pass or fail per run.
+the acceptance criteria against vLLM (docs/benchmarks.md), each marked pass or fail per
+run.
 
     .venv/bin/python benchmarks/against_peers.py [--runs 2] [--gap-minutes 20]
         [--skip llamaserver] [--concurrency "1 8 32"] [--long-concurrency "1 8"]
         [--plugserve-args "--dtype bfloat16 --enable-prefix-caching false"]
         [--json out.json]
 
-Needs ../shared/peers set up (setup_model.sh, setup_vllm.sh; setup_llamaserver.sh for
-llama-server); --peers-dir and $ANCHORS (default ~/.cache/plugserve-peers) point there.
+The peer scripts are not part of this repository: --peers-dir names their folder
+(default: shared/peers beside the checkout), set up once (setup_model.sh, setup_vllm.sh;
+setup_llamaserver.sh for llama-server); $ANCHORS (default ~/.cache/plugserve-peers) is
+where they install the peers and keep results. docs/benchmarks.md says what each does.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """int8 weight-only against bf16 on SmolLM2-135M: perplexity on a fixed text and greedy
-agreement (docs/benchmarks.md, "int8 weight-only (issue 24)").
+agreement (docs/benchmarks.md, "int8 weight-only").
 
 - perplexity: exp of the mean negative logprob of every token of
   benchmarks/data/pride_and_prejudice_ch1.txt (public domain) given the tokens before

@@ -1,8 +1,9 @@
 """c=1 ITL against the bandwidth floor, one request at a time, the floor read around each.
 
-On a shared VM the memory's read rate flips between phases within seconds (floors of 3.3
-and 5.6 ms a token around one 10 s benchmark run), so a floor read before and after a
-whole c=1 run may describe a different phase from the one its tokens streamed in. Here
+On a shared VM the memory's read rate flips between phases within seconds (floors far
+apart around one short benchmark run: docs/benchmarks-history.md, "Figures from code
+comments"), so a floor read before and after a whole c=1 run may describe a different
+phase from the one its tokens streamed in. Here
 each request (the serving workload's: a random prompt of exactly 128 tokens, 128 output
 tokens with EOS ignored, temperature 0, streamed) lies between two reads of the server's
 own weights (`GET /bench/weight_read`), and its ITL median is set against them. Requests

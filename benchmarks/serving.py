@@ -11,8 +11,8 @@ bfloat16 with prefix caching off, as vLLM's CPU build is measured.
 Each run also reads the engine's step counters from /metrics before and after: engine
 overhead is step time minus forward-pass time (scheduling, batch updates, outputs), as a
 share of step time. At the end: every run, then one line per transport in the layout of
-the performance issue's table, and with --peer-results (the JSON files that
-../shared/peers/bench.sh writes for `vllm bench serve`) the ratios against that peer.
+the comparison table (docs/benchmarks.md), and with --peer-results (the JSON files the
+peer scripts' bench.sh writes for `vllm bench serve`) the ratios against that peer.
 
     .venv/bin/python benchmarks/serving.py [--concurrency "1 8 32"] [--transports zmq]
         [--dtype bfloat16] [--server-args "--api-server-count 2"] [--json out.json]
@@ -219,7 +219,7 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
             )
 
 
-# The performance issue's table: (heading, concurrency, result key).
+# The comparison table's columns (docs/benchmarks.md): (heading, concurrency, result key).
 ISSUE_COLUMNS = (
     ("c=1 out tok/s", 1, "output_throughput"),
     ("c=1 TTFT p50", 1, "median_ttft_ms"),

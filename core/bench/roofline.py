@@ -3,8 +3,8 @@
 A batch-1 decode step reads every weight once (the embedding table only as the tied LM
 head), so no engine can run one faster than `weight_bytes_per_step / read bandwidth`. The
 performance targets are ratios against this floor, and on a shared VM the bandwidth moves
-by a third between minutes (39 to 68 GB/s here): measure it just before and just after
-the latency it judges.
+between minutes (docs/benchmarks-history.md, "Figures from code comments"):
+measure it just before and just after the latency it judges.
 
     python -m plugserve.bench.roofline [--model smollm2-135m-instruct] [--dtype-bytes 2]
 """
@@ -59,12 +59,13 @@ def read_bandwidth(data: torch.Tensor, seconds: float = 2.0, threads: int | None
     on the CPU) now: the median over `seconds` of int32 max-reductions over its bytes,
     which take any bit pattern (an engine's weights, say) at the speed of a float sum.
 
-    The median, not the best: on a shared VM single passes swing between ~40 and ~75 GB/s
-    within a second, and a latency measured over a run meets the typical rate, not the
-    luckiest. A float sum is within ~2 % of a hand-written AVX-512 load loop (48.4 vs
-    49.0), an int32 max within ~2 % of the sum. The rate also depends on where the buffer
-    lies: on this VM two buffers read in the same second at 48 and 74 GB/s, so a floor
-    meant for an engine's step is best measured on that engine's weights."""
+    The median, not the best: on a shared VM single passes swing widely within a second,
+    and a latency measured over a run meets the typical rate, not the luckiest. A float
+    sum reads about as fast as a hand-written AVX-512 load loop, and an int32 max as fast
+    as the sum. The rate also depends on where the buffer lies (two buffers can read at
+    rates far apart in the same second), so a floor meant for an engine's step is best
+    measured on that engine's weights (docs/benchmarks-history.md, "Figures from code
+    comments")."""
     words = data.reshape(-1).view(torch.uint8)
     words = words[: words.numel() // 4 * 4].view(torch.int32)
     previous = torch.get_num_threads()

@@ -1,4 +1,5 @@
-"""The data that crosses a boundary between parts: a leaf of the import graph.
+"""The data that crosses a boundary between parts: a leaf of the import graph. The
+phases the modules name are docs/request-path.md's.
 
 - `Request`, `RequestStatus`: a request as the scheduler, its policy and the KV
   allocator see it (datatypes/request.py).

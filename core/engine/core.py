@@ -1,4 +1,5 @@
-"""EngineCore: the scheduler and the executor, stepped together (phases 5–9).
+"""EngineCore: the scheduler and the executor, stepped together (phases 5–9 of
+docs/request-path.md, whose numbers the phase comments in the code use).
 
 Every part comes from the plugin registry by the name stack.yaml gives; the engine
 never branches on which one it got.

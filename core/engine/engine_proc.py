@@ -1,4 +1,5 @@
-"""The engine-core process: IO threads around a busy loop (phases 4 and 10).
+"""The engine-core process: IO threads around a busy loop (phases 4 and 10 of
+docs/request-path.md).
 
 The input thread receives frames, decodes them and queues them. The busy loop drains the
 input queue, steps the engine and hands each step's outputs on, and blocks on the input
@@ -10,8 +11,8 @@ overlaps the device's. On a CPU the forward pass keeps every core busy and there
 such overlap to gain: an output thread only gets the GIL once the next forward pass
 releases it, and then takes a core from it. There the busy loop sends each step's outputs
 itself, before it prepares the next step, and the API server and its client handle them
-while the engine's Python runs (served c=1 ITL: a median 0.29 ms lower over 22 paired
-runs, lower in 19; docs/benchmarks.md).
+while the engine's Python runs, which lowered the served c=1 ITL (docs/benchmarks-history.md,
+"outputs sent from the busy loop").
 
 Several API servers (clients) may share the engine. The channel says which client each
 message came from; the busy loop remembers which client sent each request and answers

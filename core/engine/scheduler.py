@@ -2,7 +2,8 @@
 
 `schedule()` opens the pass (phases 5 and 6: which requests advance by how many tokens,
 with their KV blocks allocated in the same decision); `update_from_output()` closes it
-(phase 9: fold the sampled tokens back, finish requests, build outputs).
+(phase 9: fold the sampled tokens back, finish requests, build outputs). Phases are
+docs/request-path.md's.
 
 One token budget per step is shared by decodes and chunked prefills. Running requests
 are served first, in admission order; then waiting ones in the policy's order. When the

@@ -254,8 +254,8 @@ bool weighted_sum_fast(int64_t group, int64_t head_dim, const float* p, int64_t 
 // A batch-1 decode row's attention as a RowPool job (row_pool.h), so that the matmuls'
 // helper thread, idle while the caller attends, reads half of the context: one item per KV
 // head and half of the context, each the unnormalized softmax of its slice
-// (flash-decoding), merged by the caller. At 192 tokens the row took 9-12 us a layer on
-// one thread, the context mostly coming from memory.
+// (flash-decoding), merged by the caller. One thread alone reads the context mostly from
+// memory (docs/benchmarks-history.md, "Figures from code comments").
 constexpr int64_t kSplitMinTokens = 64;  // below this the hand-over costs more than it saves
 constexpr int64_t kSlices = 2;
 
@@ -383,7 +383,8 @@ bool attend_row_split(T* out, const T* q_row, int64_t q_head, int64_t heads, int
 
 // BS is the cache's block size where it is a common one, 0 for any other (read at run
 // time): with BS known, finding a token's block and offset is a shift and a mask instead of
-// a division per token, which was ~10 % of the kernel with the context in cache.
+// a division per token, a measurable share of the kernel with the context in cache
+// (docs/benchmarks-history.md, "Figures from code comments").
 // softcap 0: none; window 0: the whole context.
 template <typename T, int BS>
 void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
@@ -449,8 +450,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
       const int64_t len = it.len;
       // While this item computes from cache, the next one's K/V streams in, spread evenly
       // over this item's runs of kRunTokens in both passes: a thread's memory reads then
-      // overlap its arithmetic instead of alternating with it (32 rows of 192 tokens, the
-      // cache cold: 3.5 ms for 30 layers, from 5.5). Not where the next item reads what
+      // overlap its arithmetic instead of alternating with it (docs/benchmarks-history.md,
+      // "Figures from code comments"). Not where the next item reads what
       // this one does (a prefill's rows share their context), and only its first
       // kAheadTokens, so that two items' contexts stay within L2.
       const bool has_next = item + 1 < end;
@@ -525,8 +526,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
     }
   };
   // One row (a batch-1 decode step) is shared with the one-row matmuls' helper thread
-  // where there is one, or else runs on this thread: its ~10 us of work would leave
-  // OpenMP's other thread spinning for far longer afterwards on the core where that
+  // where there is one, or else runs on this thread: its few microseconds of work would
+  // leave OpenMP's other thread spinning for far longer afterwards on the core where that
   // helper runs next.
   if (rows == 1) {
 #ifdef PLUGSERVE_SPLIT_DECODE

@@ -1,11 +1,11 @@
 """Loads the C++ prefill-attention kernel (cpu_prefill_attention.cpp).
 
 A long prefill row (SDPA_MIN_QUERY_TOKENS or more) used to run torch's SDPA, whose CPU
-flash kernel ran SmolLM2-135M's causal attention at ~80 GFLOP/s on a 2-core AMD EPYC
-without AMX (15 ms a layer at 1024 tokens). This kernel does both products on
-avx512_bf16's dot-product instruction, reading each KV head's keys and values once per
-call in the layout it wants, with the GQA group's heads sharing them. Whether it beats
-SDPA on a given CPU is measured, not assumed: `faster_than_sdpa` times both on the
+flash kernel runs causal attention far below the dot-product peak of a CPU without AMX
+(docs/benchmarks-history.md, "Figures from code comments"). This kernel does both
+products on avx512_bf16's dot-product instruction, reading each KV head's keys and values
+once per call in the layout it wants, with the GQA group's heads sharing them. Whether it
+beats SDPA on a given CPU is measured, not assumed: `faster_than_sdpa` times both on the
 model's head shapes once, and the backend keeps the faster.
 """
 

@@ -17,9 +17,9 @@ dimension: one [G, L] SDPA per (row, KV head).
 A step with a prefill row of SDPA_MIN_QUERY_TOKENS or more (with context before it or
 not: a masked SDPA call) goes the SDPA way instead:
 the C++ kernel's token-at-a-time loop is quadratic in plain vector code, SDPA's flash
-kernel runs the prefill as blocked matmuls (oneDNN: AMX tiles where the CPU has them).
-SmolLM2 bf16 on a 2-core Xeon with AMX, one prompt's prefill: equal at 16-64 tokens,
-69 → 65 ms at 128, 220 → 165 ms at 512, 539 → 303 ms at 1024.
+kernel runs the prefill as blocked matmuls (oneDNN: AMX tiles where the CPU has them),
+so the longer the prefill, the more SDPA gains (docs/benchmarks-history.md, "Figures from
+code comments").
 Option `kernel`: auto (the C++ kernel on CPU when it builds, SDPA for long prefills),
 native, sdpa. Option `prefill_kernel` (long prefill rows, under kernel auto): auto (the
 C++ prefill kernel where it runs and times faster than SDPA), on (where it runs, else an
@@ -34,9 +34,9 @@ and the scale as its argument, and a soft-capped layer computes its scores expli
 Those long prefill rows (fresh, or after gathered context) run instead a flash-style C++
 kernel on avx512_bf16 (cpu_prefill_attention.cpp) where the CPU has it, the dtype is
 bf16, and it timed faster than SDPA on this model's head shapes when the cache was
-allocated (cpu_prefill_attention.faster_than_sdpa; both timings logged). SmolLM2-135M at
-1024 tokens on a 2-core AMD EPYC without AMX: SDPA 14.5-18.9 ms a layer, the kernel 5.0-5.8.
-It applies the scale, soft-cap and window itself.
+allocated (cpu_prefill_attention.faster_than_sdpa; both timings logged). Without AMX it
+wins by a wide margin at long prompts (the same section). It applies the scale, soft-cap
+and window itself.
 """
 
 from __future__ import annotations
@@ -181,9 +181,9 @@ class TorchPagedAttention:
             # pages nearly every block read was a TLB miss, cold after the step's weights.
             element = torch.empty((), dtype=s.dtype).element_size()
             self.kv_cache = huge_page_buffer(math.prod(shape) * element).view(s.dtype).view(shape)
-            # Every page written once now, not by the step that first lands on it: a
-            # 2048-token prefill into untouched pages spent 114 of its 800 ms faulting
-            # them in (writing its K/V: 1.9 ms a layer, 0.08 on pages already backed).
+            # Every page written once now, not by the step that first lands on it: a long
+            # prefill into untouched pages spent a large share of its step faulting them in
+            # (docs/benchmarks-history.md, "Figures from code comments").
             self.kv_cache.zero_()
         else:
             self.kv_cache = torch.zeros(shape, dtype=s.dtype, device=self.device)

@@ -131,7 +131,8 @@ class ZmqClientChannel:
         would take over the descriptor's reader."""
         while True:
             # EVENTS first: a receive that finds nothing raises zmq.Again, and building that
-            # exception cost the API server ~7 % of its CPU at one request.
+            # exception is a measurable share of the API server's CPU at one request
+            # (docs/benchmarks-history.md, "Figures from code comments").
             await self._output_readable()
             try:
                 frames = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -143,7 +144,7 @@ class ZmqClientChannel:
         # ZeroMQ's descriptor signals that the socket's events changed, not that a message
         # waits, and reading EVENTS rearms it: wait on it until EVENTS says POLLIN. The
         # reader stays registered: adding and removing it around every wait cost the API
-        # server ~10 % of its CPU at one streamed request.
+        # server a measurable share of its CPU at one streamed request (the same section).
         while not self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             if self._reader_loop is None:
                 self._reader_loop = asyncio.get_running_loop()

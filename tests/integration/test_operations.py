@@ -1,4 +1,4 @@
-"""What an operator who swaps plugserve in for vLLM expects (issue 22), against real
+"""What an operator who swaps plugserve in for vLLM expects, against real
 server subprocesses on a copy of the model folder whose generation_config.json carries
 sampling defaults and a second EOS id:
 

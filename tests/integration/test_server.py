@@ -69,9 +69,9 @@ def test_process_titles_and_log_lines_name_their_process(server: PlugserveServer
 
 
 def test_the_api_server_runs_on_uvloop_and_parses_http_with_httptools(server: PlugserveServer):
-    """Both are dependencies on Linux: the API server's CPU per streamed token, which at
-    c=1 is taken from the engine's cores, fell ~15 % with them. The server logs the loop
-    it finds running and uvicorn's protocol class."""
+    """Both are dependencies on Linux: they lower the API server's CPU per streamed token,
+    which at c=1 is taken from the engine's cores. The server logs the loop it finds
+    running and uvicorn's protocol class."""
     line = re.search(r"event loop (\S+), HTTP (\S+)", server.log_text())
     assert line is not None, server.log_tail()
     assert line.group(1).startswith("uvloop.")

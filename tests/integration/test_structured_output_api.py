@@ -1,5 +1,5 @@
-"""Structured output, tool calling and the sampling fields of issue 21, through the
-official openai SDK against one live server (zmq): what a client asking for JSON, a
+"""Structured output, tool calling and the sampling fields beyond the basic ones, through
+the official openai SDK against one live server (zmq): what a client asking for JSON, a
 regex, a choice or a tool call gets back, and that no request field is silently
 dropped.
 

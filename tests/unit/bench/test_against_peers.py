@@ -72,7 +72,7 @@ def test_the_table_puts_runs_side_by_side(peers: ModuleType) -> None:
     table = peers.markdown_table(rows, [0, 1], peers.columns([8], []))
     assert "| plugserve | 186.6 / — |" in table
     assert "| vLLM CPU | 213.7 / 214.5 |" in table
-    # plugserve first, as in the issue; a system without results has no row
+    # plugserve first; a system without results has no row
     assert table.index("plugserve") < table.index("vLLM") and "llama" not in table
 
 

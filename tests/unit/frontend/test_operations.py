@@ -1,6 +1,6 @@
-"""The pieces of issue 22 that need no server: the model's generation defaults and EOS
-ids, the admission bound, the Responses body as the chat it describes, and the order of
-the streamed Responses events."""
+"""What an operator who swaps plugserve in for vLLM expects, the pieces that need no
+server: the model's generation defaults and EOS ids, the admission bound, the Responses
+body as the chat it describes, and the order of the streamed Responses events."""
 
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ def test_encode_rejects_non_strings(renderer: HFRenderer) -> None:
         renderer.encode([1, 2, 3])  # type: ignore[arg-type]
 
 
-# ----------------------------------------------------------------- tools (issue 21)
+# ----------------------------------------------------------------- tools
 
 WEATHER_TOOL = {
     "type": "function",
