@@ -132,10 +132,12 @@ class Measurement:
         ]
         if self.cache_file is not None:
             lines.append(f"kept in {self.cache_file}")
-        elif self.contended and self.others_share is not None:
+        elif self.contended:
+            lines.append("not kept (timed beside other work: the next start times it again)")
+        if self.contended and self.others_share is not None:
             lines.append(
-                f"not kept: other processes took {100 * self.others_share:.0f}% of the "
-                "CPUs while it was timed; measure again on a quiet machine"
+                f"other processes took {100 * self.others_share:.0f}% of the CPUs while "
+                "it was timed; measure again on a quiet machine for a plan of this one alone"
             )
         return "\n".join(lines)
 
@@ -217,7 +219,10 @@ def plan_for(
             logger.warning("ignoring unreadable kernel plan %s: %s", path, exc)
     measurement = measure(steps, candidates)
     measurement.key = key
-    if measurement.contended:
+    # A plan timed at start-up beside other work is used, not kept: the next start times
+    # it again. One measured on request (`plugserve bench kernels`) is kept all the same:
+    # the user asked for this plan, and its table says the machine was busy.
+    if measurement.contended and not remeasure:
         logger.warning(
             "other processes took %.0f%% of the CPUs while the kernels were timed: this "
             "engine follows the plan, but it is not kept (the next start measures again)",

@@ -351,3 +351,24 @@ def test_a_plan_timed_beside_a_busy_process_is_used_but_not_kept(
     again = kernel_choice.plan_for(tiny_step())  # nothing was kept: measured again
     assert not again.from_cache and not again.contended
     assert again.others_share == 0.0 and again.cache_file is not None
+
+
+@needs_a_choice
+def test_a_plan_timed_on_request_beside_a_busy_process_is_kept_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, plan_cache: Path
+) -> None:
+    """`plugserve bench kernels` (remeasure) keeps what it timed even on a busy machine:
+    the user asked for that plan; what it prints says the machine was busy."""
+    cores = os.cpu_count() or 1
+    readings = iter(
+        [
+            cpu_usage.CpuUsage(wall=0.0, machine_busy=0.0, own_group=0.0),
+            cpu_usage.CpuUsage(wall=1.0, machine_busy=0.9 * cores, own_group=0.0),
+        ]
+    )
+    monkeypatch.setattr(kernel_choice, "cpu_usage", lambda: next(readings))
+    kept = kernel_choice.plan_for(tiny_step(), remeasure=True)
+    assert kept.contended and kept.cache_file is not None and kept.cache_file.exists()
+    assert f"kept in {kept.cache_file}" in kept.describe()
+    assert "other processes took 90% of the CPUs" in kept.describe()
+    assert kernel_choice.plan_for(tiny_step()).from_cache

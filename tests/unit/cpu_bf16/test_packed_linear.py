@@ -202,7 +202,7 @@ def test_a_block_its_helper_is_slow_to_finish_is_taken_over_and_its_late_result_
 @on_own_kernel
 @pytest.mark.usefixtures("row_pool")
 def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
-    """The helper made to sleep on a block still reads that job's weight when it wakes;
+    """The helper held on a block still reads that job's weight when it is released;
     the caller has taken the block over, returned, and freed the weight (3.5 MB: its
     memory goes back to the system). The job's own reference keeps it mapped until the
     helper is done."""
@@ -216,23 +216,29 @@ def test_a_late_helper_reads_a_weight_the_caller_has_freed_safely() -> None:
             weight = torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05
             linear = packed_linear.PackedLinear(weight)
             expected = reference(x, weight, None)
-            taken, dropped = pool.row_pool_items_taken_over(), pool.row_pool_late_items_dropped()
-            pool.row_pool_stall_helper_once(5000)
-            out = linear(x)
-            deadline = time.monotonic() + 30  # liveness only
-            # Until the helper takes an item of a job (it may sleep through some), again.
-            while pool.row_pool_stall_pending():
-                assert time.monotonic() < deadline, "the helper never took an item"
+            # Until the helper takes an item of a call (an idle-class thread on a busy
+            # machine may sleep through many) and is held on it until released: the caller
+            # then takes that item over (the deadline is for liveness only).
+            deadline = time.monotonic() + 30
+            while True:
+                linear(x)  # the helper is awake (it sleeps after a short idle spell)
+                taken = pool.row_pool_items_taken_over()
+                dropped = pool.row_pool_late_items_dropped()
+                pool.row_pool_stall_helper_once(HELPER_HOLD_US)
                 out = linear(x)
-            # The item it took stalled, and the caller took it over.
-            assert pool.row_pool_items_taken_over() > taken
+                if pool.row_pool_items_taken_over() > taken:
+                    break
+                pool.row_pool_release_helper()  # it took no item of this call: again
+                assert time.monotonic() < deadline, "the helper never took an item"
             del linear, weight
+            pool.row_pool_release_helper()
             # It wakes, computes from the freed weight and drops what it finds taken over.
             while pool.row_pool_late_items_dropped() == dropped:
-                assert time.monotonic() < deadline, "the stalled helper never came back"
+                assert time.monotonic() < deadline, "the held helper never came back"
                 time.sleep(0.001)
             assert_rounded_once(out, expected)
     finally:
+        pool.row_pool_release_helper()
         torch.set_num_threads(previous)
 
 
