@@ -361,8 +361,8 @@ def _exponential_race(
 ) -> torch.Tensor:
     """Sample one token per row: argmax(p / q) with q ~ Exponential(1) picks token i with
     probability p_i, with no cumsum or multinomial (and no host sync). q is -log(u) with u
-    uniform: torch's CPU exponential_ took 945 us for one row of a 49K vocabulary where
-    uniform_ and log_ take 200 (2-core EPYC), a tenth of a batch-1 decode step."""
+    uniform: torch's CPU exponential_ is several times slower than uniform_ and log_ over a
+    vocabulary-wide row (docs/benchmarks-history.md, "Figures from code comments")."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.uniform_()
