@@ -86,7 +86,9 @@ class LaunchAhead:
         ahead = self.pending.pop(spec, None)
         if ahead is None:
             return wanted
-        if _without_port(ahead.command) != _without_port(wanted.command) or ahead.env != wanted.env:
+        if _without_port(ahead.command) != _without_port(wanted.command) or _own(ahead.env) != _own(
+            wanted.env
+        ):
             ahead.kill()
             return wanted
         self.taken += 1
@@ -104,3 +106,13 @@ def _without_port(command: list[str]) -> list[str]:
     """The command line less its `--port N`: each server gets a free port of its own."""
     at = command.index("--port")
     return command[:at] + command[at + 2 :]
+
+
+# pytest names the running test in the environment: a server launched during the test
+# before differs from the one its own test would start in that variable alone.
+PER_TEST_ENV = "PYTEST_CURRENT_TEST"
+
+
+def _own(env: dict[str, str]) -> dict[str, str]:
+    """The environment that makes the server, less pytest's name of the running test."""
+    return {name: value for name, value in env.items() if name != PER_TEST_ENV}

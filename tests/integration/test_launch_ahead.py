@@ -43,3 +43,16 @@ def test_a_server_launched_under_another_environment_is_not_taken(tmp_path, monk
 def test_without_a_launched_server_the_test_gets_its_own(tmp_path):
     wanted = server_under_test("shm", tmp_path / "own.log")
     assert _ahead(tmp_path).take(ServerSpec.of("shm", SERVER_SETTINGS, None), wanted) is wanted
+
+
+def test_a_server_launched_during_the_test_before_is_taken(tmp_path, monkeypatch):
+    """pytest's PYTEST_CURRENT_TEST names the test running when the server was launched,
+    which is never the test that takes it."""
+    ahead = _ahead(tmp_path)
+    spec = ServerSpec.of("zmq", SERVER_SETTINGS, None)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/integration/test_x.py::test_before (call)")
+    launched = ahead.make(spec, tmp_path)
+    ahead.pending[spec] = launched
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/integration/test_x.py::test_after (call)")
+    wanted = server_under_test("zmq", tmp_path / "own.log")
+    assert ahead.take(spec, wanted) is launched
