@@ -53,7 +53,6 @@ void row_pool_stall_helper_once(int64_t microseconds) {
   plugserve::shared_row_pool()->stall_helper_once(microseconds);
 }
 void row_pool_release_helper() { plugserve::shared_row_pool()->release_helper(); }
-bool row_pool_stall_pending() { return plugserve::shared_row_pool()->stall_pending(); }
 int64_t row_pool_items_taken_over() { return plugserve::shared_row_pool()->items_taken_over(); }
 int64_t row_pool_late_items_dropped() {
   return plugserve::shared_row_pool()->late_items_dropped();
@@ -166,7 +165,6 @@ TORCH_LIBRARY(plugserve_ops, m) {
   m.def("row_pool_enabled() -> bool", &row_pool_enabled);
   m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
   m.def("row_pool_release_helper() -> ()", &row_pool_release_helper);
-  m.def("row_pool_stall_pending() -> bool", &row_pool_stall_pending);
   m.def("row_pool_items_taken_over() -> int", &row_pool_items_taken_over);
   m.def("row_pool_late_items_dropped() -> int", &row_pool_late_items_dropped);
   m.def("row_pool_jobs_shared() -> int", &row_pool_jobs_shared);

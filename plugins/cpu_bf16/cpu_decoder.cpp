@@ -32,16 +32,6 @@
 
 #ifdef PLUGSERVE_HAS_BF16_GEMM
 
-namespace plugserve {
-
-RowPool* shared_row_pool() {
-  // Core's cpu_ops.cpp's pool, loaded before this library (cpu_features.py). Without it
-  // the one-row matmuls run on the calling thread.
-  return lookup_row_pool();
-}
-
-}  // namespace plugserve
-
 namespace {
 
 using BF16 = c10::BFloat16;

@@ -7,16 +7,6 @@
 
 #ifdef PLUGSERVE_HAS_BF16_GEMM
 
-namespace plugserve {
-
-RowPool* shared_row_pool() {
-  // Core's cpu_ops.cpp owns the process's pool (cpu_features.py loads that library first);
-  // without it the one-row matmuls run on the calling threads.
-  return lookup_row_pool();
-}
-
-}  // namespace plugserve
-
 namespace {
 
 // packed [N/16, K/2, 16, 2] bf16 → out, uint8 [N/16, coded_block_bytes(K/2)]: the

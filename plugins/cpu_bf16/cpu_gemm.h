@@ -48,10 +48,6 @@
 
 namespace plugserve {
 
-// The process's one RowPool (row_pool.h: core's cpu_ops.cpp owns it), or nullptr where this
-// library cannot reach it; each library including this header defines it as a lookup.
-RowPool* shared_row_pool();
-
 
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kBlockTile = 3;  // 16-column blocks per tile
@@ -398,7 +394,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
                        coded.has_value() ? coded->data_ptr<uint8_t>() : nullptr};
     const auto item =
         one_row_mode == kStreamCached ? &row_item<Out, true> : &row_item<Out, false>;
-    RowPool* pool = at::get_num_threads() > 1 ? shared_row_pool() : nullptr;
+    RowPool* pool = at::get_num_threads() > 1 ? lookup_row_pool() : nullptr;
     if (pool != nullptr && pool->enabled()) {
       const int64_t last = out_features - (blocks - 1) * 16;
       pool->run(RowPool::make_job(item, args, blocks, op, 16 * sizeof(Out),

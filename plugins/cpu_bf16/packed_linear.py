@@ -178,20 +178,3 @@ def _runnable(kernel: Kernel, own_runs: bool, in_features: int) -> Kernel:
 
 def _runnable_plan(plan: KernelPlan, own_runs: bool, in_features: int) -> KernelPlan:
     return KernelPlan(tuple(_runnable(k, own_runs, in_features) for k in plan.by_bucket))
-
-
-def _runnable(kernel: Kernel, own_runs: bool, in_features: int) -> Kernel:
-    """`kernel`, or where it is cpu_gemm's and cpu_gemm cannot take the weight, oneDNN
-    (ATen where oneDNN has no bf16 kernel); AMX tiles where K is no multiple of 32, the
-    vector kernel."""
-    if kernel.library != "own":
-        return kernel
-    if not own_runs:
-        return KERNELS_BY_NAME["onednn" if onednn_bf16_supported() else "aten"]
-    if kernel.one_row_mode == AMX and in_features % 32 != 0:
-        return KERNELS_BY_NAME["own"]
-    return kernel
-
-
-def _runnable_plan(plan: KernelPlan, own_runs: bool, in_features: int) -> KernelPlan:
-    return KernelPlan(tuple(_runnable(k, own_runs, in_features) for k in plan.by_bucket))

@@ -101,8 +101,6 @@ class RowPool {
     stall_us_.store(0, std::memory_order_relaxed);
     released_.store(true, std::memory_order_relaxed);
   }
-  // Whether the stall asked for has not yet been taken up by the helper's next item.
-  bool stall_pending() const { return stall_us_.load(std::memory_order_relaxed) != 0; }
   int64_t items_taken_over() const { return taken_over_.load(std::memory_order_relaxed); }
   int64_t late_items_dropped() const { return dropped_.load(std::memory_order_relaxed); }
   // How many jobs were offered to the helper (not run alone by the caller) so far.
