@@ -186,6 +186,7 @@ class InputBatch:
             return tensor(values) if np.any(values[~greedy] != neutral) else None
 
         top_k = self.top_k[rows]
+        enabled_k = top_k[(top_k > 0) & (top_k < vocab_size) & ~greedy]
         top_p = self.top_p[rows]
         min_p = self.min_p[rows]
         presence = self.presence_penalty[rows]
@@ -219,6 +220,7 @@ class InputBatch:
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
             top_k=optional(top_k, 0),
+            max_top_k=int(enabled_k.max()) if len(enabled_k) else 1,
             top_p=optional(top_p, 1.0),
             min_p=optional(min_p, 0.0),
             generators=generators,

@@ -64,6 +64,11 @@ SHAPES: dict[str, LlamaShape] = {
     # For tests: loads and generates in well under a second; head_dim 64, which
     # FlashInfer's kernels support, and GQA.
     "tiny": LlamaShape(128, 2, 2, 1, 256, tie_word_embeddings=True, max_position_embeddings=1024),
+    # A forward pass that costs next to nothing beside the real vocabulary's logits: what
+    # is left of a step is the host's work (benchmarks/engine_overhead.py).
+    "overhead": LlamaShape(
+        64, 1, 1, 1, 128, tie_word_embeddings=True, max_position_embeddings=2048
+    ),
 }
 
 

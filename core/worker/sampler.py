@@ -68,6 +68,9 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None  # int64 [B], 0 = disabled
+    # The largest enabled k (1 when none is): known on the host, so top-k needs no
+    # device-to-host read to size its topk.
+    max_top_k: int | None = None
     top_p: torch.Tensor | None = None  # float32 [B], 1.0 = disabled
     min_p: torch.Tensor | None = None  # float32 [B], 0 = disabled
     # Row index -> that request's generator (seeded rows only).
@@ -209,7 +212,7 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     logits.div_(temperature.unsqueeze(1))
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
-    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
     probs = logits.softmax(dim=-1)
     return _exponential_race(probs, metadata.generators)
 
@@ -310,18 +313,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Keep each row's k most likely tokens, then its nucleus of mass top_p.
 
     Ties with the k-th logit are all kept. The nucleus is the smallest set of most likely
     tokens whose probability (renormalized after top-k) sums to at least top_p; the top
     token always stays. May edit `logits` in place; use the returned tensor.
+    `max_top_k`: the largest enabled k, when the caller knows it (else read from `top_k`,
+    a device-to-host sync).
     """
     if top_p is None:
         if top_k is None:
             return logits
-        return _apply_top_k_only(logits, top_k)
+        return _apply_top_k_only(logits, top_k, max_top_k)
 
     vocab_size = logits.shape[-1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
@@ -343,14 +351,16 @@ def apply_top_k_top_p(
     return logits.scatter_(1, sorted_idx, sorted_logits)
 
 
-def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def _apply_top_k_only(
+    logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None
+) -> torch.Tensor:
     # topk over the largest k in use is much cheaper than a full sort of the vocab.
     vocab_size = logits.shape[-1]
     disabled = (top_k <= 0) | (top_k >= vocab_size)
     # Disabled rows borrow k = 1 so they don't inflate max_k; their threshold is reset
     # to -inf below.
     k = top_k.masked_fill(disabled, 1)
-    max_k = int(k.max().item())
+    max_k = max_top_k if max_top_k is not None else int(k.max().item())
     kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     kth.masked_fill_(disabled.unsqueeze(1), float("-inf"))
     return logits.masked_fill_(logits < kth, float("-inf"))

@@ -121,6 +121,21 @@ def test_metadata_turns_on_only_what_some_row_uses() -> None:
     assert md.max_num_logprobs == 3
 
 
+def test_metadata_knows_the_largest_top_k_on_the_host() -> None:
+    """The sampler sizes its topk from it: no device-to-host read of the k tensor."""
+    md = metadata(
+        [
+            SamplingParams(top_k=7),
+            SamplingParams(top_k=3),
+            SamplingParams(top_k=VOCAB + 5),  # beyond the vocabulary: disabled
+            SamplingParams(temperature=0.0, top_k=50),  # greedy: its k does not count
+            SamplingParams(),
+        ]
+    )
+    assert md.max_top_k == 7
+    assert metadata([SamplingParams(top_p=0.5)]).max_top_k == 1
+
+
 def test_filters_of_greedy_rows_are_ignored() -> None:
     md = metadata([SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2)])
     assert md.all_greedy
