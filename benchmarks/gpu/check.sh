@@ -125,6 +125,9 @@ if ! step 240 "$python" "$here/throughput.py" plugserve --model "$work/models/ll
     step 240 "$python" "$here/throughput.py" plugserve --model "$work/models/llama-8b" --eager
 fi
 step 200 "$python" "$here/throughput.py" hf --model "$work/models/llama-8b"
+say "(c) offline step of the served 1B at batch 64, the yardstick of its c=64 ITL"
+step 90 "$python" "$here/throughput.py" plugserve --model "$work/models/llama-1b" \
+    --batches 64 --name plugserve_1b
 say "done"
 "$python" "$here/report.py" "$out" 2>&1 | tee "$out/report.txt"
 exit "${PIPESTATUS[0]}"

@@ -69,7 +69,14 @@ def _prompts(model_dir: str) -> list[list[int]]:
     return common.random_prompts(max(BATCHES), PROMPT_LEN, vocab, seed=3)
 
 
-def plugserve(model_dir: str, attention: str, eager: bool, profile: bool = False) -> int:
+def plugserve(
+    model_dir: str,
+    attention: str,
+    eager: bool,
+    profile: bool = False,
+    batches: tuple[int, ...] = BATCHES,
+    name: str | None = None,
+) -> int:
     from plugserve import LLM, SamplingParams
 
     prompts = _prompts(model_dir)
@@ -80,7 +87,7 @@ def plugserve(model_dir: str, attention: str, eager: bool, profile: bool = False
             attention=attention,
             cuda_graphs=False if eager else None,
             dtype="bfloat16",
-            max_num_seqs=max(BATCHES),
+            max_num_seqs=max(batches),
             max_num_batched_tokens=8192,
             max_model_len=PROMPT_LEN + NEW_TOKENS + 16,
             enable_prefix_caching=False,  # every run computes its prompts afresh
@@ -112,16 +119,16 @@ def plugserve(model_dir: str, attention: str, eager: bool, profile: bool = False
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
         return seconds
 
-    for batch in BATCHES:  # warm-up: every graph size these runs replay, allocator pools
+    for batch in batches:  # warm-up: every graph size these runs replay, allocator pools
         run(batch, 8)
     rows = []
-    for batch in BATCHES:
+    for batch in batches:
         step_times.clear()
         seconds = run(batch, NEW_TOKENS)
         step = statistics.median(step_times[-100:])
         rows.append(_row(label, batch, seconds, step))
     common.save(
-        f"plugserve_{attention}",
+        name or f"plugserve_{attention}",
         {
             "startup_s": startup["seconds"],
             "rows": rows,
@@ -250,13 +257,16 @@ def main() -> int:
     p.add_argument("--attention", default="flashinfer")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--profile", action="store_true", help="profile decode steps afterwards")
+    p.add_argument("--batches", default=" ".join(map(str, BATCHES)))
+    p.add_argument("--name", default=None, help="result name (default plugserve_ATTENTION)")
     p = sub.add_parser("hf")
     p.add_argument("--model", required=True)
     args = parser.parse_args()
     if args.command == "bandwidth":
         return bandwidth()
     if args.command == "plugserve":
-        return plugserve(args.model, args.attention, args.eager, args.profile)
+        batches = tuple(int(b) for b in args.batches.split())
+        return plugserve(args.model, args.attention, args.eager, args.profile, batches, args.name)
     return hf(args.model)
 
 
