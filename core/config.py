@@ -63,6 +63,9 @@ class StackSelection(_Section):
     renderer: str = "hf"
     detokenizer: str = "incremental"
     tool_parser: str = "hermes"
+    # Splits a reasoning model's output into its thinking and its answer
+    # (register_reasoning_parsers): e.g. qwen3, deepseek_r1. None: no reasoning parsed.
+    reasoning_parser: str | None = None
     transport: str = "zmq"
     scheduler: str = "fcfs"
     kv_allocator: str = "paged"

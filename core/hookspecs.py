@@ -50,6 +50,14 @@ def register_tool_parsers(register: Register) -> None:
 
 
 @hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register ReasoningParser classes (interfaces.reasoning.ReasoningParser) that split
+    a reasoning model's output into its thinking and its answer, and name the ids that
+    end the thinking, where a grammar starts to apply and a thinking budget forces the
+    end. Selected by `stack.reasoning_parser` (default none: the output is all answer)."""
+
+
+@hookspec
 def register_metrics(registry: Any, model_name: str) -> None:
     """Add metrics to /metrics. Called once in every API-server process, after its
     engines have started, with the `prometheus_client.CollectorRegistry` that process's

@@ -45,6 +45,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
     # The error lies in the request itself (a constraint this model's tokenizer cannot
     # compile or continue): the API answers 400, not 500.
     error_in_request: bool = False
+    # Output tokens so far that belong to the reasoning (SamplingParams.reasoning), its
+    # end marker included.
+    num_reasoning_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -34,6 +34,7 @@ SLOT_HOOKS: dict[str, str] = {
     "renderer": "register_renderers",
     "detokenizer": "register_detokenizers",
     "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
     "transport": "register_transports",
     "scheduler": "register_scheduler_policies",
     "kv_allocator": "register_kv_allocators",

@@ -63,6 +63,24 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
         return ("grammar", self.grammar or "")
 
 
+class ReasoningParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """The output opens with the model's reasoning, which the stack's reasoning parser
+    closes at `end_token_ids` (its end marker: one id where the marker is a token of its
+    own, else the marker's tokenization). Until the engine has appended that sequence the
+    request's grammar, if any, neither masks nor advances: a constraint applies to the
+    answer only. With `budget`, once that many reasoning tokens are out the engine forces
+    the rest of the end marker through the bitmask."""
+
+    end_token_ids: list[int]
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.end_token_ids:
+            raise ValueError("a reasoning end marker needs at least one token id")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"the thinking budget must be at least 1 token, got {self.budget}")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
     temperature: float = 1.0
@@ -91,6 +109,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     # Completions: logprobs of each prompt token given the ones before (top-N alternatives).
     prompt_logprobs: int | None = None
+    # Set when the output starts inside the model's reasoning (a reasoning parser is
+    # configured and the prompt leaves the thinking open).
+    reasoning: ReasoningParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -147,11 +147,11 @@ class PlugserveServer(ServerProcess):
         retries: a caller must see the first answer, and a 503 must not be retried."""
         import openai
 
-        options = {"max_retries": 0, "timeout": 120.0, **kwargs}
-        return openai.OpenAI(base_url=self.url("/v1"), api_key="unused", **options)
+        options = {"max_retries": 0, "timeout": 120.0, "api_key": "unused", **kwargs}
+        return openai.OpenAI(base_url=self.url("/v1"), **options)
 
     def async_openai_client(self, **kwargs: Any) -> Any:
         import openai
 
-        options = {"max_retries": 0, "timeout": 300.0, **kwargs}
-        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key="unused", **options)
+        options = {"max_retries": 0, "timeout": 300.0, "api_key": "unused", **kwargs}
+        return openai.AsyncOpenAI(base_url=self.url("/v1"), **options)

@@ -79,6 +79,11 @@ class Request:
         # (interfaces.structured_output.Grammar), advanced by every token it accepts.
         self.grammar_future: Future[Any] | None = None
         self.grammar: Any = None
+        # Reasoning (sampling_params.reasoning): still inside it, how many of its tokens are
+        # out, and the end-marker ids the thinking budget still has to force, in order.
+        self.in_reasoning = sampling_params.reasoning is not None
+        self.num_reasoning_tokens = 0
+        self.forced_token_ids: list[int] = []
         # prompt_logprobs: what the prefill chunks computed so far (prompt tokens 2..N).
         self.prompt_logprobs: list[Logprobs] = []
 

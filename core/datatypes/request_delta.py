@@ -23,6 +23,9 @@ class RequestDelta:
     # With the first delta of a request that asked for prompt_logprobs: one entry per
     # prompt token, None for the first.
     prompt_logprobs: list[Logprobs | None] | None = None
+    # Output tokens so far inside the reasoning, its end marker included (0 without a
+    # reasoning parser): usage's completion_tokens_details.reasoning_tokens.
+    num_reasoning_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -69,6 +69,7 @@ class Scheduler:
         # Constrained requests whose grammar is being compiled, in arrival order.
         self._waiting_for_grammar: list[Request] = []
         self._num_with_grammar = 0  # live requests holding a compiled grammar
+        self._num_forcing = 0  # live requests whose thinking budget is forcing its end
         # Outputs of requests finished by schedule() (a grammar that failed to compile),
         # handed out by the next update_from_output.
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -167,16 +168,18 @@ class Scheduler:
         self._waiting_for_grammar = still
 
     def constrained_sampling(self, scheduler_output: SchedulerOutput) -> list[Request]:
-        """The requests with a grammar that sample at this step (a prefill chunk that does
+        """The requests whose next token is constrained at this step: a grammar past the
+        reasoning, or an end marker the thinking budget forces (a prefill chunk that does
         not reach the end of its tokens samples nothing and needs no bitmask row)."""
-        if not self._num_with_grammar:
+        if not self._num_with_grammar and not self._num_forcing:
             return []
         requests = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            if (
-                request.grammar is not None
-                and request.num_computed_tokens + num_tokens >= request.num_tokens
+            if request.num_computed_tokens + num_tokens < request.num_tokens:
+                continue
+            if request.forced_token_ids or (
+                request.grammar is not None and not request.in_reasoning
             ):
                 requests.append(request)
         return requests
@@ -322,7 +325,9 @@ class Scheduler:
             request.append_output_token_ids([token])
             num_output = request.num_output_tokens
             grammar = request.grammar
-            if grammar is not None:
+            if request.in_reasoning:
+                self._advance_reasoning(request, token)
+            elif grammar is not None:
                 if not grammar.accept_token(token):
                     request.status = RequestStatus.FINISHED_ERROR
                     if request.grammar_dead_end:  # the request asked for the impossible
@@ -353,6 +358,33 @@ class Scheduler:
                 return token_ids[: i + 1]
         return token_ids
 
+    def _advance_reasoning(self, request: Request, token: int) -> None:
+        """`token` belongs to the reasoning. The reasoning ends once the output ends with
+        the end marker; from the next token on, the grammar applies. With a thinking
+        budget reached, the marker's remaining ids are forced, one per step."""
+        reasoning = request.sampling_params.reasoning
+        assert reasoning is not None
+        request.num_reasoning_tokens += 1
+        end = reasoning.end_token_ids
+        if request.forced_token_ids:
+            request.forced_token_ids.pop(0)
+            if not request.forced_token_ids:
+                self._num_forcing -= 1
+        if request.output_token_ids[-len(end) :] == end:
+            request.in_reasoning = False
+            if request.forced_token_ids:  # the model closed it on its own meanwhile
+                request.forced_token_ids = []
+                self._num_forcing -= 1
+            return
+        budget = reasoning.budget
+        if (
+            budget is not None
+            and request.num_reasoning_tokens >= budget
+            and not request.forced_token_ids
+        ):
+            request.forced_token_ids = end[_partial_marker(request.output_token_ids, end) :]
+            self._num_forcing += 1
+
     @staticmethod
     def _make_output(
         request: Request, new_token_ids: list[int], runner_output: ModelRunnerOutput
@@ -375,6 +407,7 @@ class Scheduler:
             error=request.error,
             prompt_logprobs=prompt_logprobs,
             error_in_request=request.error_in_request,
+            num_reasoning_tokens=request.num_reasoning_tokens,
         )
 
     def _release(self, request: Request) -> None:
@@ -382,6 +415,9 @@ class Scheduler:
         if request.grammar is not None:
             request.grammar = None
             self._num_with_grammar -= 1
+        if request.forced_token_ids:
+            request.forced_token_ids = []
+            self._num_forcing -= 1
         del self.requests[request.request_id]
         self._preempted_req_ids.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
@@ -407,3 +443,12 @@ class Scheduler:
             num_finished=dict(self.num_finished),
             num_prompt_tokens=self.num_prompt_tokens,
         )
+
+
+def _partial_marker(output_token_ids: list[int], end: list[int]) -> int:
+    """How many leading ids of the end marker the output already ends with (a marker the
+    model began writing is completed, not written twice)."""
+    for length in range(min(len(end) - 1, len(output_token_ids)), 0, -1):
+        if output_token_ids[-length:] == end[:length]:
+            return length
+    return 0

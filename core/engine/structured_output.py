@@ -120,14 +120,27 @@ class StructuredOutputManager:
     # ------------------------------------------------------------------ each step
 
     def grammar_output(self, requests: Sequence[Request]) -> GrammarOutput:
-        """The bitmask of the given requests (each with its grammar), one row each."""
+        """The bitmask of the given requests, one row each: the row of a request whose
+        thinking budget is forcing its end marker allows that marker's next id only;
+        the others' rows are filled by their grammars."""
         num_rows = len(requests)
-        words = (self.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+        forced = [r.forced_token_ids[0] for r in requests if r.forced_token_ids]
+        # Before any grammar was compiled the vocabulary is not known; a row only needs
+        # to be wide enough for the ids it allows (tokens past it are never allowed).
+        width = max(self.vocab_size, max(forced, default=-1) + 1)
+        words = (width + 31) // 32
+        if (
+            self._bitmask is None
+            or self._bitmask.shape[0] < num_rows
+            or self._bitmask.shape[1] != words
+        ):
             self._bitmask = torch.empty((max(num_rows, 8), words), dtype=torch.int32)
         bitmask = self._bitmask
         for row, request in enumerate(requests):
-            request.grammar.fill_bitmask(bitmask, row)
+            if request.forced_token_ids:
+                _allow_only(bitmask[row], request.forced_token_ids[0])
+            else:
+                request.grammar.fill_bitmask(bitmask, row)
         # A row that allows nothing: no token of this vocabulary continues the
         # constraint, whatever is sampled (the scheduler then fails it as a bad request).
         for row in torch.nonzero(~bitmask[:num_rows].any(dim=1)).flatten().tolist():
@@ -139,6 +152,13 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _allow_only(row: torch.Tensor, token_id: int) -> None:
+    row.zero_()
+    word, bit = divmod(token_id, 32)
+    # Bit 31 is the int32 sign bit: the word is written as its signed value.
+    row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 def _model_vocab_size(model_path: Path) -> int:

@@ -266,6 +266,11 @@ def _build_app(
         model_name,
         structured_output_backend=registry.get("structured_output", stack.structured_output),
         tool_parser=registry.get("tool_parser", stack.tool_parser),
+        reasoning_parser=(
+            registry.get("reasoning_parser", stack.reasoning_parser)
+            if stack.reasoning_parser
+            else None
+        ),
         generation_defaults=defaults,
         model_root=config.model,
         log_requests=config.server.log_requests,

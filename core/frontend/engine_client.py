@@ -471,6 +471,7 @@ class AsyncEngineClient:
                 num_output_tokens=state.num_output_tokens,
                 num_cached_tokens=output.num_cached_tokens,
                 prompt_logprobs=output.prompt_logprobs,
+                num_reasoning_tokens=output.num_reasoning_tokens,
             )
         )
         return delta.stopped_by_string

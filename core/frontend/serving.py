@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,8 +26,9 @@ from plugserve.frontend.protocol import SamplingRequest
 from plugserve.frontend.request_log import logged
 from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces.frontend import Renderer, ToolParser
+from plugserve.interfaces.reasoning import ReasoningParser
 from plugserve.interfaces.structured_output import StructuredOutputBackend
-from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
+from plugserve.sampling_params import ReasoningParams, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class CollectedChoice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0
     prompt_logprobs: list[Logprobs | None] | None = None
 
 
@@ -108,6 +110,7 @@ class OpenAIServing:
         *,
         structured_output_backend: type[StructuredOutputBackend] | None = None,
         tool_parser: type[ToolParser] | None = None,
+        reasoning_parser: type[ReasoningParser] | None = None,
         generation_defaults: GenerationDefaults | None = None,
         model_root: str | None = None,
         log_requests: bool = False,
@@ -115,7 +118,8 @@ class OpenAIServing:
         """`structured_output_backend`: the stack's backend class, whose `validate`
         checks constraints before they are queued (None: the engine reports them).
         `tool_parser`: the stack's parser class for `tool_choice: "auto"` (None: tool
-        calls are not parsed from free text). `generation_defaults`: the model's
+        calls are not parsed from free text). `reasoning_parser`: the stack's reasoning
+        parser class (None: no output is reasoning). `generation_defaults`: the model's
         sampling defaults and EOS ids (generation_config.json). `model_root`: the model
         as configured (/v1/models' `root`). `log_requests`: a line per finished request."""
         self.client = client
@@ -127,6 +131,7 @@ class OpenAIServing:
         self.tokenizer = renderer.tokenizer
         self.structured_output_backend = structured_output_backend
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.logprobs = LogprobsFormatter(renderer.tokenizer)
 
     @property
@@ -192,6 +197,40 @@ class OpenAIServing:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         return self.defaults.with_eos(params)
+
+    def reasoning_parser_factory(self, prompt: list[int]) -> Callable[[], ReasoningParser | None]:
+        """A fresh reasoning parser per choice of `prompt` (None without one)."""
+        cls = self.reasoning_parser
+        if cls is None:
+            return lambda: None
+        tokenizer = self.tokenizer
+        return lambda: cls(tokenizer=tokenizer, prompt_token_ids=prompt)
+
+    def with_reasoning(
+        self,
+        params: SamplingParams,
+        prompt: list[int],
+        budget: int | None,
+        *,
+        budget_param: str = "thinking_token_budget",
+    ) -> SamplingParams:
+        """`params` telling the engine where the reasoning ends (and its thinking
+        `budget`), when the output starts in reasoning. A budget needs a reasoning
+        parser: without one it is a 400 naming `budget_param`."""
+        cls = self.reasoning_parser
+        if cls is None:
+            if budget is not None:
+                raise InvalidRequest(
+                    f"{budget_param} needs a reasoning parser; this server has none "
+                    "(stack.reasoning_parser)",
+                    budget_param,
+                )
+            return params
+        parser = cls(tokenizer=self.tokenizer, prompt_token_ids=prompt)
+        if not parser.starts_in_reasoning:
+            return params  # the prompt closed the thinking: nothing to gate or budget
+        reasoning = ReasoningParams(end_token_ids=parser.end_token_ids, budget=budget)
+        return msgspec.structs.replace(params, reasoning=reasoning)
 
     @staticmethod
     def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
@@ -299,6 +338,7 @@ class OpenAIServing:
             if delta.logprobs:
                 choice.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=False))
             choice.num_output_tokens = delta.num_output_tokens
+            choice.num_reasoning_tokens = delta.num_reasoning_tokens
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs = delta.prompt_logprobs
@@ -324,17 +364,31 @@ class OpenAIServing:
             "usage": self.usage(prep, num_output_tokens, cached),
         }
 
-    def usage(self, prep: Prepared, completion_tokens: int, cached: int) -> dict[str, Any]:
+    def usage(
+        self,
+        prep: Prepared,
+        completion_tokens: int,
+        cached: int,
+        reasoning_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """`reasoning_tokens`: with a reasoning parser, how many of the completion tokens
+        were thinking (completion_tokens_details.reasoning_tokens)."""
         prompt_tokens = sum(len(p) for p in prep.prompts)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
-    def chunks(self, prep: Prepared, object_name: str, include_usage: bool) -> StreamedChunks:
-        return StreamedChunks(self, prep, object_name, include_usage)
+    def chunks(
+        self, prep: Prepared, object_name: str, include_usage: bool, *, reasoning: bool = False
+    ) -> StreamedChunks:
+        """`reasoning`: the usage reports reasoning tokens."""
+        return StreamedChunks(self, prep, object_name, include_usage, reasoning=reasoning)
 
 
 class StreamedChunks:
@@ -343,9 +397,16 @@ class StreamedChunks:
     over every choice, then [DONE]."""
 
     def __init__(
-        self, serving: OpenAIServing, prep: Prepared, object_name: str, include_usage: bool
+        self,
+        serving: OpenAIServing,
+        prep: Prepared,
+        object_name: str,
+        include_usage: bool,
+        *,
+        reasoning: bool = False,
     ) -> None:
         self.serving = serving
+        self.reasoning = reasoning
         self.prep = prep
         self.include_usage = include_usage
         self.head = {
@@ -355,12 +416,14 @@ class StreamedChunks:
             "model": serving.model_name,
         }
         self._num_output = [0] * prep.num_engine_requests
+        self._num_reasoning = [0] * prep.num_engine_requests
         self._cached = 0
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """The request's deltas (serving.run), counted for the usage at the end."""
         async for index, delta in self.serving.run(self.prep):
             self._num_output[index] = delta.num_output_tokens
+            self._num_reasoning[index] = delta.num_reasoning_tokens
             self._cached = max(self._cached, delta.num_cached_tokens)
             yield index, delta
 
@@ -390,7 +453,8 @@ class StreamedChunks:
 
     def end(self) -> Iterator[bytes]:
         if self.include_usage:
-            usage = self.serving.usage(self.prep, sum(self._num_output), self._cached)
+            reasoning = sum(self._num_reasoning) if self.reasoning else None
+            usage = self.serving.usage(self.prep, sum(self._num_output), self._cached, reasoning)
             yield sse_event({**self.head, "choices": [], "usage": usage})
         yield SSE_DONE
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -336,3 +336,41 @@ def reference(offline_llm: Any) -> Reference:
     ref.completions(COMPLETION_PROMPTS)
     ref.chats(CHAT_CONVERSATIONS)
     return ref
+
+
+# --------------------------------------------------------------------------- reasoning
+
+REASONING_API_KEY = "reasoning-test-key"
+
+
+@pytest.fixture(scope="session")
+def reasoning_server(
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], PlugserveServer]]:
+    """`reasoning_server(markers)`: a server of the tiny reasoning checkpoint
+    (tests/reasoning_checkpoint.py) with the thinking markers as special tokens
+    (`"special"`) or as text (`"text"`), the qwen3 reasoning parser and an API key
+    (REASONING_API_KEY); started on first use, shared by every test that asks for it."""
+    from reasoning_checkpoint import write_reasoning_checkpoint
+
+    servers: dict[str, PlugserveServer] = {}
+    with contextlib.ExitStack() as stack:
+
+        def get(markers: str) -> PlugserveServer:
+            if markers not in servers:
+                folder = tmp_path_factory.mktemp(f"reasoning-{markers}")
+                write_reasoning_checkpoint(smollm2_path, folder / "model", markers=markers)
+                settings = (
+                    "--model", str(folder / "model"),
+                    "--reasoning-parser", "qwen3",
+                    "--api-key", REASONING_API_KEY,
+                    "--dtype", "float32",
+                    "--kv-cache-memory", "16MiB",
+                    "--max-model-len", "256",
+                    "--num-threads", str(NUM_THREADS),
+                )  # fmt: skip
+                server = server_under_test("zmq", folder / "server.log", settings=settings)
+                servers[markers] = stack.enter_context(server.running())
+            return servers[markers]
+
+        yield get

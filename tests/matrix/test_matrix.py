@@ -24,13 +24,15 @@ logprobs within the harness's fp32 tolerance). The stack's plugins meet the mode
 through the model runner, and tests/correctness proves each architecture in depth; the
 covering set proves the stacks serve it, at a few cells' cost instead of the product's.
 
-Every structured-output backend and every tool parser (the `structured_output` and
-`tool_parser` slots) serves too, over a covering set of default-stack float32 cells rather
-than across the product: the grammar is applied in the model runner between the engine's
-two executor calls and tool calls are parsed from the finished text, paths no other slot
-changes. A cell's constrained completions are valid, its unconstrained one equals the
-reference, and the call its model is made to write in the parser's family format comes
-back as `tool_calls`.
+Every structured-output backend, tool parser and reasoning parser (the
+`structured_output`, `tool_parser` and `reasoning_parser` slots) serves too, over a
+covering set of default-stack float32 cells rather than across the product: the grammar
+is applied in the model runner between the engine's two executor calls, and tool calls
+and reasoning are parsed from the finished text, paths no other slot changes. A cell's
+constrained completions are valid, its unconstrained one equals the reference, and the
+call its model is made to write in the parser's family format comes back as
+`tool_calls`, after a reasoning the thinking budget ended (the engine forcing the
+reasoning parser's end marker, the grammar applying from there).
 """
 
 from __future__ import annotations
@@ -233,9 +235,10 @@ def server_args(item: pytest.Item, checkpoint: Callable[[TinyCase], Any]) -> tup
     """The transport and `plugserve serve` settings of a matrix test's server."""
     params = item.callspec.params
     if "output_slots" in params:
-        backend, parser = params["output_slots"]
+        backend, parser, reasoning = params["output_slots"]
         cell = OUTPUT_SLOTS_CELL
         slots = ["--stack.structured_output", backend, "--stack.tool_parser", parser]
+        slots += ["--stack.reasoning_parser", reasoning]
         return cell.transport, [*cell.settings(), *slots]
     cell = params["cell"]
     if "architecture" in params:
@@ -354,7 +357,9 @@ def test_architecture_cell_matches_hf(
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
 
 
-OUTPUT_SLOTS = ("structured_output", "tool_parser")
+OUTPUT_SLOTS = ("structured_output", "tool_parser", "reasoning_parser")
+# Reasoning tokens before the engine forces the end marker, in the tool-call request.
+THINKING_BUDGET = 4
 # What a model of each bundled tool parser's family writes for get_weather(city="Paris").
 # A third-party parser's cells skip until its format is added here.
 TOOL_CALL_TEXT = {
@@ -379,16 +384,16 @@ def output_slot_cells() -> list:
     registry = get_registry()
     impls = {slot: registry.implementations(slot) for slot in OUTPUT_SLOTS}
     params = []
-    for backend, parser in _covering({slot: sorted(impls[slot]) for slot in OUTPUT_SLOTS}):
+    for names in _covering({slot: sorted(impls[slot]) for slot in OUTPUT_SLOTS}):
         reasons = [
             reason
-            for slot, name in zip(OUTPUT_SLOTS, (backend, parser), strict=True)
+            for slot, name in zip(OUTPUT_SLOTS, names, strict=True)
             if (reason := _unavailable(impls[slot][name].cls)) is not None
         ]
-        if parser not in TOOL_CALL_TEXT:
-            reasons.append(f"no recorded call text for tool parser {parser!r}")
+        if names[1] not in TOOL_CALL_TEXT:
+            reasons.append(f"no recorded call text for tool parser {names[1]!r}")
         marks = [pytest.mark.skip(reason="; ".join(reasons))] if reasons else []
-        params.append(pytest.param((backend, parser), id=f"{backend}-{parser}", marks=marks))
+        params.append(pytest.param(names, id="-".join(names), marks=marks))
     return params
 
 
@@ -416,16 +421,20 @@ async def _output_scenario(server, tool_parser: str) -> list[Any]:
             return out.choices[0].text
 
         async def tool_call(text: str) -> Any:
-            # The model is made to write exactly the family's call text; `auto` leaves it
-            # to the tool parser to find the call in it.
+            # After a reasoning the budget ends, the model is made to write exactly the
+            # family's call text; `auto` leaves it to the tool parser to find the call in
+            # the answer.
             out = await client.chat.completions.create(
                 model="smollm2-135m-instruct",
                 messages=[{"role": "user", "content": "What is the weather in Paris?"}],
                 tools=[WEATHER_TOOL],
                 tool_choice="auto",
-                max_tokens=48,
+                max_tokens=64,
                 temperature=0.0,
-                extra_body={"structured_outputs": {"choice": [text]}},
+                extra_body={
+                    "structured_outputs": {"choice": [text]},
+                    "thinking_token_budget": THINKING_BUDGET,
+                },
             )
             return out.choices[0]
 
@@ -439,9 +448,9 @@ async def _output_scenario(server, tool_parser: str) -> list[Any]:
 
 @pytest.mark.parametrize("output_slots", output_slot_cells())
 def test_output_slots(
-    output_slots: tuple[str, str], request: pytest.FixtureRequest, servers: ServerQueue
+    output_slots: tuple[str, str, str], request: pytest.FixtureRequest, servers: ServerQueue
 ) -> None:
-    _, parser = output_slots
+    _, parser, _ = output_slots
     with servers.serve(request.node) as server:
         plain, as_json, choice, called = asyncio.run(_output_scenario(server, parser))
         idle = server.wait_idle()
@@ -449,6 +458,7 @@ def test_output_slots(
     assert set(json.loads(as_json)) == {"city"}
     assert choice in (" Paris", " Lyon")
     assert called.finish_reason == "tool_calls"
+    assert called.message.model_dump()["reasoning_content"]
     [call] = called.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}

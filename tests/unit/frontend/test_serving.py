@@ -110,7 +110,7 @@ def test_ignored_fields_are_logged_by_name_at_debug_level(serving, caplog):
 )  # fmt: skip
 def test_tool_choice_picks_how_a_choice_is_answered(serving, fields, kind):
     prep = chat(serving, **fields)
-    assert type(prep.make_output()) is kind
+    assert type(prep.make_output().answer) is kind
     forced = kind in (RequiredCalls, NamedCall)
     assert (prep.params.structured_outputs is not None) == forced
 

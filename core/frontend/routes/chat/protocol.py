@@ -22,6 +22,8 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: at most this many reasoning tokens; then the engine ends the thinking.
+    thinking_token_budget: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

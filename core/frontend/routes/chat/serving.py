@@ -14,6 +14,7 @@ from plugserve.datatypes import RequestDelta
 from plugserve.frontend.constraints import request_constraint
 from plugserve.frontend.protocol import NamedToolChoice
 from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
+from plugserve.frontend.routes.chat.reasoning_output import ReasoningThenAnswer, reasoning_fields
 from plugserve.frontend.routes.chat.tool_calls import (
     AutoCalls,
     ChoiceOutput,
@@ -32,8 +33,13 @@ from plugserve.frontend.serving import (
 
 @dataclass
 class PreparedChat(Prepared):
-    # How each choice's text becomes content and tool calls (tool_choice).
-    make_output: Callable[[], ChoiceOutput] = ChoiceOutput
+    # How each choice's text becomes reasoning (the stack's reasoning parser), content
+    # and tool calls (tool_choice).
+    make_output: Callable[[], ReasoningThenAnswer] = lambda: ReasoningThenAnswer(
+        ChoiceOutput(), None
+    )
+    # Whether usage reports reasoning tokens (a reasoning parser is configured).
+    reports_reasoning: bool = False
 
 
 class ChatServing:
@@ -53,13 +59,17 @@ class ChatServing:
         params = serving.sampling_params(
             body, len(prompt), prompt_param="messages", constraint=constraint
         )
+        params = serving.with_reasoning(params, prompt, body.thinking_token_budget)
+        make_answer = self._choice_output(body)
+        make_parser = serving.reasoning_parser_factory(prompt)
         return PreparedChat(
             request_id or f"chatcmpl-{uuid.uuid4().hex}",
             [prompt],
             params,
             body.priority,
             body.return_tokens_as_token_ids,
-            make_output=self._choice_output(body),
+            make_output=lambda: ReasoningThenAnswer(make_answer(), make_parser()),
+            reports_reasoning=serving.reasoning_parser is not None,
         )
 
     def _choice_output(self, body: ChatCompletionRequest) -> Callable[[], ChoiceOutput]:
@@ -87,11 +97,18 @@ class ChatServing:
         choices, cached = await self.serving.collect(prep)
         num_output_tokens = sum(c.num_output_tokens for c in choices)
         shaped = [self._final_choice(c, prep) for c in choices]
-        return self.serving.answer(prep, "chat.completion", shaped, num_output_tokens, cached)
+        answer = self.serving.answer(prep, "chat.completion", shaped, num_output_tokens, cached)
+        if prep.reports_reasoning:
+            reasoning_tokens = sum(c.num_reasoning_tokens for c in choices)
+            answer["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return answer
 
     def _final_choice(self, c: CollectedChoice, prep: PreparedChat) -> dict[str, Any]:
-        content, tool_calls = prep.make_output().final("".join(c.text))
+        output = prep.make_output()
+        content, tool_calls = output.final("".join(c.text), c.token_ids)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if output.reasoning is not None:
+            message.update(reasoning_fields(output.reasoning))
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {
@@ -105,7 +122,9 @@ class ChatServing:
     async def stream(self, prep: PreparedChat, include_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events: the role first, then a chunk per content or tool-call
         delta, [DONE] last."""
-        chunks = self.serving.chunks(prep, "chat.completion.chunk", include_usage)
+        chunks = self.serving.chunks(
+            prep, "chat.completion.chunk", include_usage, reasoning=prep.reports_reasoning
+        )
         outputs = [prep.make_output() for _ in range(prep.num_engine_requests)]
         for i in range(prep.num_engine_requests):
             role = {"role": "assistant", "content": ""}
@@ -113,11 +132,13 @@ class ChatServing:
                 {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
             )
         async for index, delta in chunks.deltas():
-            if not has_news(delta):
+            # A special token the text leaves out (a reasoning marker) is news to the
+            # reasoning parser all the same.
+            if not has_news(delta) and not (prep.reports_reasoning and delta.token_ids):
                 continue
             logprobs = self._delta_logprobs(prep, delta)
             output = outputs[index]
-            deltas = output.feed(delta.text)
+            deltas = output.feed(delta.text, delta.token_ids)
             if delta.finished:
                 deltas += output.finish()
             elif not deltas and logprobs is None:

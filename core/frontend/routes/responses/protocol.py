@@ -133,6 +133,8 @@ class ResponsesRequest(StrictModel):
     # always does); checked by `check`.
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's extension, as on chat completions: extra variables for the chat template.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted and ignored (IGNORED_FIELDS): nothing is stored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -176,6 +178,8 @@ class ResponsesRequest(StrictModel):
         for name in ("temperature", "top_p"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
+        if self.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         if self.tools:
             body["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

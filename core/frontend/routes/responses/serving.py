@@ -31,7 +31,6 @@ from plugserve.frontend.engine_client import EngineDeadError, RequestError
 from plugserve.frontend.errors import InvalidRequest, internal_error_message
 from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
 from plugserve.frontend.routes.chat.serving import ChatServing, PreparedChat
-from plugserve.frontend.routes.chat.tool_calls import ChoiceOutput
 from plugserve.frontend.routes.responses.protocol import ResponsesRequest
 from plugserve.frontend.serving import OpenAIServing
 
@@ -98,13 +97,15 @@ class ResponsesServing:
         response["usage"] = usage
 
     @staticmethod
-    def _usage(prep: PreparedChat, output_tokens: int, cached: int) -> dict[str, Any]:
+    def _usage(
+        prep: PreparedChat, output_tokens: int, cached: int, reasoning_tokens: int
+    ) -> dict[str, Any]:
         input_tokens = len(prep.prompts[0])
         return {
             "input_tokens": input_tokens,
             "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens,
         }
 
@@ -112,16 +113,22 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, prep: PreparedChat) -> dict[str, Any]:
         text: list[str] = []
+        token_ids: list[int] = []
         logprobs: list[dict[str, Any]] = []
-        finish_reason, output_tokens, cached = None, 0, 0
+        finish_reason, output_tokens, cached, reasoning_tokens = None, 0, 0, 0
         async for _, delta in self.serving.run(prep):
             text.append(delta.text)
+            token_ids += delta.token_ids
+            reasoning_tokens = delta.num_reasoning_tokens
             logprobs += self._logprobs(body, delta)
             finish_reason = delta.finish_reason
             output_tokens = delta.num_output_tokens
             cached = max(cached, delta.num_cached_tokens)
-        content, calls = prep.make_output().final("".join(text))
+        choice = prep.make_output()
+        content, calls = choice.final("".join(text), token_ids)
         output: list[dict[str, Any]] = []
+        if choice.reasoning is not None:
+            output.append(_reasoning(_item_id("rs"), choice.reasoning, "completed"))
         if content or not calls:
             output.append(_message(_item_id("msg"), content or "", "completed", logprobs))
         output += [
@@ -130,7 +137,8 @@ class ResponsesServing:
             for c in calls
         ]
         response = self._response(body, prep, "completed", output)
-        self._finished(response, finish_reason, self._usage(prep, output_tokens, cached))
+        usage = self._usage(prep, output_tokens, cached, reasoning_tokens)
+        self._finished(response, finish_reason, usage)
         return response
 
     # ------------------------------------------------------------------ streamed
@@ -141,14 +149,15 @@ class ResponsesServing:
         yield events.send("response.created", response=response)
         yield events.send("response.in_progress", response=response)
         items = _StreamedItems(events)
-        choice: ChoiceOutput = prep.make_output()
-        finish_reason, output_tokens, cached = None, 0, 0
+        choice = prep.make_output()
+        finish_reason, output_tokens, cached, reasoning_tokens = None, 0, 0, 0
         try:
             async for _, delta in self.serving.run(prep):
                 output_tokens = delta.num_output_tokens
+                reasoning_tokens = delta.num_reasoning_tokens
                 cached = max(cached, delta.num_cached_tokens)
                 items.pending_logprobs += self._logprobs(body, delta)
-                chat_deltas = choice.feed(delta.text)
+                chat_deltas = choice.feed(delta.text, delta.token_ids)
                 if delta.finished:
                     finish_reason = delta.finish_reason
                     chat_deltas += choice.finish()
@@ -175,7 +184,8 @@ class ResponsesServing:
             for event in items.close():
                 yield event
         response = {**response, "output": items.output}
-        self._finished(response, finish_reason, self._usage(prep, output_tokens, cached))
+        usage = self._usage(prep, output_tokens, cached, reasoning_tokens)
+        self._finished(response, finish_reason, usage)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield events.send(kind, response=response)
 
@@ -189,6 +199,19 @@ def _message(
         "status": status,
         "role": "assistant",
         "content": [_part(text, logprobs)] if status == "completed" else [],
+    }
+
+
+def _reasoning(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning output item: the thinking as one `reasoning_text` part (no summary,
+    nothing encrypted)."""
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else [],
+        "encrypted_content": None,
     }
 
 
@@ -227,6 +250,13 @@ class _StreamedItems:
 
     def feed(self, delta: dict[str, Any], force: bool = False) -> list[bytes]:
         out: list[bytes] = []
+        reasoning = delta.get("reasoning_content")
+        if reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                out += self.close()
+                out += self._open(_reasoning(_item_id("rs"), "", "in_progress"))
+            self.text.append(reasoning)
+            out.append(self._send("response.reasoning_text.delta", delta=reasoning))
         content = delta.get("content")
         if content or (force and content is not None):
             if self.open is None or self.open["type"] != "message":
@@ -265,7 +295,7 @@ class _StreamedItems:
     def _send(self, kind: str, **fields: Any) -> bytes:
         assert self.open is not None
         where: dict[str, Any] = {"item_id": self.open["id"], "output_index": len(self.output)}
-        if self.open["type"] == "message":
+        if self.open["type"] in ("message", "reasoning"):
             where["content_index"] = 0
         return self.events.send(kind, **where, **fields)
 
@@ -282,6 +312,9 @@ class _StreamedItems:
                 self._send("response.content_part.done", part=_part(text, logprobs)),
             ]
             done = _message(item["id"], text, "completed", logprobs)
+        elif item["type"] == "reasoning":
+            out = [self._send("response.reasoning_text.done", text=text)]
+            done = _reasoning(item["id"], text, "completed")
         else:
             self.pending_logprobs = []  # the call's tokens: a call item has no logprobs
             out = [
