@@ -7,10 +7,10 @@ declared and documented here, once (as vLLM's models/interfaces.py):
 - any registered class: ReportsUnavailability (`reports_unavailability`);
 - executors: HasTensorParallelLimit, SupportsWeightReadProbe;
 - attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes,
-  HonoursLayerAttention;
+  HonoursLayerAttention, SupportsBatchInvariance;
 - models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead;
 - linear methods: DescribesLinears, HasKernelPlan (with its KernelMeasurement),
-  SupportsWeightBuffer.
+  SupportsWeightBuffer, SupportsBatchInvariance.
 """
 
 from __future__ import annotations
@@ -95,6 +95,26 @@ class SupportsCudaGraphs(Protocol):
 
 def supports_cuda_graphs(attention: object) -> TypeGuard[SupportsCudaGraphs]:
     return isinstance(attention, SupportsCudaGraphs)
+
+
+@runtime_checkable
+class SupportsBatchInvariance(Protocol):
+    """A linear method or attention backend that can compute each row of its output the
+    same, to the bit, whatever other rows share the call: every reduction over a row (a
+    matmul's sums over K, attention's over the context) in one order at every batch size,
+    chunking of the prompt and step composition (engine.batch_invariant). Parts without it
+    are refused by name when the mode is on."""
+
+    def use_batch_invariant_order(self) -> None:
+        """Keep each row's reductions in one order from now on. Called once, before a
+        linear method processes its weights and before an attention backend allocates its
+        cache; raises ValueError naming why where this instance cannot (its device, dtype,
+        options, or a kernel that does not run on this machine)."""
+        ...
+
+
+def supports_batch_invariance(part: object) -> TypeGuard[SupportsBatchInvariance]:
+    return isinstance(part, SupportsBatchInvariance)
 
 
 @runtime_checkable

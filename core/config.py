@@ -109,6 +109,11 @@ class EngineConfig(_Section):
     # backend that supports them, off otherwise.
     cuda_graphs: bool | None = None
     enable_prefix_caching: bool = True
+    # Greedy output of a request the same, to the bit, whatever it is batched with: the
+    # linear method and the attention backend keep each row's reductions in one order at
+    # every batch size and chunking (capabilities.SupportsBatchInvariance); parts that
+    # cannot are refused by name at start-up. Costs speed (docs/configuration.md).
+    batch_invariant: bool = False
     tensor_parallel_size: int = Field(1, ge=1)
     # Engine-core processes behind the one API server, each a full replica of the model.
     data_parallel_size: int = Field(1, ge=1)

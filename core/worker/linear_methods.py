@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plugserve.capabilities import has_tied_lm_head
+from plugserve.capabilities import has_tied_lm_head, supports_batch_invariance
 from plugserve.config import AUTOMATIC_LINEAR_METHODS, StackConfig
 from plugserve.interfaces.model import LinearMethod
 from plugserve.plugins import PluginRegistry, get_registry
@@ -40,7 +40,10 @@ class LinearMethodChooser:
     """Picks the linear method of each layer: `selected` (stack.linear_method) for all of
     them, or, where None, PACKED_CPU_BF16 for bf16 on a CPU (PLAIN where no plugin
     registers it) and PLAIN elsewhere. Each method is built once, from the registry with
-    its block of `plugin_options`, and shared by the layers it runs."""
+    its block of `plugin_options`, and shared by the layers it runs. `batch_invariant`
+    (engine.batch_invariant): each method is asked to keep one reduction order
+    (capabilities.SupportsBatchInvariance) as it is built, and one that cannot is
+    refused by name."""
 
     def __init__(
         self,
@@ -50,8 +53,10 @@ class LinearMethodChooser:
         selected: str | None = None,
         plugin_options: Mapping[str, Any] | None = None,
         registry: PluginRegistry | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.dtype, self.device = dtype, torch.device(device)
+        self.batch_invariant = batch_invariant
         self.registry = registry or get_registry()
         self.plugin_options = dict(plugin_options or {})
         self.name = selected or self._automatic()
@@ -71,6 +76,7 @@ class LinearMethodChooser:
             selected=config.stack.linear_method,
             plugin_options=config.plugins,
             registry=registry or get_registry(config.disabled_plugins),
+            batch_invariant=config.engine.batch_invariant,
         )
 
     def _automatic(self) -> str:
@@ -90,7 +96,16 @@ class LinearMethodChooser:
     def _build(self, name: str) -> LinearMethod:
         if name not in self._built:
             options = self.plugin_options.get(name)
-            self._built[name] = self.registry.build(SLOT, name, dict(options or {}))
+            method = self.registry.build(SLOT, name, dict(options or {}))
+            if self.batch_invariant:
+                if not supports_batch_invariance(method):
+                    raise ValueError(
+                        f"engine.batch_invariant: linear method {name!r} cannot keep a "
+                        "row's sums in one order across batch sizes"
+                        + (" (bf16 on a CPU runs 'cpu_bf16', which can)" if name == PLAIN else "")
+                    )
+                method.use_batch_invariant_order()
+            self._built[name] = method
         return self._built[name]
 
 

@@ -40,6 +40,10 @@ from plugserve.interfaces.executor import KVCacheInfo
 from plugserve.interfaces.model import AttentionSpec, LayerAttention
 from plugserve.model_files import check_architecture, resolve_model_path
 from plugserve.plugins import get_registry
+from plugserve.worker.batch_invariance import (
+    make_attention_batch_invariant,
+    refuse_batch_dependent_layers,
+)
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
@@ -159,6 +163,8 @@ class ModelRunner:
         self.attention = registry.build(
             "attention", name, self.config.plugin_options(name), spec=spec
         )
+        if self.config.engine.batch_invariant:
+            make_attention_batch_invariant(self.attention, name)
         start = time.perf_counter()
         parallel = self.parallel if self.parallel.world_size > 1 else None
         linear_methods = LinearMethodChooser.from_config(
@@ -174,6 +180,8 @@ class ModelRunner:
             linear_methods=linear_methods,
             model_passes=model_passes_from_config(self.config, registry),
         )
+        if self.config.engine.batch_invariant:
+            refuse_batch_dependent_layers(self.model)
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
         logger.info("%s", self._describe_kernels())
 

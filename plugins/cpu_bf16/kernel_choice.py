@@ -39,10 +39,16 @@ from plugserve import ops
 from plugserve.capabilities import REMEASURE_KERNELS_ENV
 from plugserve.ops.build import cache_key as source_key
 from plugserve.user_cache import cache_root
-from plugserve_plugins.cpu_bf16.cpu_features import GEMM_SOURCE, amx_available
+from plugserve_plugins.cpu_bf16.cpu_features import (
+    GEMM_SOURCE,
+    amx_available,
+    own_kernel_unavailable_reason,
+)
 from plugserve_plugins.cpu_bf16.cpu_usage import cpu_usage, others_share
 from plugserve_plugins.cpu_bf16.fused_mlp import FusedMLP
 from plugserve_plugins.cpu_bf16.kernel_plan import (
+    AMX,
+    BATCH_INVARIANT_KERNELS,
     KERNELS,
     KERNELS_BY_NAME,
     ONE_ROW,
@@ -52,7 +58,7 @@ from plugserve_plugins.cpu_bf16.kernel_plan import (
     candidates_for,
     is_prefill,
 )
-from plugserve_plugins.cpu_bf16.kernel_setting import allowed_libraries, forced_plan
+from plugserve_plugins.cpu_bf16.kernel_setting import KERNEL_ENV, allowed_libraries, forced_plan
 from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
 from plugserve_plugins.cpu_bf16.weight_arena import WeightArena
 
@@ -196,19 +202,33 @@ def _cell(times: dict[str, float | None], name: str, chosen: str) -> str:
 
 
 def plan_for(
-    steps: Sequence[Step], *, coded: bool = False, remeasure: bool | None = None
+    steps: Sequence[Step],
+    *,
+    coded: bool = False,
+    remeasure: bool | None = None,
+    batch_invariant: bool = False,
 ) -> Measurement:
     """The plan for a model whose step runs `steps`: the one cached for this machine and
     shape, else measured now (and cached). `coded`: one-row matmuls may read
     exponent-coded copies of the weights. Where each bucket has one candidate (a single
-    library allowed), that one, unmeasured."""
-    candidates = candidates_here(coded)
+    library allowed), that one, unmeasured. `batch_invariant`: one kernel of
+    BATCH_INVARIANT_KERNELS for every bucket (choose_single), a ValueError where none
+    runs here."""
+    candidates = batch_invariant_candidates() if batch_invariant else candidates_here(coded)
     total = sum(_step_bytes(step) for step in steps)
     forced = forced_plan()
+    if forced is not None and batch_invariant and not is_batch_invariant(forced):
+        raise ValueError(
+            f"engine.batch_invariant needs one kernel of "
+            f"{', '.join(k.name for k in BATCH_INVARIANT_KERNELS)} for every row count; "
+            f"{KERNEL_ENV} sets {forced.describe()}"
+        )
     if forced is not None or all(len(c) == 1 for c in candidates):
         plan = forced or KernelPlan(tuple(c[0] for c in candidates))
         return Measurement(plan, [{} for _ in ROW_BUCKETS], [0] * len(ROW_BUCKETS), 0, total)
     key = _cache_key(steps, candidates)
+    if batch_invariant:
+        key["batch_invariant"] = True
     path = cache_root() / "kernel_plans" / f"{_digest(key)}.json"
     if remeasure is None:
         remeasure = os.environ.get(REMEASURE_ENV, "") not in ("", "0")
@@ -218,6 +238,8 @@ def plan_for(
         except (KeyError, ValueError, TypeError) as exc:
             logger.warning("ignoring unreadable kernel plan %s: %s", path, exc)
     measurement = measure(steps, candidates)
+    if batch_invariant:
+        measurement.plan = choose_single(measurement.times_ms, candidates[0])
     measurement.key = key
     # A plan timed at start-up beside other work is used, not kept: the next start times
     # it again. One measured on request (`plugserve bench kernels`) is kept all the same:
@@ -245,6 +267,44 @@ def candidates_here(coded: bool) -> list[list[Kernel]]:
     coded = coded and "own" in libraries
     amx = "own" in libraries and amx_available()
     return [candidates_for(b, libraries, coded, amx) for b in range(len(ROW_BUCKETS))]
+
+
+def batch_invariant_candidates() -> list[list[Kernel]]:
+    """Per bucket, the BATCH_INVARIANT_KERNELS that run here (the same for every bucket);
+    a ValueError naming why where none does (cpu_gemm.cpp needs AVX512_BF16)."""
+    libraries = allowed_libraries()
+    if "own" not in libraries:
+        reason = own_kernel_unavailable_reason() or f"{KERNEL_ENV} leaves it out"
+        raise ValueError(
+            "engine.batch_invariant needs cpu_gemm.cpp's tile kernels for bf16 linears, "
+            f"which cannot run here: {reason}"
+        )
+    amx = amx_available()
+    kernels = [k for k in BATCH_INVARIANT_KERNELS if k.one_row_mode != AMX or amx]
+    return [list(kernels) for _ in ROW_BUCKETS]
+
+
+def is_batch_invariant(plan: KernelPlan) -> bool:
+    """Whether `plan` runs one kernel of BATCH_INVARIANT_KERNELS at every row count."""
+    return len(set(plan.by_bucket)) == 1 and plan.by_bucket[0] in BATCH_INVARIANT_KERNELS
+
+
+def choose_single(times: list[dict[str, float | None]], kernels: list[Kernel]) -> KernelPlan:
+    """One kernel for every bucket: the one whose times, each over its bucket's best, add
+    up least (a bucket where a kernel was left untimed as a loser counts LOSER_FACTOR), so
+    that the long prefill buckets' milliseconds do not outvote the decode ones."""
+
+    def cost(kernel: Kernel) -> float:
+        total = 0.0
+        for bucket_times in times:
+            timed = {name: ms for name, ms in bucket_times.items() if ms is not None}
+            if not timed:
+                continue
+            ms = timed.get(kernel.name)
+            total += LOSER_FACTOR if ms is None else ms / min(timed.values())
+        return total
+
+    return KernelPlan.single(min(kernels, key=cost))
 
 
 def measure(steps: Sequence[Step], candidates: list[list[Kernel]]) -> Measurement:

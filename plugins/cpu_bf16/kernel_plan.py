@@ -100,6 +100,15 @@ KERNELS: tuple[Kernel, ...] = (
 )
 KERNELS_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 
+# The kernels whose every output row is the same bits whatever other rows share the call
+# (engine.batch_invariant): cpu_gemm.cpp's tile loops sum each output over K in one order,
+# one row at a time, and split only the outputs among threads, at every row count; the one
+# row of TILED runs the same tile loop (the streaming one-row modes reduce otherwise, and
+# oneDNN and ATen choose their algorithm, hence their order, by the row count). A plan of
+# one of them for every bucket keeps a request's logits independent of its batch; mixing
+# two would not (the vector and the tile instructions add a pair's products differently).
+BATCH_INVARIANT_KERNELS: tuple[Kernel, ...] = (OWN_TILED, OWN_AMX)
+
 
 def candidates_for(
     bucket: int, libraries: tuple[Library, ...], coded: bool, amx: bool = False

@@ -55,7 +55,8 @@ class CpuPacking:
 
 class PackedCpuBf16(PlainLinearMethod):
     """interfaces.model.LinearMethod: bf16 weights packed for the CPU kernels of a measured plan
-    (capabilities: HasKernelPlan, SupportsWeightBuffer, DescribesLinears)."""
+    (capabilities: HasKernelPlan, SupportsWeightBuffer, DescribesLinears,
+    SupportsBatchInvariance)."""
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -65,6 +66,14 @@ class PackedCpuBf16(PlainLinearMethod):
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or self.Options()
         self.packing: CpuPacking | None = None
+        self.batch_invariant = False
+
+    def use_batch_invariant_order(self) -> None:
+        """Run every row count on one kernel whose rows do not depend on each other
+        (kernel_plan.BATCH_INVARIANT_KERNELS, the faster here where two run); a ValueError
+        where none runs on this machine."""
+        kernel_choice.batch_invariant_candidates()
+        self.batch_invariant = True
 
     @property
     def kernel_plan(self) -> KernelPlan | None:
@@ -100,9 +109,16 @@ class PackedCpuBf16(PlainLinearMethod):
         if tied_head is not None:
             weights.append(tied_head.weight)
         if not weights or not packing_supported(weights[0].dtype, weights[0].device):
+            if self.batch_invariant:
+                raise ValueError(
+                    f"engine.batch_invariant: linear method 'cpu_bf16' packs no "
+                    f"{weights[0].dtype if weights else 'model'} weight on this machine"
+                )
             return
         steps = step_matmuls(model, layers, tied_head)
-        measurement = kernel_choice.plan_for(steps, coded=self.options.coded_weights)
+        measurement = kernel_choice.plan_for(
+            steps, coded=self.options.coded_weights, batch_invariant=self.batch_invariant
+        )
         plan = measurement.plan
         log_plan(measurement)
         arena = WeightArena.for_weights(weights, plan)

@@ -390,7 +390,7 @@ template <typename T, int BS>
 void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                           const at::Tensor& v_blocks, const at::Tensor& block_table,
                           const at::Tensor& table_index, const at::Tensor& seq_lens,
-                          double scale, double softcap, int64_t window) {
+                          double scale, double softcap, int64_t window, bool split_one_row) {
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = BS != 0 ? BS : k_blocks.size(1), kv_heads = k_blocks.size(2);
   const int64_t group = heads / kv_heads;
@@ -532,7 +532,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
   if (rows == 1) {
 #ifdef PLUGSERVE_SPLIT_DECODE
     const int64_t first = first_of(lens[0]);
-    if (attend_row_split<T, BS>(out_ptr, q_ptr, q_head, heads, kv_heads, head_dim, first,
+    if (split_one_row &&
+        attend_row_split<T, BS>(out_ptr, q_ptr, q_head, heads, kv_heads, head_dim, first,
                                 lens[0] - first, block_size, table + table_of[0] * max_blocks,
                                 k_blocks, v_blocks, block_table, fscale, fsoftcap))
       return;
@@ -547,17 +548,17 @@ template <typename T>
 void paged_attention_rows(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                           const at::Tensor& v_blocks, const at::Tensor& block_table,
                           const at::Tensor& table_index, const at::Tensor& seq_lens,
-                          double scale, double softcap, int64_t window) {
+                          double scale, double softcap, int64_t window, bool split_one_row) {
   switch (k_blocks.size(1)) {
     case 16:
       return paged_attention_impl<T, 16>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                         seq_lens, scale, softcap, window);
+                                         seq_lens, scale, softcap, window, split_one_row);
     case 32:
       return paged_attention_impl<T, 32>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                         seq_lens, scale, softcap, window);
+                                         seq_lens, scale, softcap, window, split_one_row);
     default:
       return paged_attention_impl<T, 0>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                        seq_lens, scale, softcap, window);
+                                        seq_lens, scale, softcap, window, split_one_row);
   }
 }
 
@@ -598,7 +599,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& slots, at::Tensor k_blocks, at::Tensor v_blocks,
                            const at::Tensor& block_table, const at::Tensor& table_index,
                            const at::Tensor& seq_lens, double scale, double softcap,
-                           int64_t window) {
+                           int64_t window, bool split_one_row) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_blocks.is_contiguous() && v_blocks.is_contiguous(), "KV blocks must be contiguous");
   TORCH_CHECK(k_blocks.scalar_type() == q.scalar_type() && v_blocks.scalar_type() == q.scalar_type(),
@@ -616,26 +617,31 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
     paged_attention_rows<c10::BFloat16>(out, q, k_blocks, v_blocks, block_table, table_index,
-                                        seq_lens, scale, softcap, window);
+                                        seq_lens, scale, softcap, window, split_one_row);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
     paged_attention_rows<float>(out, q, k_blocks, v_blocks, block_table, table_index, seq_lens,
-                                scale, softcap, window);
+                                scale, softcap, window, split_one_row);
   }
   return out;
 }
 
 // A step's plan and every layer's cache, for calls from C++ (plugserve::LayerAttentionFn).
 // Per layer: its softmax scale, soft-cap (0: none) and sliding window (0: none).
+// split_one_row: a lone row may split its context with the row pool's helper (faster at
+// batch 1, but the slices' partial sums then merge in another order than a row of a larger
+// batch, whose context one thread reduces front to back); false keeps every row's sums in
+// that one order whatever shares the step (engine.batch_invariant).
 struct PagedAttentionStep : torch::CustomClassHolder {
   PagedAttentionStep(std::vector<at::Tensor> k_blocks, std::vector<at::Tensor> v_blocks,
                      std::vector<double> scales, std::vector<double> softcaps,
-                     std::vector<int64_t> windows)
+                     std::vector<int64_t> windows, bool split_one_row)
       : k_blocks(std::move(k_blocks)),
         v_blocks(std::move(v_blocks)),
         scales(std::move(scales)),
         softcaps(std::move(softcaps)),
-        windows(std::move(windows)) {
+        windows(std::move(windows)),
+        split_one_row(split_one_row) {
     const size_t layers = this->k_blocks.size();
     TORCH_CHECK(this->v_blocks.size() == layers && this->scales.size() == layers &&
                     this->softcaps.size() == layers && this->windows.size() == layers,
@@ -714,12 +720,13 @@ struct PagedAttentionStep : torch::CustomClassHolder {
     TORCH_CHECK(step.slots.defined(), "plan() must run before the layer call");
     return paged_attention(q, k, v, step.slots, step.k_blocks[layer], step.v_blocks[layer],
                            step.block_table, step.table_index, step.seq_lens, step.scales[layer],
-                           step.softcaps[layer], step.windows[layer]);
+                           step.softcaps[layer], step.windows[layer], step.split_one_row);
   }
 
   std::vector<at::Tensor> k_blocks, v_blocks;
   std::vector<double> scales, softcaps;
   std::vector<int64_t> windows;
+  bool split_one_row;
   at::Tensor slots, block_table, table_index, seq_lens;
 };
 
@@ -728,7 +735,7 @@ struct PagedAttentionStep : torch::CustomClassHolder {
 TORCH_LIBRARY(plugserve_cpu, m) {
   m.class_<PagedAttentionStep>("PagedAttentionStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>,
-                       std::vector<double>, std::vector<int64_t>>())
+                       std::vector<double>, std::vector<int64_t>, bool>())
       .def("plan", &PagedAttentionStep::plan)
       .def("forward", &PagedAttentionStep::forward)
       .def("layer_call", &PagedAttentionStep::layer_call);

@@ -42,6 +42,8 @@ def paged_attention_step(
     v_blocks: list[torch.Tensor],
     layers: Sequence[LayerAttention],
     head_dim: int,
+    *,
+    split_one_row: bool = True,
 ) -> Any:
     """The kernel over each layer's K/V blocks [num_blocks, block_size, KVH, D], each layer
     attending as its LayerAttention says (scale, soft-cap, sliding window).
@@ -50,11 +52,14 @@ def paged_attention_step(
     interfaces.model.AttentionBatch arrays (as tensors); then `forward(layer, q, k, v)` writes the
     step's k and v [T, KVH, D] into the cache and attends q [T, H, D] → [T, H, D], and
     `layer_call()` gives [function, context] addresses of the same kernel as a
-    plugserve::LayerAttentionFn (layer_attention.h)."""
+    plugserve::LayerAttentionFn (layer_attention.h). `split_one_row`: a step of one row
+    may split its context with the row pool's helper (faster at batch 1; False keeps every
+    row's sums in the order a row of a larger step has, for engine.batch_invariant)."""
     return torch.classes.plugserve_cpu.PagedAttentionStep(
         k_blocks,
         v_blocks,
         [layer.softmax_scale(head_dim) for layer in layers],
         [layer.logit_softcap or 0.0 for layer in layers],  # 0: none
         [layer.sliding_window or 0 for layer in layers],  # 0: the whole context
+        split_one_row,
     )

@@ -110,7 +110,9 @@ class _StepPlan:
 
 
 class TorchPagedAttention:
-    """interfaces.model.AttentionBackend with paged KV in torch tensors and SDPA."""
+    """interfaces.model.AttentionBackend with paged KV in torch tensors and SDPA
+    (capabilities: SupportsCudaGraphs, SupportsFusedCpuLayer, HonoursLayerAttention,
+    SupportsBatchInvariance)."""
 
     # capabilities.HonoursLayerAttention: every path applies all three.
     layer_attention_options = frozenset({"sliding_window", "logit_softcap", "scale"})
@@ -152,6 +154,39 @@ class TorchPagedAttention:
             # token-at-a-time kernel, sdpa in SDPA): "on" would be dropped there.
             raise ValueError(f"prefill_kernel 'on' needs kernel 'auto' (kernel is {choice!r})")
         self._prefill_choice = options.prefill_kernel if choice == "auto" else "off"
+        # A lone decode row may split its context with the row pool's helper.
+        self._split_one_row = True
+        self._kernel_choice = choice
+
+    def use_batch_invariant_order(self) -> None:
+        """Every token of every step through the C++ kernel, one query token per row, each
+        row's context reduced front to back by one thread: prefill tokens and decodes alike,
+        so that a token's attention is the same whether its prompt came in one chunk or
+        several, alone or batched, or again after a preemption. Long prefill rows then
+        stay in the token-at-a-time kernel (slower than SDPA's blocked one at long
+        prompts; docs/configuration.md states the cost)."""
+        if self.kv_cache is not None:
+            raise RuntimeError("use_batch_invariant_order() must run before allocate_kv_cache()")
+        if self._kernel_choice == "sdpa":
+            raise ValueError(
+                "engine.batch_invariant: attention option kernel 'sdpa' reduces by the "
+                "row's query count; use kernel 'auto' or 'native'"
+            )
+        if not self.native:
+            raise ValueError(
+                "engine.batch_invariant: the torch attention backend keeps one order only "
+                "in its C++ kernel, which runs on CPU in float32 or bfloat16 "
+                f"({self.device.type}, {self.spec.dtype} here"
+                + (
+                    f"; {cpu_paged_attention.unavailable_reason()}"
+                    if cpu_paged_attention.unavailable_reason()
+                    else ""
+                )
+                + ")"
+            )
+        self._sdpa_min_query_tokens = None
+        self._prefill_choice = "off"
+        self._split_one_row = False
 
     def _use_native_kernel(self, choice: str) -> bool:
         if choice == "sdpa":
@@ -205,6 +240,7 @@ class TorchPagedAttention:
                 [c.v_blocks for c in self._layer_caches],
                 self.layers,
                 s.head_dim,
+                split_one_row=self._split_one_row,
             )
             if self.native
             else None

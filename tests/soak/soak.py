@@ -21,7 +21,9 @@ Afterwards (`SoakReport.failures`):
   the engine core, …) is within 10 % of what it was after the warm-up.
 
 `make soak` runs main(): a thousand requests through each transport (--requests), printing
-the figures. tests/integration/test_soak.py runs a short one in `make test`.
+the figures; `--setting NAME=VALUE` (repeatable) changes the server's settings, e.g.
+`--setting dtype=bfloat16 --setting batch_invariant=true --setting num_threads=2` for
+bf16 greedy answers equal to the alone ones bit for bit. tests/integration/test_soak.py runs a short one in `make test`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugserve.bench.plugserve_server import PlugserveServer
 from plugserve.bench.processes import children_of, process_cmdline
 from plugserve.bench.server_process import wait_until
-from tests.integration.conftest import MODEL, TRANSPORTS, running_server, transport_registered
+from tests.integration.conftest import (
+    MODEL,
+    SERVER_SETTINGS,
+    TRANSPORTS,
+    running_server,
+    transport_registered,
+)
 
 LEAVING_SHARE = 0.25  # of the requests, whose clients disconnect part-way
 MAX_LEAVE_DELAY_S = 1.5  # a non-streamed request's client leaves within this
@@ -540,7 +548,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--transports", nargs="+", default=TRANSPORTS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a server setting over the soak's own (dtype=bfloat16, batch_invariant=true)",
+    )
     args = parser.parse_args(argv)
+    settings = list(SERVER_SETTINGS)
+    for setting in args.setting:
+        name, equals, value = setting.partition("=")
+        if not equals or not name:
+            parser.error(f"--setting {setting!r}: expected NAME=VALUE")
+        settings += [f"--{name.replace('_', '-')}", value]
     log_dir = Path(tempfile.mkdtemp(prefix="plugserve-soak-"))
     print(f"server logs in {log_dir}", flush=True)
     reports = []
@@ -549,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         if not transport_registered(transport):
             print(f"the {transport!r} transport is not registered: skipped", flush=True)
             continue
-        with running_server(transport, log_dir) as server:
+        with running_server(transport, log_dir, settings=settings) as server:
             report = soak(
                 server,
                 requests=args.requests,
