@@ -79,3 +79,45 @@ def test_greedy_bf16_output_is_the_same_bits_alone_batched_chunked_and_preempted
         gc.collect()
     for prompt, together, by_itself in zip(mixed_prompts, batched, alone, strict=True):
         assert together == by_itself, f"{len(prompt)}-token prompt"
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tiny_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import Qwen3MoeConfig
+
+    from correctness.tiny_checkpoints import tiny, write_tiny_checkpoint
+
+    config = Qwen3MoeConfig(
+        **tiny(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
+    )
+    return str(write_tiny_checkpoint(config, tmp_path_factory.mktemp("moe"), tiny_tokenizer))
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        ({"dtype": "float32"}, "linear method 'plain'"),
+        ({"dtype": "bfloat16", "linear_method": "int8"}, "linear method 'int8'"),
+        ({"dtype": "bfloat16", "plugins.torch": {"kernel": "sdpa"}}, "kernel 'sdpa'"),
+    ],
+    ids=["fp32-plain-matmuls", "int8-matmuls", "sdpa-attention"],
+)
+def test_a_part_that_cannot_keep_one_order_is_refused_by_name(overrides, named) -> None:
+    with pytest.raises(ValueError, match=rf"engine\.batch_invariant: .*{named}"):
+        LLM(model="smollm2-135m-instruct", batch_invariant=True, **overrides)
+
+
+@pytest.fixture
+def first_invariant_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first kernel the mode may run here, pinned (the suite pins a mixed plan)."""
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    if not invariant_kernels_here():
+        pytest.skip("no batch-invariant bf16 kernel runs on this CPU")
+    kernel = kernel_choice.batch_invariant_candidates()[0][0]
+    monkeypatch.setenv(KERNEL_ENV, plan_setting(KernelPlan.single(kernel)))
+
+
+@pytest.mark.usefixtures("first_invariant_kernel")
+def test_a_mixture_of_experts_model_is_refused_by_name(tiny_moe) -> None:
+    with pytest.raises(ValueError, match=r"engine\.batch_invariant: .*expert layers"):
+        LLM(model=tiny_moe, dtype="bfloat16", batch_invariant=True)
