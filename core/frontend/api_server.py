@@ -31,6 +31,7 @@ from plugserve.frontend.routes.endpoint_flow import (
     ERROR_RESPONSES,
     error_response,
     internal_error_response,
+    validation_message,
 )
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.plugins import PluginRegistry
@@ -38,32 +39,6 @@ from plugserve.plugins import PluginRegistry
 logger = logging.getLogger(__name__)
 
 __all__ = ["build_app"]
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
-    if unknown:
-        # Every unknown field at once, by its path: no field is silently ignored.
-        names = [".".join(str(p) for p in e["loc"] if _named(p)) for e in unknown]
-        return (
-            f"unsupported field{'s' if len(names) > 1 else ''}: {', '.join(names)} "
-            "(not implemented by this server; see docs/api.md)",
-            names[0],
-        )
-    # A field typed as a union (the Responses API's `input`) fails in every branch: the
-    # deepest failure is the one that says what is wrong.
-    field = errors[0].get("loc", ())[:2]
-    err = max(
-        (e for e in errors if e.get("loc", ())[:2] == field), key=lambda e: len(e.get("loc", ()))
-    )
-    loc = [str(p) for p in err.get("loc", ()) if _named(p)]
-    if err.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
-    param = ".".join(loc) or None
-    return (f"{param}: {err['msg']}" if param else err["msg"]), param
 
 
 def build_app(
@@ -128,7 +103,7 @@ def build_app(
 
 
 async def _invalid_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
-    message, param = _validation_message(exc)
+    message, param = validation_message(exc)
     return error_response(400, message, "invalid_request_error", param)
 
 
@@ -138,9 +113,3 @@ async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONRespons
 
 async def _server_error(_req: Request, exc: Exception) -> JSONResponse:
     return internal_error_response(exc)
-
-
-def _named(part: object) -> bool:
-    """A part of an error's path a client wrote: not the body itself, nor the label
-    pydantic gives a branch of a union ("list[tagged-union[…]]")."""
-    return part != "body" and "[" not in str(part)

@@ -3,13 +3,17 @@ starlette's BaseHTTPMiddleware would relay every streamed chunk through an extra
 and queue):
 
 - while the server drains for shutdown, a new request is answered 503 at once;
-- on /v1/ routes, the API key (`Authorization: Bearer <key>`), compared in constant time;
+- on /v1/ routes, the API key (`Authorization: Bearer <key>`, or `x-api-key: <key>` as
+  Anthropic's clients send it), compared in constant time;
 - the request id: the client's `X-Request-Id` (vLLM's header) or a fresh one, given to the
   routes (`request.state.request_id`) and echoed in the response's `X-Request-Id`;
 - every response names the API-server process that answered (x-plugserve-api-server);
 - an exception raised before the response started (a bug in a route, or in a plugin it
   calls) is logged with its traceback and answered 500 in OpenAI's error shape, never
   as starlette's plain-text page, which clients cannot parse.
+
+The gate's own errors are in OpenAI's shape, except under a path prefix an endpoint
+family registered another API's shape for in ERROR_SHAPES (Anthropic's, /v1/messages).
 
 It also counts the requests in flight, which graceful shutdown waits for.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hmac
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +44,23 @@ class Traffic:
     draining: bool = False  # set on shutdown: new requests are answered 503
 
 
+# Path prefix -> how the gate answers an error there, (status, message) -> response, for
+# endpoint families that speak another API than OpenAI's.
+ERROR_SHAPES: dict[str, Callable[[int, str], Any]] = {}
+
+
+def _error(path: str, status: int, message: str, kind: str, param: str | None = None) -> Any:
+    for prefix, shape in ERROR_SHAPES.items():
+        if path.startswith(prefix):
+            return shape(status, message)
+    return error_response(status, message, kind, param)
+
+
 class ServerGate:
     def __init__(self, app: Any, *, api_key: str | None, identity: str, traffic: Traffic) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected_key = api_key.encode() if api_key else None
         self.header = (API_SERVER_HEADER.encode(), identity.encode())
         self.traffic = traffic
 
@@ -65,13 +83,15 @@ class ServerGate:
                 message["headers"] = [*message.get("headers", []), *echoed]
             await send(message)
 
+        path = scope["path"]
         if self.traffic.draining:
-            response = error_response(503, "the server is shutting down", "server_error")
+            response = _error(path, 503, "the server is shutting down", "server_error")
             response.headers["connection"] = "close"
             await response(scope, receive, send_identified)
             return
         if request_id is None:
-            response = error_response(
+            response = _error(
+                path,
                 400,
                 f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LENGTH} printable ASCII characters",
                 "invalid_request_error",
@@ -79,10 +99,15 @@ class ServerGate:
             )
             await response(scope, receive, send)
             return
-        if self.expected is not None and scope["path"].startswith("/v1/"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key", "authentication_error")
+        if self.expected is not None and path.startswith("/v1/"):
+            bearer = headers.get(b"authorization", b"")
+            key = headers.get(b"x-api-key", b"")
+            assert self.expected_key is not None
+            # Both compared, whichever was sent: the time taken says nothing of either.
+            bearer_ok = hmac.compare_digest(bearer, self.expected)
+            key_ok = hmac.compare_digest(key, self.expected_key)
+            if not (bearer_ok or key_ok):
+                response = _error(path, 401, "invalid or missing API key", "authentication_error")
                 await response(scope, receive, send_identified)
                 return
         scope.setdefault("state", {})["request_id"] = request_id

@@ -51,7 +51,7 @@ CHECKS = [
 MAX_EXAMPLES = int(os.environ.get("PLUGSERVE_FUZZ_EXAMPLES", "30"))
 MAX_TOKENS = 8
 MAX_N = 2
-GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
 GREEDY = [
     ("/v1/completions", {"prompt": "The capital of France is"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three planets."}]}),
@@ -116,7 +116,8 @@ def _is_int(value: Any) -> bool:
 
 def stream_server_errors(response: Any) -> list[str]:
     """The error events of a 5xx in a server-sent stream (chat and completions: an
-    `error` with its code; the Responses API: response.failed)."""
+    `error` with its code; the Responses API: response.failed; Anthropic's Messages API:
+    an `error` event of a server's error type)."""
     content_type = response.headers.get("content-type") or [""]  # schemathesis: lists
     if not content_type[0].startswith("text/event-stream"):
         return []
@@ -126,6 +127,10 @@ def stream_server_errors(response: Any) -> list[str]:
             continue
         event = json.loads(line.removeprefix("data: "))
         error = event.get("error")
+        if event.get("type") == "error" and isinstance(error, dict) and "code" not in error:
+            if error.get("type") in ("api_error", "overloaded_error"):
+                found.append(json.dumps(error))
+            continue
         if isinstance(error, dict) and int(error.get("code") or 500) >= 500:
             found.append(json.dumps(error))
         if event.get("type") == "response.failed":

@@ -4,6 +4,7 @@ bodies (protocol.py):
 
 - chat/: /v1/chat/completions          - completions/: /v1/completions
 - responses/: /v1/responses            - models/: /v1/models
+- messages/: /v1/messages (Anthropic's), /v1/messages/count_tokens
 - tokens/: /tokenize, /detokenize      - health/: /health, /ping, /version
 - metrics/: /metrics                   - bench/: /bench/weight_read
 
@@ -33,10 +34,21 @@ def register_routes(server: ApiServer) -> None:
     from plugserve.frontend.routes.chat import route as chat
     from plugserve.frontend.routes.completions import route as completions
     from plugserve.frontend.routes.health import route as health
+    from plugserve.frontend.routes.messages import route as messages
     from plugserve.frontend.routes.metrics import route as metrics
     from plugserve.frontend.routes.models import route as models
     from plugserve.frontend.routes.responses import route as responses
     from plugserve.frontend.routes.tokens import route as tokens
 
-    for endpoint in (chat, completions, models, responses, tokens, health, bench, metrics):
+    for endpoint in (
+        chat,
+        completions,
+        models,
+        responses,
+        messages,
+        tokens,
+        health,
+        bench,
+        metrics,
+    ):
         server.include_router(endpoint.router)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
@@ -96,6 +97,39 @@ def invalid_request_response(exc: InvalidRequest) -> JSONResponse:
     if isinstance(exc, ModelNotFound):
         return error_response(404, str(exc), "invalid_request_error", "model")
     return error_response(400, str(exc), "invalid_request_error", exc.param)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A body that failed validation, as a 400 names it: (message, the field at fault)."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        # Every unknown field at once, by its path: no field is silently ignored.
+        names = [".".join(str(p) for p in e["loc"] if _named(p)) for e in unknown]
+        return (
+            f"unsupported field{'s' if len(names) > 1 else ''}: {', '.join(names)} "
+            "(not implemented by this server; see docs/api.md)",
+            names[0],
+        )
+    # A field typed as a union (the Responses API's `input`) fails in every branch: the
+    # deepest failure is the one that says what is wrong.
+    field = errors[0].get("loc", ())[:2]
+    err = max(
+        (e for e in errors if e.get("loc", ())[:2] == field), key=lambda e: len(e.get("loc", ()))
+    )
+    loc = [str(p) for p in err.get("loc", ()) if _named(p)]
+    if err.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    param = ".".join(loc) or None
+    return (f"{param}: {err['msg']}" if param else err["msg"]), param
+
+
+def _named(part: object) -> bool:
+    """A part of an error's path a client wrote: not the body itself, nor the label
+    pydantic gives a branch of a union ("list[tagged-union[…]]")."""
+    return part != "body" and "[" not in str(part)
 
 
 # ------------------------------------------------------------------ a generating request
