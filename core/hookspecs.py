@@ -128,6 +128,14 @@ def register_structured_output_backends(register: Register) -> None:
     the API server also calls the class's `validate`."""
 
 
+@hookspec
+def register_spec_proposers(register: Register) -> None:
+    """Register SpecProposer classes (interfaces.speculative.SpecProposer) that guess each
+    decoding request's next tokens for speculative decoding; the target model verifies
+    the guesses in one pass. Selected by `stack.speculative.proposer` (speculation is off
+    while `stack.speculative` is unset); options from `plugins.<name>`."""
+
+
 # --------------------------------------------------------------- worker
 
 

@@ -71,6 +71,7 @@ OFFLINE_SLOTS = (
     "executor",
     "attention",
     "linear_method",
+    "spec_proposer",
 )
 
 

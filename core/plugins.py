@@ -40,6 +40,7 @@ SLOT_HOOKS: dict[str, str] = {
     "kv_allocator": "register_kv_allocators",
     "structured_output": "register_structured_output_backends",
     "executor": "register_executors",
+    "spec_proposer": "register_spec_proposers",
     "attention": "register_attention_backends",
     "linear_method": "register_linear_methods",
     "model_pass": "register_model_passes",

@@ -11,9 +11,10 @@ class GrammarOutput(msgspec.Struct, kw_only=True):
     runner to the parked logits before sampling.
 
     `bitmask` is int32 [len(req_ids), ceil(vocab_size / 32)] in native byte order, one row
-    per constrained request in `req_ids` order: bit j of word i set means token 32 * i + j
-    may be sampled (xgrammar's and llguidance's layout). Rows of requests without a
-    grammar are not in it and are left untouched.
+    per entry of `req_ids`: bit j of word i set means token 32 * i + j may be sampled
+    (xgrammar's and llguidance's layout). A constrained request has one entry, or, when
+    it verifies draft tokens (speculative decoding), one per position it samples at, in
+    order. Rows of requests without a grammar are not in it and are left untouched.
     """
 
     req_ids: list[str]

@@ -41,6 +41,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # aborted ones, and preempted ones (which come back later as new requests).
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = msgspec.field(default_factory=set)
+    # Speculative decoding: req_id -> the draft tokens scheduled after its next token
+    # (counted in num_scheduled_tokens). The runner computes logits at every one of
+    # those positions and returns the accepted drafts plus one token of its own.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:

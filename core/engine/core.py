@@ -13,8 +13,9 @@ import logging
 from plugserve.config import StackConfig
 from plugserve.datatypes import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
 from plugserve.engine.scheduler import Scheduler
+from plugserve.engine.speculation import Speculation
 from plugserve.engine.step_timer import StepStats, StepTimer
-from plugserve.engine.structured_output import StructuredOutputManager
+from plugserve.engine.structured_output import StructuredOutputManager, model_vocab_size
 from plugserve.interfaces.executor import Executor, KVCacheInfo
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from plugserve.plugins import get_registry
@@ -58,6 +59,22 @@ class EngineCore:
         )
         # Builds its backend on the first constrained request only.
         self.structured_output = StructuredOutputManager(config, registry=registry)
+        speculative = stack.speculative
+        self.speculation = (
+            Speculation(
+                registry.build(
+                    "spec_proposer",
+                    speculative.proposer,
+                    config.plugin_options(speculative.proposer),
+                    num_tokens=speculative.num_tokens,
+                    vocab_size=model_vocab_size(config),
+                ),
+                num_tokens=speculative.num_tokens,
+                max_model_len=info.max_model_len,
+            )
+            if speculative is not None
+            else None
+        )
         self.scheduler = Scheduler(
             policy=policy,
             kv_allocator=kv_allocator,
@@ -68,6 +85,7 @@ class EngineCore:
             if registry.has_observers("request_finished")
             else None,
             structured_output=self.structured_output,
+            speculation=self.speculation,
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
         self.timer = StepTimer()
@@ -155,7 +173,9 @@ class EngineCore:
         constrained = self.scheduler.constrained_sampling(scheduler_output)
         if constrained:
             with self.timer.building_bitmask():
-                grammar_output = self.structured_output.grammar_output(constrained)
+                grammar_output = self.structured_output.grammar_output(
+                    constrained, scheduler_output.scheduled_spec_decode_tokens
+                )
         model_output = future.result() if hasattr(future, "result") else future
         self.timer.forward_returned()
         if model_output is None:

@@ -14,6 +14,10 @@ A request with a structured-output constraint first waits for its grammar
 waiting queue once the grammar is compiled, or finishes with an error if it cannot be.
 Each token it accepts advances its grammar; a grammar that reaches its end finishes the
 request with `stop`.
+
+With speculative decoding (speculation.py), a decoding request is scheduled with its
+proposer's draft tokens after its next token, inside the same token budget; the drafts
+it did not keep are taken back from `num_computed_tokens` when the pass returns.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from plugserve.interfaces.scheduling import SchedulingPolicy
 from plugserve.messages import EngineCoreOutput, SchedulerStats
 
 if TYPE_CHECKING:
+    from plugserve.engine.speculation import Speculation
     from plugserve.engine.structured_output import StructuredOutputManager
 
 
@@ -49,6 +54,7 @@ class Scheduler:
         max_model_len: int,
         on_finished: Callable[[Request], None] | None = None,
         structured_output: StructuredOutputManager | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self.policy = policy
         self.kv = kv_allocator
@@ -73,6 +79,7 @@ class Scheduler:
         # Outputs of requests finished by schedule() (a grammar that failed to compile),
         # handed out by the next update_from_output.
         self._pending_outputs: list[EngineCoreOutput] = []
+        self.speculation = speculation
 
     # ------------------------------------------------------------------ requests
 
@@ -195,13 +202,22 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
 
         # Running requests first: decodes, and prefills still being chunked.
+        proposed = self.speculation.propose(self.running) if self.speculation else {}
+        spec_tokens: dict[str, list[int]] = {}
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new, index)
-            if new_blocks is None:  # the request itself gave way
-                continue
+            draft = proposed.get(request.request_id, [])[: budget - num_new]
+            new_blocks = self.kv.allocate_slots(request, num_new + len(draft)) if draft else None
+            if new_blocks is None:  # without drafts: speculation never preempts anyone
+                draft = []
+                new_blocks = self._allocate_or_preempt(request, num_new, index)
+                if new_blocks is None:  # the request itself gave way
+                    continue
+            if draft:
+                spec_tokens[request.request_id] = draft
+                num_new += len(draft)
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -254,6 +270,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, index: int) -> list[int] | None:
@@ -309,6 +326,12 @@ class Scheduler:
                 sampled = runner_output.sampled_token_ids.get(req_id)
                 if not sampled:
                     continue  # a prefill chunk that is not the last: nothing sampled yet
+                draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+                if draft:
+                    assert self.speculation is not None
+                    request.num_computed_tokens -= self.speculation.accepted(
+                        request, draft, len(sampled)
+                    )
                 new_token_ids = self._append_until_stop(request, sampled)
                 self.num_generated_tokens += len(new_token_ids)
             any_finished |= request.is_finished
@@ -421,6 +444,8 @@ class Scheduler:
         del self.requests[request.request_id]
         self._preempted_req_ids.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
+        if self.speculation is not None:
+            self.speculation.request_finished(request.request_id)
         reason = request.status.finish_reason
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
         if self.on_finished is not None:

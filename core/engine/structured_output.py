@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,7 +92,7 @@ class StructuredOutputManager:
     def _build_backend(self) -> StructuredOutputBackend:
         model_path = resolve_model_path(self._config.model)
         tokenizer = load_tokenizer(model_path)
-        vocab_size = max(_model_vocab_size(model_path), len(tokenizer))
+        vocab_size = max(model_vocab_size(self._config), len(tokenizer))
         # The tokens that end the model's output: the tokenizer's EOS and every EOS id of
         # generation_config.json (a chat model's end of turn among them).
         eos = tokenizer.eos_token_id
@@ -119,11 +118,19 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ each step
 
-    def grammar_output(self, requests: Sequence[Request]) -> GrammarOutput:
-        """The bitmask of the given requests, one row each: the row of a request whose
-        thinking budget is forcing its end marker allows that marker's next id only;
-        the others' rows are filled by their grammars."""
-        num_rows = len(requests)
+    def grammar_output(
+        self, requests: Sequence[Request], drafts: Mapping[str, list[int]] | None = None
+    ) -> GrammarOutput:
+        """The bitmask of the given requests: one row each, or, for a request with draft
+        tokens to verify (speculative decoding), one row per draft position plus one, in
+        order (its grammar advanced through the drafts before each row, then rolled back;
+        the scheduler only schedules drafts the grammar accepts). The row of a request
+        whose thinking budget is forcing its end marker allows that marker's next id
+        only; the others' rows are filled by their grammars."""
+        owners: list[Request] = []
+        for request in requests:
+            owners += [request] * (1 + len(drafts.get(request.request_id, ())) if drafts else 1)
+        num_rows = len(owners)
         forced = [r.forced_token_ids[0] for r in requests if r.forced_token_ids]
         # Before any grammar was compiled the vocabulary is not known; a row only needs
         # to be wide enough for the ids it allows (tokens past it are never allowed).
@@ -136,17 +143,28 @@ class StructuredOutputManager:
         ):
             self._bitmask = torch.empty((max(num_rows, 8), words), dtype=torch.int32)
         bitmask = self._bitmask
-        for row, request in enumerate(requests):
-            if request.forced_token_ids:
+        row = 0
+        for request in requests:
+            if request.forced_token_ids:  # never speculated for
                 _allow_only(bitmask[row], request.forced_token_ids[0])
-            else:
-                request.grammar.fill_bitmask(bitmask, row)
+                row += 1
+                continue
+            grammar = request.grammar
+            draft = drafts.get(request.request_id, ()) if drafts else ()
+            for token in draft:
+                grammar.fill_bitmask(bitmask, row)
+                row += 1
+                grammar.accept_token(token)
+            grammar.fill_bitmask(bitmask, row)
+            row += 1
+            if draft:
+                grammar.rollback(len(draft))
         # A row that allows nothing: no token of this vocabulary continues the
         # constraint, whatever is sampled (the scheduler then fails it as a bad request).
         for row in torch.nonzero(~bitmask[:num_rows].any(dim=1)).flatten().tolist():
-            requests[row].grammar_dead_end = True
+            owners[row].grammar_dead_end = True
         return GrammarOutput(
-            req_ids=[r.request_id for r in requests],
+            req_ids=[r.request_id for r in owners],
             bitmask=bitmask[:num_rows].numpy().tobytes(),
         )
 
@@ -161,7 +179,8 @@ def _allow_only(row: torch.Tensor, token_id: int) -> None:
     row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
-def _model_vocab_size(model_path: Path) -> int:
+def model_vocab_size(config: StackConfig) -> int:
+    """The width of the model's logits, from its config.json."""
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(model_path).vocab_size)
+    return int(AutoConfig.from_pretrained(resolve_model_path(config.model)).vocab_size)

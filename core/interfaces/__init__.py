@@ -22,6 +22,7 @@ frontend module. Each name has one home, its module here:
 - kv_cache: KVAllocator, KVCacheStats
 - executor: Executor, KVCacheInfo
 - structured_output: StructuredOutputBackend, Grammar
+- speculative: SpecProposer (with DraftRequest)
 - model: AttentionBackend (with LayerAttention, FULL_ATTENTION, AttentionSpec,
   AttentionBatch), LinearMethod (with LinearLayer, LinearCompute, TiedLmHead), CausalLM,
   ModelPass (with DecoderFrame, WholeStack, LayerRoute)

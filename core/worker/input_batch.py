@@ -165,14 +165,32 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def write_drafts(self, row: int, token_ids: list[int]) -> None:
+        """Speculative decoding: draft tokens to verify, written after the row's known
+        tokens (the model reads its input ids from here) without counting as known."""
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+
     # ------------------------------------------------------------------ reads
 
-    def sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+    def sampling_metadata(
+        self, rows: np.ndarray, vocab_size: int, num_known: np.ndarray | None = None
+    ) -> SamplingMetadata:
         """The sampler's inputs for the given rows, in that order (the logits' row order).
 
         Optional tensors are left None when no row uses their feature, so the sampler can
-        skip it without reading the tensors (no host sync).
+        skip it without reading the tensors (no host sync). `num_known`: per entry, how
+        many of its row's tokens count as written so far (penalties and bad words read
+        them); by default the row's own count. A row may appear more than once with
+        different counts: speculative decoding samples at each draft position as if the
+        drafts before it had been generated.
         """
+        ends = self.num_tokens[rows] if num_known is None else num_known
         device = self.device
         temperature = self.temperature[rows]
         greedy = temperature == 0.0
@@ -203,7 +221,10 @@ class InputBatch:
                 device,
             )
             output_ids = make_padded_token_tensor(
-                [self.token_ids[r, self.num_prompt_tokens[r] : self.num_tokens[r]] for r in rows],
+                [
+                    self.token_ids[r, self.num_prompt_tokens[r] : end]
+                    for r, end in zip(rows, ends, strict=True)
+                ],
                 vocab_size,
                 device,
             )
@@ -214,7 +235,7 @@ class InputBatch:
         }
         return SamplingMetadata(
             disallowed=self._disallowed(req_ids, vocab_size),
-            bad_words=self._bad_word_bans(rows, req_ids),
+            bad_words=self._bad_word_bans(rows, ends, req_ids),
             logit_bias=self._logit_bias(req_ids, vocab_size),
             temperature=tensor(temperature),
             all_greedy=bool(greedy.all()),
@@ -249,7 +270,9 @@ class InputBatch:
         mask[row_of[keep], tokens[keep]] = False
         return torch.from_numpy(mask).to(self.device)
 
-    def _bad_word_bans(self, rows: np.ndarray, req_ids: list[str]) -> TokenEdits | None:
+    def _bad_word_bans(
+        self, rows: np.ndarray, ends: np.ndarray, req_ids: list[str]
+    ) -> TokenEdits | None:
         """-inf for the last token of every bad word whose other tokens end the output
         so far (a one-token bad word is always banned). Empty edits, not None, while
         some row has bad words, so that the metadata is rebuilt at the next step."""
@@ -264,7 +287,7 @@ class InputBatch:
                 continue
             any_row = True
             row = int(rows[i])
-            start, end = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+            start, end = int(self.num_prompt_tokens[row]), int(ends[i])
             for sequence in sequences:
                 prefix = len(sequence) - 1
                 if prefix == 0 or (

@@ -4,7 +4,8 @@
 the flat varlen inputs with numpy into reused buffers (step_inputs.py), runs the model
 over every scheduled token, keeps the logits of the rows that sample this step and
 parks them. `sample_tokens` (phase 8)
-samples from the parked logits.
+samples from the parked logits. A row verifying draft tokens (speculative decoding,
+spec_decode.py) computes logits at each of them and goes through the rejection sampler.
 
 Under tensor parallelism every rank runs this same runner on the same SchedulerOutput,
 so the persistent batches stay identical: rank 0 gathers the logits, samples, and
@@ -58,6 +59,7 @@ from plugserve.worker.sampler import (
     apply_grammar_bitmask,
     token_logprobs,
 )
+from plugserve.worker.spec_decode import verify_drafts, write_drafts
 from plugserve.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ class _ParkedLogits:
     req_ids: list[str]
     # prompt_logprobs computed by this step's prefill chunks (driver rank), by request
     prompt_logprobs: dict[str, list[Logprobs]] | None = None
+    # Speculative decoding: each sample row's draft tokens (maybe none), in rows order;
+    # its logits are then 1 + drafts rows. None: no row verifies drafts this step.
+    drafts: list[list[int]] | None = None
 
 
 def attention_layers(model_cls: type, hf_config: Any) -> tuple[LayerAttention, ...]:
@@ -298,7 +303,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch
-        step = self._step_inputs.build(batch, so.num_scheduled_tokens)
+        num_drafts = write_drafts(batch, so.scheduled_spec_decode_tokens)
+        step = self._step_inputs.build(batch, so.num_scheduled_tokens, num_drafts)
         attn_batch = step.attention
         ids_t, positions_t, logits_indices = self._inputs_to_device(
             step.input_ids, step.positions, step.logits_indices
@@ -322,11 +328,15 @@ class ModelRunner:
             hidden = hidden[logits_indices]
         # (Else every token is its row's last, in order: as at a decode step, all of them.)
         logits = self.model.compute_logits(hidden) if len(sample_rows) else None
+        req_ids = [batch.req_ids[r] for r in sample_rows]
         self._parked = _ParkedLogits(
             logits=logits,
             rows=sample_rows,
-            req_ids=[batch.req_ids[r] for r in sample_rows],
+            req_ids=req_ids,
             prompt_logprobs=prompt_logprobs,
+            drafts=[so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
+            if num_drafts is not None
+            else None,
         )
         return None
 
@@ -399,6 +409,8 @@ class ModelRunner:
                 sampled_token_ids={},
                 prompt_logprobs=(parked.prompt_logprobs if parked is not None else None) or {},
             )
+        if parked.drafts is not None:
+            return self._verify_drafts(parked, grammar_output)
         out = None
         if parked.logits is not None:  # the driver rank (or no tensor parallelism)
             if grammar_output is not None and grammar_output.req_ids:
@@ -425,17 +437,47 @@ class ModelRunner:
             result.prompt_logprobs = parked.prompt_logprobs
         return result
 
+    def _verify_drafts(
+        self, parked: _ParkedLogits, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput:
+        """sample_tokens for a step where some rows verify draft tokens."""
+        assert parked.drafts is not None
+        counts = np.array([len(d) + 1 for d in parked.drafts], dtype=np.int64)
+        if parked.logits is not None and grammar_output is not None and grammar_output.req_ids:
+            self._apply_grammar(parked, grammar_output, counts)
+        result = verify_drafts(
+            self.input_batch,
+            parked.logits,
+            parked.rows,
+            parked.req_ids,
+            parked.drafts,
+            vocab_size=self.vocab_size,
+            parallel=self.parallel,
+        )
+        if parked.prompt_logprobs:
+            result.prompt_logprobs = parked.prompt_logprobs
+        return result
+
     @staticmethod
-    def _apply_grammar(parked: _ParkedLogits, grammar_output: GrammarOutput) -> None:
-        """Mask the parked logits of the constrained rows (in place; the others untouched)."""
+    def _apply_grammar(
+        parked: _ParkedLogits, grammar_output: GrammarOutput, counts: np.ndarray | None = None
+    ) -> None:
+        """Mask the parked logits of the constrained rows (in place; the others untouched).
+        `counts`: logits rows per sample row when rows verify drafts (the grammar output
+        then holds as many rows for each, in order)."""
         assert parked.logits is not None
-        position = {req_id: i for i, req_id in enumerate(parked.req_ids)}
+        if counts is None:
+            first = {req_id: i for i, req_id in enumerate(parked.req_ids)}
+        else:
+            starts = (np.cumsum(counts) - counts).tolist()
+            first = dict(zip(parked.req_ids, starts, strict=True))
         bitmask = grammar_output.bitmask_array()
-        pairs = [
-            (position[req_id], i)
-            for i, req_id in enumerate(grammar_output.req_ids)
-            if req_id in position
-        ]
+        seen: dict[str, int] = {}
+        pairs = []
+        for i, req_id in enumerate(grammar_output.req_ids):
+            if req_id in first:
+                pairs.append((first[req_id] + seen.get(req_id, 0), i))
+                seen[req_id] = seen.get(req_id, 0) + 1
         if pairs:
             logits_rows, mask_rows = zip(*pairs, strict=True)
             apply_grammar_bitmask(parked.logits, logits_rows, bitmask[list(mask_rows)])

@@ -39,8 +39,12 @@ __all__ = [
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
+    "exponential_race",
+    "gather_logprobs",
     "make_padded_token_tensor",
+    "random_probs",
     "token_logprobs",
+    "uniform_noise",
 ]
 
 
@@ -183,7 +187,7 @@ class Sampler:
 
         logprobs = None
         if raw_logprobs is not None and num_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, sampled, num_logprobs)
+            logprobs = gather_logprobs(raw_logprobs, sampled, num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
@@ -200,6 +204,13 @@ def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    return exponential_race(random_probs(logits, metadata), metadata.generators)
+
+
+def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, min_p, top_k and top_p
+    applied to float32 `logits` (edited in place), then softmax. Greedy rows come out as
+    if at temperature 1 (callers take their argmax instead)."""
     temperature = metadata.temperature
     if metadata.all_random:
         # The flags come from the caller; should one mislabel a near-zero temperature,
@@ -213,8 +224,7 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
-    probs = logits.softmax(dim=-1)
-    return _exponential_race(probs, metadata.generators)
+    return logits.softmax(dim=-1)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: np.ndarray) -> None:
@@ -366,20 +376,26 @@ def _apply_top_k_only(
     return logits.masked_fill_(logits < kth, float("-inf"))
 
 
-def _exponential_race(
+def uniform_noise(like: torch.Tensor, generators: Mapping[int, torch.Generator]) -> torch.Tensor:
+    """Uniform [0, 1) noise shaped like `like`; a seeded row's from its own generator."""
+    u = torch.empty_like(like)
+    if len(generators) < like.shape[0]:
+        u.uniform_()
+    # A seeded row's noise depends only on its own generator, so its tokens don't depend
+    # on the batch around it.
+    for row, generator in generators.items():
+        u[row].uniform_(generator=generator)
+    return u
+
+
+def exponential_race(
     probs: torch.Tensor, generators: Mapping[int, torch.Generator]
 ) -> torch.Tensor:
     """Sample one token per row: argmax(p / q) with q ~ Exponential(1) picks token i with
     probability p_i, with no cumsum or multinomial (and no host sync). q is -log(u) with u
     uniform: torch's CPU exponential_ is several times slower than uniform_ and log_ over a
     vocabulary-wide row (docs/benchmarks-history.md, "Figures from code comments")."""
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.uniform_()
-    # A seeded row's noise depends only on its own generator, so its tokens don't depend
-    # on the batch around it.
-    for row, generator in generators.items():
-        q[row].uniform_(generator=generator)
+    q = uniform_noise(probs, generators)
     return probs.div_(q.log_().neg_()).argmax(dim=-1)
 
 
@@ -388,12 +404,10 @@ def token_logprobs(
 ) -> LogprobsTensors:
     """Logprobs of given tokens (prompt logprobs: each prompt token given those before
     it) from raw logits, with each row's rank and top-N, as for sampled tokens."""
-    return _gather_logprobs(
-        logits.log_softmax(dim=-1, dtype=torch.float32), token_ids, num_logprobs
-    )
+    return gather_logprobs(logits.log_softmax(dim=-1, dtype=torch.float32), token_ids, num_logprobs)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
 ) -> LogprobsTensors:
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))

@@ -30,7 +30,11 @@ class StepInputs:
     # Rows that reach the end of their known tokens sample this step; a prefill chunk
     # that stops short computes no logits at all.
     sample_rows: np.ndarray  # a fresh array: it outlives the step (parked logits)
-    logits_indices: np.ndarray  # int64 [sample rows]: each one's last token
+    # int64: each sample row's last token, or, where a row verifies draft tokens, its
+    # last 1 + drafts tokens (a row's logits stay together, in position order).
+    logits_indices: np.ndarray
+    # Logits rows of each sample row (1 + its drafts); None: one each (no drafts).
+    logits_counts: np.ndarray | None = None
 
 
 class StepInputBuilder:
@@ -52,9 +56,19 @@ class StepInputBuilder:
         self._block_index = np.zeros(num_tokens, dtype=np.int64)
         self._offset = np.zeros(num_tokens, dtype=np.int64)
 
-    def build(self, batch: InputBatch, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+    def build(
+        self,
+        batch: InputBatch,
+        num_scheduled_tokens: dict[str, int],
+        num_drafts: np.ndarray | None = None,
+    ) -> StepInputs:
+        """`num_drafts`: per batch row, the draft tokens scheduled after its known ones
+        (speculative decoding; written in the batch's token ids past its count); None:
+        none this step."""
         num_reqs = batch.num_reqs
-        if len(num_scheduled_tokens) == num_reqs == sum(num_scheduled_tokens.values()):
+        if num_drafts is None and (
+            len(num_scheduled_tokens) == num_reqs == sum(num_scheduled_tokens.values())
+        ):
             return self._one_token_per_row(batch)
         scheduled = self._num_scheduled[:num_reqs]
         scheduled.fill(0)
@@ -80,10 +94,18 @@ class StepInputBuilder:
         seq_lens = self._seq_lens[: len(rows)]
         np.add(starts, query_lens, out=seq_lens, casting="unsafe")
         max_blocks = int(batch.num_blocks[rows].max())
-        samples = seq_lens == batch.num_tokens[rows]
-        num_samples = int(samples.sum())
-        logits_indices = self._logits_indices[:num_samples]
-        np.subtract(query_start[1:][samples], 1, out=logits_indices, casting="unsafe")
+        if num_drafts is None:
+            samples = seq_lens == batch.num_tokens[rows]
+            num_samples = int(samples.sum())
+            logits_indices = self._logits_indices[:num_samples]
+            np.subtract(query_start[1:][samples], 1, out=logits_indices, casting="unsafe")
+            logits_counts = None
+        else:
+            samples = seq_lens == batch.num_tokens[rows] + num_drafts[rows]
+            logits_counts = num_drafts[rows][samples] + 1
+            first = np.repeat(query_start[1:][samples] - logits_counts, logits_counts)
+            group_start = np.repeat(np.cumsum(logits_counts) - logits_counts, logits_counts)
+            logits_indices = first + (np.arange(len(first)) - group_start)
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -96,6 +118,7 @@ class StepInputBuilder:
             query_lens=query_lens,
             sample_rows=rows[samples],
             logits_indices=logits_indices,
+            logits_counts=logits_counts,
         )
 
     def _one_token_per_row(self, batch: InputBatch) -> StepInputs:

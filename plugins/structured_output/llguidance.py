@@ -61,6 +61,12 @@ class LLGuidanceGrammar:
         # is_stopped() alone is already true when nothing but a stop token may follow.
         return self._ended and bool(self._matcher.is_stopped())
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            # Nothing follows an accepted stop token, so it was the last one undone.
+            self._ended = False
+
 
 class LLGuidanceBackend:
     Options = LLGuidanceOptions

@@ -59,6 +59,9 @@ class XgrammarGrammar:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
 
 class XgrammarBackend:
     Options = XgrammarOptions

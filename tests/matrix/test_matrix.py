@@ -33,6 +33,11 @@ constrained completions are valid, its unconstrained one equals the reference, a
 call its model is made to write in the parser's family format comes back as
 `tool_calls`, after a reasoning the thinking budget ended (the engine forcing the
 reasoning parser's end marker, the grammar applying from there).
+
+Every speculative-decoding proposer (the `spec_proposer` slot) serves the scenario on the
+default stack in float32, speculating: its greedy output equals the reference token for
+token, as any cell's (tests/correctness/test_speculative_matches_hf.py proves the
+verification in depth).
 """
 
 from __future__ import annotations
@@ -240,6 +245,13 @@ def server_args(item: pytest.Item, checkpoint: Callable[[TinyCase], Any]) -> tup
         slots = ["--stack.structured_output", backend, "--stack.tool_parser", parser]
         slots += ["--stack.reasoning_parser", reasoning]
         return cell.transport, [*cell.settings(), *slots]
+    if "spec_proposer" in params:
+        cell = OUTPUT_SLOTS_CELL
+        speculative = [
+            "--stack.speculative.proposer", params["spec_proposer"],
+            "--stack.speculative.num_tokens", "3",
+        ]  # fmt: skip
+        return cell.transport, [*cell.settings(), *speculative]
     cell = params["cell"]
     if "architecture" in params:
         return cell.transport, [*cell.settings(), "--model", checkpoint(params["architecture"])[0]]
@@ -462,4 +474,31 @@ def test_output_slots(
     [call] = called.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
+
+
+def spec_proposer_cells() -> list:
+    proposers = get_registry().implementations("spec_proposer")
+    return [
+        pytest.param(
+            name,
+            id=name,
+            marks=[pytest.mark.skip(reason=reason)]
+            if (reason := _unavailable(impl.cls)) is not None
+            else [],
+        )
+        for name, impl in sorted(proposers.items())
+    ]
+
+
+@pytest.mark.parametrize("spec_proposer", spec_proposer_cells())
+def test_spec_proposer_cell_matches_hf(
+    spec_proposer: str, request: pytest.FixtureRequest, servers: ServerQueue
+) -> None:
+    with servers.serve(request.node) as server:
+        completions = asyncio.run(_scenario(server))
+        idle = server.wait_idle()
+    expected = request.getfixturevalue("hf_fp32")
+    assert [c.token_ids for c in completions] == [e.token_ids for e in expected]
+    assert [c.text for c in completions] == [e.text for e in expected]
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0

@@ -163,6 +163,24 @@ def test_grammars_over_one_compiled_constraint_advance_each_on_its_own(backend, 
     accept_text(backend.grammar(compiled), tokenizer, "cached-1")
 
 
+def test_rollback_undoes_accepted_tokens_a_stop_token_included(backend, token_texts, tokenizer):
+    """What speculative decoding needs: check draft tokens, then undo them."""
+    from plugserve.capabilities import supports_grammar_rollback
+
+    grammar = grammar_of(backend, StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]+"))
+    assert supports_grammar_rollback(grammar)
+    accept_text(grammar, tokenizer, "12")
+    at_12 = allowed(grammar, backend.vocab_size)
+    accept_text(grammar, tokenizer, "3-ab")
+    assert grammar.accept_token(tokenizer.eos_token_id)
+    assert grammar.is_terminated()
+    tokens_after_12 = len(tokenizer.encode("3-ab", add_special_tokens=False)) + 1
+    grammar.rollback(tokens_after_12)
+    assert not grammar.is_terminated()
+    assert allowed(grammar, backend.vocab_size) == at_12
+    accept_text(grammar, tokenizer, "3-x")
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize(
     ("spec", "problem"),

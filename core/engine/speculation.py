@@ -1,0 +1,126 @@
+"""The scheduler's side of speculative decoding: asking the proposer for drafts, fitting
+them to the request (its length limits and its grammar) and counting what was accepted.
+
+Only a request that is decoding (one known token left to compute) is speculated for;
+its drafts are scheduled right after that token, so one pass verifies them all. What the
+runner returns is the accepted drafts plus one token of the target's own; the rejected
+drafts' KV slots are given back by moving `num_computed_tokens` back over them (their
+cache entries are then overwritten by the next pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from plugserve.capabilities import supports_grammar_rollback
+from plugserve.datatypes import Request
+from plugserve.interfaces.speculative import DraftRequest, SpecProposer
+from plugserve.interfaces.structured_output import Grammar
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the engine started, as vLLM's spec_decode metrics count them: a
+    draft is one request's proposal verified in one pass."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [i]: drafts whose token at position i was accepted.
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
+
+
+class Speculation:
+    def __init__(self, proposer: SpecProposer, num_tokens: int, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
+        """Drafts for the decoding requests among `requests`, each cut to what the request
+        can still use and to the longest prefix its grammar allows; requests with no
+        draft are left out."""
+        asked: list[DraftRequest] = []
+        eligible: list[Request] = []
+        for request in requests:
+            limit = self._room(request)
+            if limit > 0:
+                eligible.append(request)
+                asked.append(
+                    DraftRequest(
+                        request_id=request.request_id,
+                        token_ids=request.all_token_ids,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        max_num_tokens=limit,
+                    )
+                )
+        if not asked:
+            return {}
+        proposals = self.proposer.propose(asked)
+        drafts: dict[str, list[int]] = {}
+        for request, proposal in zip(eligible, proposals, strict=True):
+            draft = [int(t) for t in proposal[: self._room(request)]]
+            if draft and request.grammar is not None:
+                draft = _grammar_allowed_prefix(request.grammar, draft)
+            if draft:
+                drafts[request.request_id] = draft
+        return drafts
+
+    def _room(self, request: Request) -> int:
+        """How many drafts the request can use now: 0 unless it is decoding; never more
+        than its output or the context can still take beside the pass's own token; none
+        with a grammar that cannot undo tokens, while the thinking budget forces tokens,
+        or while a reasoning runs that a grammar or a budget follows."""
+        if request.num_tokens - request.num_computed_tokens != 1 or request.forced_token_ids:
+            return 0
+        if request.grammar is not None and not supports_grammar_rollback(request.grammar):
+            return 0
+        reasoning = request.sampling_params.reasoning
+        # Where the reasoning ends within a draft, its grammar (or the thinking budget's
+        # forced end marker) would have to apply from that token on.
+        if (
+            request.in_reasoning
+            and reasoning is not None
+            and (request.grammar is not None or reasoning.budget is not None)
+        ):
+            return 0
+        room = min(self.num_tokens, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(room, 0)
+
+    def accepted(self, request: Request, draft: list[int], num_sampled: int) -> int:
+        """Record a verified draft; returns how many of its tokens were rejected (the KV
+        slots to give back)."""
+        num_accepted = num_sampled - 1
+        self.stats.record(len(draft), num_accepted)
+        return len(draft) - num_accepted
+
+    def request_finished(self, request_id: str) -> None:
+        self.proposer.request_finished(request_id)
+
+
+def _grammar_allowed_prefix(grammar: Grammar, draft: list[int]) -> list[int]:
+    """The longest prefix of `draft` the grammar accepts, token by token; the grammar is
+    left as it was."""
+    assert supports_grammar_rollback(grammar)
+    accepted = 0
+    for token in draft:
+        if grammar.is_terminated() or not grammar.accept_token(token):
+            break
+        accepted += 1
+    grammar.rollback(accepted)
+    return draft[:accepted]

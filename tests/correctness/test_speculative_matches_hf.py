@@ -1,0 +1,173 @@
+"""Speculative decoding changes how many tokens a pass lands, never which: greedy
+continuations with the `ngram` proposer equal transformers' token for token (fp32, a
+tiny Llama checkpoint), batched and one request at a time, with chunked prefill (the
+step's budget is CHUNK_TOKENS), with preemptions forced, and over TP_SIZE
+tensor-parallel workers; the logprobs of the accepted tokens equal those of the same
+engine without speculation.
+
+The tiny checkpoint's random weights make its greedy continuations fall into repeating
+runs, which the n-gram proposer predicts: drafts are accepted in full, in part and not
+at all, so every path of the verification runs (the tests check the counters say so).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from transformers import LlamaConfig
+
+from correctness.tiny_checkpoints import (
+    FP32_TP_LOGPROB_TOLERANCE,
+    NEW_TOKENS,
+    TinyRun,
+    hf_references,
+    tiny,
+    write_tiny_checkpoint,
+)
+from plugserve import LLM, SamplingParams
+from plugserve.sampling_params import StructuredOutputsParams
+
+SPECULATIVE = {
+    "speculative": {"proposer": "ngram", "num_tokens": 3},
+    # Single-token matches too: the random model's runs are short.
+    "plugins.ngram": {"min_n": 1, "max_n": 3},
+}
+# The logprob of a token verified among 1 + drafts query rows against the same token
+# decoded alone: the same fp32 arithmetic but for the matmuls' and attention's summation
+# order over more rows (measured: at most 2e-6 nats on this checkpoint).
+SAME_ENGINE_LOGPROB_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
+    folder = write_tiny_checkpoint(
+        LlamaConfig(**tiny(tie_word_embeddings=True)),
+        tmp_path_factory.mktemp("llama"),
+        tiny_tokenizer,
+    )
+    return TinyRun(str(folder), tiny_prompts, hf_references(folder, tiny_prompts))
+
+
+def assert_every_kind_of_verdict(llm: LLM) -> None:
+    """Drafts of several tokens were proposed; some were accepted whole, some not."""
+    assert llm.engine.speculation is not None
+    stats = llm.engine.speculation.stats
+    assert stats.num_draft_tokens > stats.num_drafts > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_accepted_tokens_per_pos[-1] > 0  # whole drafts accepted
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+
+
+def test_batched_under_preemption_and_alone_match_transformers(llama_run: TinyRun) -> None:
+    # 12 blocks of 16 tokens hold the longest request (100 + 24 tokens) but not all seven
+    # at once: the batched run preempts.
+    with llama_run.llm(num_kv_blocks=12, **SPECULATIVE) as llm:
+        llama_run.check(llm, batched=True)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_every_kind_of_verdict(llm)
+        kv = llm.engine.scheduler.kv
+        assert kv.stats().num_free_blocks == kv.stats().num_blocks
+        assert kv.reset_prefix_cache()
+        llama_run.check(llm, batched=False)
+
+
+def test_tensor_parallel_workers_match_transformers(llama_run: TinyRun) -> None:
+    with llama_run.tensor_parallel_llm(**SPECULATIVE) as llm:
+        llama_run.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
+        assert_every_kind_of_verdict(llm)
+
+
+def continuations(llm: LLM, run: TinyRun) -> Iterator[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    for output in llm.generate([{"prompt_token_ids": p} for p in run.prompts], params):
+        completion = output.outputs[0]
+        assert completion.logprobs is not None
+        yield (
+            completion.token_ids,
+            [
+                lp[t].logprob
+                for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)
+            ],
+        )
+
+
+def test_logprobs_of_accepted_tokens_equal_those_without_speculation(llama_run: TinyRun) -> None:
+    with llama_run.llm() as llm:
+        plain = list(continuations(llm, llama_run))
+    with llama_run.llm(**SPECULATIVE) as llm:
+        speculated = list(continuations(llm, llama_run))
+    largest = 0.0
+    for (tokens, logprobs), (spec_tokens, spec_logprobs) in zip(plain, speculated, strict=True):
+        assert spec_tokens == tokens
+        largest = max(largest, *(abs(a - b) for a, b in zip(logprobs, spec_logprobs, strict=True)))
+    assert largest <= SAME_ENGINE_LOGPROB_TOLERANCE
+    print(f"largest logprob difference, speculated vs not: {largest:.1e}")
+
+
+# ---------------------------------------------------------------- request options
+
+
+PROMPT = {"prompt_token_ids": list(range(1000, 1012))}
+DIGITS = r"(\d\d, ){5}\d\d"
+CHOICES = ["alpha", "beta", "gamma"]
+
+
+@pytest.fixture(scope="module")
+def plain_and_speculative(llama_run: TinyRun) -> Iterator[tuple[LLM, LLM]]:
+    """The checkpoint without and with speculation, both with a small token budget."""
+    with llama_run.llm() as plain, llama_run.llm(**SPECULATIVE) as speculative:
+        yield plain, speculative
+
+
+def texts_and_reasons(llm: LLM, params: SamplingParams) -> list[tuple[list[int], str, str | None]]:
+    return [
+        (c.token_ids, c.text, c.finish_reason)
+        for output in llm.generate([PROMPT], params)
+        for c in output.outputs
+    ]
+
+
+def test_stops_inside_a_draft_end_where_they_end_without_speculation(plain_and_speculative):
+    plain, speculative = plain_and_speculative
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    [(tokens, text, _)] = texts_and_reasons(plain, greedy)
+    # A token of the repeating run the drafts predict: with min_tokens the stop falls in
+    # the middle of an accepted draft.
+    run_token = max(set(tokens), key=tokens.count)
+    first_in_run = tokens.index(run_token)
+    cases = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=NEW_TOKENS,
+            stop_token_ids=[run_token],
+            min_tokens=first_in_run + 2,
+        ),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=[text[len(text) // 2 :][:3]]),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2),
+    ]
+    before = speculative.engine.speculation.stats.num_accepted_tokens
+    for params in cases:
+        expected = texts_and_reasons(plain, params)
+        assert texts_and_reasons(speculative, params) == expected
+        assert all(reason == ("length" if params.n > 1 else "stop") for *_, reason in expected)
+    assert speculative.engine.speculation.stats.num_accepted_tokens > before
+
+
+def test_structured_output_validates_and_stops(plain_and_speculative):
+    """(The backends' rollback itself: tests/unit/structured_output/test_backends.py.)"""
+    plain, speculative = plain_and_speculative
+    stats = speculative.engine.speculation.stats
+    before = stats.num_draft_tokens
+    for constraint in (
+        StructuredOutputsParams(regex=DIGITS),
+        StructuredOutputsParams(choice=CHOICES),
+    ):
+        params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint)
+        [(tokens, text, reason)] = texts_and_reasons(speculative, params)
+        assert reason == "stop"
+        assert re.fullmatch(DIGITS, text) or text in CHOICES, text
+        # Each position's bitmask was built with the drafts before it accepted.
+        assert [(tokens, text, reason)] == texts_and_reasons(plain, params)
+    assert stats.num_draft_tokens > before
