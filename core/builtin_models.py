@@ -21,3 +21,14 @@ def register_models(register):
     register("Phi3ForCausalLM", "plugserve.worker.models.phi3:Phi3ForCausalLM")
     register("Qwen3MoeForCausalLM", "plugserve.worker.models.qwen3_moe:Qwen3MoeForCausalLM")
     register("MixtralForCausalLM", "plugserve.worker.models.mixtral:MixtralForCausalLM")
+    # Encoders, served for pooling only (embeddings, classification, scores).
+    register("BertModel", "plugserve.worker.models.bert:BertModel")
+    register(
+        "BertForSequenceClassification",
+        "plugserve.worker.models.bert:BertForSequenceClassification",
+    )
+    register("XLMRobertaModel", "plugserve.worker.models.xlm_roberta:XLMRobertaModel")
+    register(
+        "XLMRobertaForSequenceClassification",
+        "plugserve.worker.models.xlm_roberta:XLMRobertaForSequenceClassification",
+    )

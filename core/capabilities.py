@@ -8,7 +8,8 @@ declared and documented here, once (as vLLM's models/interfaces.py):
 - executors: HasTensorParallelLimit, SupportsWeightReadProbe;
 - attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes,
   HonoursLayerAttention, SupportsBatchInvariance;
-- models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead;
+- models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead, TakesTokenTypeIds,
+  HasClassifier, HasContextLimit;
 - linear methods: DescribesLinears, HasKernelPlan (with its KernelMeasurement),
   SupportsWeightBuffer, SupportsBatchInvariance;
 - structured-output grammars: SupportsGrammarRollback.
@@ -210,6 +211,45 @@ class HasTiedLmHead(Protocol):
 
 def has_tied_lm_head(model: object) -> TypeGuard[HasTiedLmHead]:
     return isinstance(model, HasTiedLmHead)
+
+
+@runtime_checkable
+class TakesTokenTypeIds(Protocol):
+    """A model whose forward also takes `token_type_ids` ([T] long, the segment of each
+    token: BERT's sentence pairs); the model runner passes them where a request has them."""
+
+    takes_token_type_ids: bool
+
+
+def takes_token_type_ids(model: object) -> TypeGuard[TakesTokenTypeIds]:
+    return isinstance(model, TakesTokenTypeIds) and bool(model.takes_token_type_ids)
+
+
+@runtime_checkable
+class HasClassifier(Protocol):
+    """A pooling model with a classification head (a ForSequenceClassification): the
+    pooled hidden states go through it for the classify and score tasks."""
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled [N, hidden] → fp32 logits [N, num_labels]."""
+        ...
+
+
+def has_classifier(model: object) -> TypeGuard[HasClassifier]:
+    return isinstance(model, HasClassifier)
+
+
+@runtime_checkable
+class HasContextLimit(Protocol):
+    """A model class whose context is bounded otherwise than by max_position_embeddings
+    (XLM-R's position ids start at padding_idx + 1)."""
+
+    @classmethod
+    def context_limit(cls, hf_config: Any) -> int: ...
+
+
+def has_context_limit(cls: object) -> TypeGuard[type[HasContextLimit]]:
+    return isinstance(cls, HasContextLimit)
 
 
 # --------------------------------------------------------------------------- linear methods

@@ -95,6 +95,10 @@ class StackSelection(_Section):
     model_passes: list[str] | None = None
     # Speculative decoding; None (the default): off, one token per request per pass.
     speculative: SpeculativeConfig | None = None
+    # How a pooling model's prompt hidden states become one vector (register_poolers):
+    # last, mean, cls, all. None: the checkpoint's sentence-transformers pooling config
+    # (1_Pooling/config.json), else cls for encoders and classifiers, last for decoders.
+    pooler: str | None = None
 
     @model_validator(mode="after")
     def _passes_once_each(self) -> StackSelection:
@@ -133,6 +137,11 @@ class EngineConfig(_Section):
     # Engine-core processes behind the one API server, each a full replica of the model.
     data_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # What the engine serves: generate (sample tokens), pooling (embeddings, scores,
+    # classes: the runner returns pooled outputs). auto: pooling for encoder and
+    # classifier architectures and for checkpoints with sentence-transformers files
+    # (modules.json), generate otherwise.
+    runner: Literal["auto", "generate", "pooling"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     # Every this many seconds while busy, the engine logs its prompt and generation

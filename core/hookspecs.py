@@ -167,6 +167,16 @@ def register_model_passes(register: Register) -> None:
 
 
 @hookspec
+def register_poolers(register: Register) -> None:
+    """Register Pooler classes (interfaces.pooling.Pooler) that turn the final hidden
+    states of a pooling request's prompt into its one vector (last token, mean, CLS, ...).
+    Selected by `stack.pooler`; None (the default) takes the checkpoint's
+    sentence-transformers pooling config (1_Pooling/config.json), else `cls` for an
+    encoder or classifier and `last` for a decoder. Built once per model load; called
+    in the worker after every step in which a pooling request's last prompt chunk ran."""
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model classes (interfaces.model.CausalLM) under the Hugging Face architecture
     names they implement, e.g. `register("LlamaForCausalLM", LlamaForCausalLM)`, or by

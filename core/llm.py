@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plugserve.config import StackConfig, load_config
 from plugserve.engine.core import EngineCore
@@ -20,7 +20,11 @@ from plugserve.messages import EngineCoreOutput, EngineCoreRequest
 from plugserve.model_files import resolve_supported_model
 from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
+from plugserve.pooling_params import PoolingParams
 from plugserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,47 @@ class LLM:
         ]
         prompts = [self.tokenizer.decode(ids) for ids in prompt_ids]
         return self._run(prompts, prompt_ids, sampling_params, None)
+
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[np.ndarray]:
+        """A pooling model's output per prompt, in the order given: an embedding
+        [hidden] (or [tokens, hidden] for token_embed), or a classifier's probabilities
+        [num_labels]. Raises ValueError naming what the engine refused."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        params_list = [params] * len(prompts) if isinstance(params, PoolingParams) else params
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} pooling params")
+        ids = [str(next(self._ids)) for _ in prompts]
+        results: dict[str, np.ndarray] = {}
+        try:
+            for request_id, prompt, param in zip(ids, prompts, params_list, strict=True):
+                tokens = self._tokenize(prompt)
+                if param.truncate_prompt_tokens is not None:
+                    tokens = tokens[-param.truncate_prompt_tokens :]
+                self.engine.add_request(
+                    EngineCoreRequest(
+                        request_id=request_id,
+                        prompt_token_ids=tokens,
+                        sampling_params=SamplingParams(max_tokens=1),
+                        pooling_params=param,
+                    )
+                )
+            while len(results) < len(ids):
+                for out in self.engine.step()[0]:
+                    if out.error is not None:
+                        raise ValueError(f"request {out.request_id} failed: {out.error}")
+                    if out.pooled is not None:
+                        results[out.request_id] = out.pooled.to_array()
+        finally:
+            unfinished = [i for i in ids if i not in results]
+            if unfinished:
+                self.engine.abort_requests(unfinished)
+        return [results[i] for i in ids]
 
     def _tokenize(self, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, str):

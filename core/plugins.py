@@ -44,6 +44,7 @@ SLOT_HOOKS: dict[str, str] = {
     "attention": "register_attention_backends",
     "linear_method": "register_linear_methods",
     "model_pass": "register_model_passes",
+    "pooler": "register_poolers",
     "model": "register_models",
 }
 

@@ -35,9 +35,9 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The GGUF file the embedded model ships as."""
-    from plugserve.model_files import BUILTIN_MODELS, _builtin_gguf
+    from plugserve.model_files import BUILTIN_MODELS, _builtin_file
 
-    return _builtin_gguf("smollm2-135m-instruct", *BUILTIN_MODELS["smollm2-135m-instruct"])
+    return _builtin_file("smollm2-135m-instruct", *BUILTIN_MODELS["smollm2-135m-instruct"])
 
 
 @pytest.fixture(scope="session")

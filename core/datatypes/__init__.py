@@ -9,12 +9,14 @@ phases the modules name are docs/request-path.md's.
   `execute_model` and `sample_tokens` (datatypes/grammar_output.py).
 - `ModelRunnerOutput`, `Logprobs`: what the executor hands back; `Logprobs` also
   travels on to the API server inside EngineCoreOutput (datatypes/runner_output.py).
+- `PooledTensor`: a pooling request's output as raw bytes, from the worker to the API
+  server (datatypes/pooled_tensor.py).
 - `RequestDelta`: what the API server's engine client yields for one request, to the
   endpoints and to an endpoint plugin (datatypes/request_delta.py).
 
 The Protocols in plugserve.interfaces, the plugins, the wire messages, the engine, the
 frontend and the worker import these from here. This package imports only the standard
-library, msgspec, numpy and plugserve.sampling_params, so a third-party plugin can be typed
+library, msgspec, numpy, plugserve.sampling_params and plugserve.pooling_params, so a third-party plugin can be typed
 without reaching into the engine or the worker (tests/unit/test_import_rules.py keeps it
 so).
 """
@@ -22,6 +24,7 @@ so).
 from __future__ import annotations
 
 from plugserve.datatypes.grammar_output import GrammarOutput
+from plugserve.datatypes.pooled_tensor import PooledTensor
 from plugserve.datatypes.request import Request, RequestStatus
 from plugserve.datatypes.request_delta import RequestDelta
 from plugserve.datatypes.runner_output import Logprobs, ModelRunnerOutput
@@ -37,6 +40,7 @@ __all__ = [
     "Logprobs",
     "ModelRunnerOutput",
     "NewRequestData",
+    "PooledTensor",
     "Request",
     "RequestDelta",
     "RequestStatus",

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from plugserve.datatypes.runner_output import Logprobs
+from plugserve.pooling_params import PoolingParams
 from plugserve.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +66,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        # A pooling request: it finishes once its prompt has run, with its pooled output.
+        self.pooling_params = pooling_params
+        self.pooled: Any = None  # its PooledTensor, once computed
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from plugserve.datatypes.pooled_tensor import PooledTensor
+
 
 class Logprobs(msgspec.Struct, array_like=True):
     """Per sampled token: the sampled token's logprob and rank, then the top-N alternatives."""
@@ -26,3 +28,6 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Requests whose step failed alone (bad input reaching the worker, for example);
     # they finish with an error while the rest of the batch goes on.
     errors: dict[str, str] = msgspec.field(default_factory=dict)
+    # A pooling model's step: the requests whose last prompt chunk ran, with their pooled
+    # output (returned by execute_model itself; nothing is sampled).
+    pooled: dict[str, PooledTensor] = msgspec.field(default_factory=dict)

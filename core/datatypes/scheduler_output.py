@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from plugserve.pooling_params import PoolingParams
 from plugserve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # set for a pooling request
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

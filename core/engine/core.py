@@ -12,13 +12,16 @@ import logging
 
 from plugserve.config import StackConfig
 from plugserve.datatypes import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
+from plugserve.engine.pooling_scheduling import PoolingScheduling
 from plugserve.engine.scheduler import Scheduler
 from plugserve.engine.speculation import Speculation
 from plugserve.engine.step_timer import StepStats, StepTimer
 from plugserve.engine.structured_output import StructuredOutputManager, model_vocab_size
 from plugserve.interfaces.executor import Executor, KVCacheInfo
 from plugserve.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from plugserve.model_files import resolve_model_path
 from plugserve.plugins import get_registry
+from plugserve.pooling_setup import PoolingSetup, pooling_setup
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,16 @@ class EngineCore:
         policy = registry.build(
             "scheduler", stack.scheduler, config.plugin_options(stack.scheduler)
         )
+        self.pooling_setup: PoolingSetup = pooling_setup(
+            resolve_model_path(config.model), config.engine.runner, stack.pooler
+        )
+        pooling = None
+        if self.pooling_setup.is_pooling:
+            pooler = registry.get("pooler", self.pooling_setup.pooler)
+            pooling = PoolingScheduling(
+                whole_prompts=self.pooling_setup.is_encoder,
+                reads_every_token=pooler.tokens == "all",
+            )
         # Builds its backend on the first constrained request only.
         self.structured_output = StructuredOutputManager(config, registry=registry)
         speculative = stack.speculative
@@ -86,6 +99,7 @@ class EngineCore:
             else None,
             structured_output=self.structured_output,
             speculation=self.speculation,
+            pooling=pooling,
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
         self.timer = StepTimer()
@@ -108,7 +122,9 @@ class EngineCore:
         num_prompt = len(req.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
-        if num_prompt >= self.max_model_len:
+        if self.pooling_setup.is_pooling or req.pooling_params is not None:
+            self._check_pooling_request(req)
+        elif num_prompt >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len} "
                 "and at least one token must be left to generate"
@@ -121,9 +137,34 @@ class EngineCore:
                 eos_token_id=req.eos_token_id,
                 arrival_time=req.arrival_time,
                 priority=req.priority,
+                pooling_params=req.pooling_params,
             )
         )
         self.timer.queued(req.request_id)
+
+    def _check_pooling_request(self, req: EngineCoreRequest) -> None:
+        setup = self.pooling_setup
+        if not setup.is_pooling:
+            raise ValueError(f"this {setup.architecture} model generates: it does not pool")
+        params = req.pooling_params
+        if params is None:
+            raise ValueError(f"this {setup.architecture} model pools: it does not generate")
+        if params.task not in setup.tasks:
+            raise ValueError(
+                f"this {setup.architecture} model serves {', '.join(setup.tasks)}, "
+                f"not {params.task}"
+            )
+        num_prompt = len(req.prompt_token_ids)
+        if num_prompt > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}"
+            )
+        budget = self.config.engine.max_num_batched_tokens
+        if setup.is_encoder and num_prompt > budget:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens; an encoder runs a prompt in one step, "
+                f"and max_num_batched_tokens is {budget}"
+            )
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -18,6 +18,10 @@ request with `stop`.
 With speculative decoding (speculation.py), a decoding request is scheduled with its
 proposer's draft tokens after its next token, inside the same token budget; the drafts
 it did not keep are taken back from `num_computed_tokens` when the pass returns.
+
+A pooling request samples nothing: it finishes with `stop` in the step its last prompt
+chunk runs, carrying the pooled output the runner returned, its blocks freed then
+(pooling_scheduling.py says which prompts run whole and which skip the prefix cache).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from plugserve.datatypes import (
     RequestStatus,
     SchedulerOutput,
 )
+from plugserve.engine.pooling_scheduling import PoolingScheduling
 from plugserve.interfaces.kv_cache import KVAllocator
 from plugserve.interfaces.scheduling import SchedulingPolicy
 from plugserve.messages import EngineCoreOutput, SchedulerStats
@@ -55,8 +60,10 @@ class Scheduler:
         on_finished: Callable[[Request], None] | None = None,
         structured_output: StructuredOutputManager | None = None,
         speculation: Speculation | None = None,
+        pooling: PoolingScheduling | None = None,
     ) -> None:
         self.policy = policy
+        self.pooling = pooling
         self.kv = kv_allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -234,11 +241,15 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.policy.peek()
-            if request.sampling_params.prompt_logprobs is None:
+            if request.sampling_params.prompt_logprobs is None and (
+                self.pooling is None or self.pooling.may_use_prefix_cache(request)
+            ):
                 computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             else:  # every prompt token's logits are needed: no prefix-cache hit (as vLLM)
                 computed_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
+            if self.pooling and not self.pooling.fits(request, num_new):
+                break  # a bidirectional prompt runs whole: it waits for a step with room
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, num_hit)
             if new_blocks is None:
                 break  # head-of-line waits for blocks; admission order is the policy's
@@ -256,6 +267,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv.block_ids(request.request_id),
                     num_computed_tokens=num_hit,
+                    pooling_params=request.pooling_params,
                 )
             )
             num_scheduled[request.request_id] = num_new
@@ -322,6 +334,11 @@ class Scheduler:
             if error is not None:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = error
+            elif request.pooling_params is not None:
+                request.pooled = runner_output.pooled.get(req_id)
+                if request.pooled is None:
+                    continue  # a prompt chunk that is not the last: nothing pooled yet
+                request.status = RequestStatus.FINISHED_STOPPED
             else:
                 sampled = runner_output.sampled_token_ids.get(req_id)
                 if not sampled:
@@ -431,6 +448,7 @@ class Scheduler:
             prompt_logprobs=prompt_logprobs,
             error_in_request=request.error_in_request,
             num_reasoning_tokens=request.num_reasoning_tokens,
+            pooled=request.pooled,
         )
 
     def _release(self, request: Request) -> None:

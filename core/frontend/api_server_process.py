@@ -38,6 +38,7 @@ from plugserve.interfaces.frontend import Renderer
 from plugserve.logging_utils import configure_process_logging
 from plugserve.model_files import resolve_model_path
 from plugserve.plugins import PluginRegistry, get_registry
+from plugserve.pooling_setup import pooling_setup
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +275,8 @@ def _build_app(
         generation_defaults=defaults,
         model_root=config.model,
         log_requests=config.server.log_requests,
+        pooling=pooling_setup(model_path, config.engine.runner, stack.pooler),
+        max_num_batched_tokens=config.engine.max_num_batched_tokens,
     )
     engine = config.engine
     admission = Admission(

@@ -17,14 +17,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from plugserve.config import StackConfig
-from plugserve.datatypes import RequestDelta
+from plugserve.datatypes import PooledTensor, RequestDelta
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.metrics import FrontendMetrics
-from plugserve.interfaces.frontend import Detokenizer
+from plugserve.frontend.request_state import EngineDeadError, RequestError, RequestState
 from plugserve.interfaces.transport import ClientChannel
 from plugserve.messages import (
     COUNTER_FIELDS,
@@ -46,6 +45,7 @@ from plugserve.messages import (
 )
 from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
+from plugserve.pooling_params import PoolingParams
 from plugserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,32 +53,6 @@ logger = logging.getLogger(__name__)
 OUTPUT_CHUNK_SIZE = 64  # outputs processed before yielding to the event loop
 # For the DEAD message of an engine whose exit was seen first, while starting or serving.
 LAST_WORDS_TIMEOUT_S = 1.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; nothing more will be generated."""
-
-
-class RequestError(RuntimeError):
-    """The engine finished this request with an error; others are unaffected. `status`:
-    400 when the error lies in the request (EngineCoreOutput.error_in_request), else 500."""
-
-    def __init__(self, message: str, *, in_request: bool = False) -> None:
-        super().__init__(message)
-        self.status = 400 if in_request else 500
-        self.error_type = "invalid_request_error" if in_request else "server_error"
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    num_prompt_tokens: int
-    params: SamplingParams
-    detokenizer: Detokenizer
-    engine: int  # the data-parallel engine serving it
-    queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
-    num_output_tokens: int = 0
-    finished: bool = False
 
 
 class AsyncEngineClient:
@@ -323,6 +297,49 @@ class AsyncEngineClient:
             if not state.finished and self._refusal is None:
                 await self.abort([request_id])
 
+    async def encode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        *,
+        priority: int = 0,
+    ) -> PooledTensor:
+        """Submit one pooling request and return its pooled output. Cancelling the wait
+        (a client disconnect) aborts it."""
+        if (refusal := self._refusal) is not None:
+            raise EngineDeadError(refusal)
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        engine = min(range(self.num_engines), key=self._load.__getitem__)
+        arrival_time = time.time()
+        state = RequestState(
+            request_id=request_id,
+            num_prompt_tokens=len(prompt_token_ids),
+            params=SamplingParams(max_tokens=1),
+            detokenizer=None,
+            engine=engine,
+        )
+        self._register(state, arrival_time)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=state.params,
+            arrival_time=arrival_time,
+            priority=priority,
+            pooling_params=params,
+        )
+        try:
+            await self._send([RequestType.ADD, encoder.encode(request)], engine)
+            item = await state.queue.get()
+        finally:
+            if not state.finished and self._refusal is None:
+                await self.abort([request_id])
+        if isinstance(item, BaseException):
+            raise item
+        assert item.pooled is not None
+        return item.pooled
+
     def _register(self, state: RequestState, arrival_time: float) -> None:
         self._states[state.request_id] = state
         self._load[state.engine] += 1
@@ -453,6 +470,10 @@ class AsyncEngineClient:
         if output.error is not None:
             self._forget(state, "error")
             state.queue.put_nowait(RequestError(output.error, in_request=output.error_in_request))
+            return False
+        if state.detokenizer is None:  # a pooling request: its one output
+            self._forget(state, output.finish_reason or "stop")
+            state.queue.put_nowait(output)
             return False
         state.num_output_tokens += len(output.new_token_ids)
         if self.metrics is not None:

@@ -28,6 +28,7 @@ from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces.frontend import Renderer, ToolParser
 from plugserve.interfaces.reasoning import ReasoningParser
 from plugserve.interfaces.structured_output import StructuredOutputBackend
+from plugserve.pooling_setup import PoolingSetup
 from plugserve.sampling_params import ReasoningParams, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class OpenAIServing:
         generation_defaults: GenerationDefaults | None = None,
         model_root: str | None = None,
         log_requests: bool = False,
+        pooling: PoolingSetup | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """`structured_output_backend`: the stack's backend class, whose `validate`
         checks constraints before they are queued (None: the engine reports them).
@@ -121,7 +124,9 @@ class OpenAIServing:
         calls are not parsed from free text). `reasoning_parser`: the stack's reasoning
         parser class (None: no output is reasoning). `generation_defaults`: the model's
         sampling defaults and EOS ids (generation_config.json). `model_root`: the model
-        as configured (/v1/models' `root`). `log_requests`: a line per finished request."""
+        as configured (/v1/models' `root`). `log_requests`: a line per finished request.
+        `pooling`: how the model is served (None: it generates); `max_num_batched_tokens`:
+        the step's token budget, the longest prompt an encoder runs."""
         self.client = client
         self.renderer = renderer
         self.model_name = model_name
@@ -133,6 +138,8 @@ class OpenAIServing:
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.logprobs = LogprobsFormatter(renderer.tokenizer)
+        self.pooling = pooling or PoolingSetup(runner="generate", architecture="")
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     @property
     def max_model_len(self) -> int:
@@ -141,10 +148,22 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ validation
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str, *, generates: bool = True) -> None:
+        """404 for another model; 400 for a generating request to a pooling model."""
         if model != self.model_name:
             raise ModelNotFound(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`."
+            )
+        if generates:
+            self.check_generates()
+
+    def check_generates(self) -> None:
+        if self.pooling.is_pooling:
+            raise InvalidRequest(
+                f"this model ({self.pooling.architecture}) is a pooling model and does not "
+                f"generate: it serves {', '.join(self.pooling.tasks)} (/v1/embeddings, "
+                "/pooling, /classify, /score, /rerank)",
+                "model",
             )
 
     def log_ignored(self, body: SamplingRequest) -> None:
@@ -162,6 +181,7 @@ class OpenAIServing:
     ) -> SamplingParams:
         """The params of a prompt of `prompt_len` tokens, checked against the context
         and the vocabulary; `prompt_param` is the field a prompt too long is blamed on."""
+        self.check_generates()
         if prompt_len == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
         room = self.max_model_len - prompt_len

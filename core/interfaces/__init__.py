@@ -26,4 +26,5 @@ frontend module. Each name has one home, its module here:
 - model: AttentionBackend (with LayerAttention, FULL_ATTENTION, AttentionSpec,
   AttentionBatch), LinearMethod (with LinearLayer, LinearCompute, TiedLmHead), CausalLM,
   ModelPass (with DecoderFrame, WholeStack, LayerRoute)
+- pooling: Pooler (with PoolerTokens)
 """

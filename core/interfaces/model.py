@@ -33,6 +33,10 @@ class LayerAttention:
     logit_softcap: float | None = None
     # The softmax scale; None: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5).
     scale: float | None = None
+    # Every query sees every key of its own prompt, later ones included (an encoder's
+    # layers: BERT, XLM-R). Such a prompt runs in one forward pass with no context
+    # before it, so there is no mask at all.
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -41,6 +45,8 @@ class LayerAttention:
             raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
         if self.scale is not None and not self.scale > 0:
             raise ValueError(f"scale must be positive, got {self.scale}")
+        if self.bidirectional and self.sliding_window is not None:
+            raise ValueError("a bidirectional layer attends over its whole prompt: no window")
 
     @property
     def is_full(self) -> bool:

@@ -23,24 +23,22 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from plugserve.capabilities import (
     describes_linears,
-    has_layer_attention,
-    honours_layer_attention,
     supports_weight_buffer,
 )
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 from plugserve.device import choose_dtype, dtype_name, resolve_device
 from plugserve.interfaces.executor import KVCacheInfo
-from plugserve.interfaces.model import AttentionSpec, LayerAttention
+from plugserve.interfaces.model import AttentionSpec
 from plugserve.model_files import check_architecture, resolve_model_path
 from plugserve.plugins import get_registry
+from plugserve.pooling_setup import pooling_setup
 from plugserve.worker.batch_invariance import (
     make_attention_batch_invariant,
     refuse_batch_dependent_layers,
@@ -48,10 +46,16 @@ from plugserve.worker.batch_invariance import (
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
 from plugserve.worker.input_batch import InputBatch
+from plugserve.worker.layer_attention import (
+    attention_layers,
+    check_layer_attention,
+    context_limit,
+)
 from plugserve.worker.linear_methods import LinearMethodChooser, linear_methods_of
 from plugserve.worker.model_loader import load_model
 from plugserve.worker.model_passes import model_passes_from_config
 from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+from plugserve.worker.pooled_outputs import PooledOutputs
 from plugserve.worker.sampler import (
     LogprobsTensors,
     Sampler,
@@ -83,31 +87,6 @@ class _ParkedLogits:
     drafts: list[list[int]] | None = None
 
 
-def attention_layers(model_cls: type, hf_config: Any) -> tuple[LayerAttention, ...]:
-    """What each layer's attention computes, as the model class says (empty: all full)."""
-    if not has_layer_attention(model_cls):
-        return ()
-    layers = tuple(model_cls.attention_layers(hf_config))
-    return () if all(layer.is_full for layer in layers) else layers
-
-
-def check_layer_attention(backend_cls: type, name: str, layers: tuple[LayerAttention, ...]) -> None:
-    """Refuse a backend that would ignore an option the model's layers need."""
-    needed = {
-        option
-        for layer in layers
-        for option in ("sliding_window", "logit_softcap", "scale")
-        if getattr(layer, option) is not None
-    }
-    honoured = backend_cls.layer_attention_options if honours_layer_attention(backend_cls) else ()
-    missing = sorted(needed - set(honoured))
-    if missing:
-        raise ValueError(
-            f"attention {name!r} does not support {', '.join(missing)}, which this model's "
-            "layers need"
-        )
-
-
 class ModelRunner:
     def __init__(self, config: StackConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
@@ -132,6 +111,8 @@ class ModelRunner:
             else None
         )
         self._graphs: DecodeGraphs | None = None
+        # A pooling model's outputs (engine.runner): execute_model returns them itself.
+        self.pooling: PooledOutputs | None = None
 
     # ------------------------------------------------------------------ start-up
 
@@ -145,7 +126,8 @@ class ModelRunner:
             "model", check_architecture(model_path, registry.implementations("model"))
         )
 
-        model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+        setup = pooling_setup(model_path, self.config.engine.runner, self.config.stack.pooler)
+        model_max = context_limit(model_cls, hf_config, setup)
         self.max_model_len = min(self.config.engine.max_model_len or model_max, model_max)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -188,6 +170,8 @@ class ModelRunner:
         if self.config.engine.batch_invariant:
             refuse_batch_dependent_layers(self.model)
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
+        if setup.is_pooling:
+            self.pooling = PooledOutputs.build(self.model, setup, self.config, registry)
         logger.info("%s", self._describe_kernels())
 
         # Ranks hold different numbers of KV heads (uneven shards), hence fit different
@@ -195,7 +179,7 @@ class ModelRunner:
         num_blocks = self.parallel.min_int(self._num_kv_blocks())
         self.attention.allocate_kv_cache(num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        if cuda_graphs_enabled(
+        if self.pooling is None and cuda_graphs_enabled(
             self.config.engine.cuda_graphs,
             self.device,
             self.attention,
@@ -287,6 +271,10 @@ class ModelRunner:
         batch = self.input_batch
         if so.finished_req_ids or so.preempted_req_ids:
             batch.remove_requests(so.finished_req_ids | so.preempted_req_ids, so.finished_req_ids)
+            if self.pooling is not None:
+                self.pooling.forget(so.finished_req_ids | so.preempted_req_ids)
+        if self.pooling is not None:
+            self.pooling.add(so.scheduled_new_reqs)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -315,7 +303,14 @@ class ModelRunner:
             hidden = self._graphs.run(attn_batch, graph_size, ids_t, positions_t)
         else:
             self.attention.prepare(attn_batch)
-            hidden = self.model(ids_t, positions_t)
+            hidden = (
+                self.model(ids_t, positions_t)
+                if self.pooling is None
+                else self.pooling.forward(self.input_batch, so, ids_t, positions_t)
+            )
+        if self.pooling is not None:  # nothing to sample: the pooled outputs, now
+            pooled = self.pooling.pool(batch, so, attn_batch.query_start_loc, hidden)
+            return ModelRunnerOutput(sampled_token_ids={}, pooled=pooled)
         prompt_logprobs = (
             self._prompt_logprobs(so, step.attention.query_start_loc, hidden)
             if np.any(batch.num_prompt_logprobs[: batch.num_reqs] >= 0)

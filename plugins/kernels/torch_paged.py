@@ -114,8 +114,11 @@ class TorchPagedAttention:
     (capabilities: SupportsCudaGraphs, SupportsFusedCpuLayer, HonoursLayerAttention,
     SupportsBatchInvariance)."""
 
-    # capabilities.HonoursLayerAttention: every path applies all three.
-    layer_attention_options = frozenset({"sliding_window", "logit_softcap", "scale"})
+    # capabilities.HonoursLayerAttention: every path applies the first three; bidirectional
+    # layers run on the SDPA path (the C++ kernels are causal).
+    layer_attention_options = frozenset(
+        {"sliding_window", "logit_softcap", "scale", "bidirectional"}
+    )
 
     class Options(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
@@ -135,7 +138,14 @@ class TorchPagedAttention:
         self.device = torch.device(spec.device)
         options = options or self.Options()
         choice = options.kernel
-        self.native = self._use_native_kernel(choice)
+        # An encoder's layers: every prompt runs whole through SDPA, unmasked.
+        self.bidirectional = any(spec.layer(i).bidirectional for i in range(spec.num_layers))
+        if self.bidirectional and (choice == "native" or options.prefill_kernel == "on"):
+            raise ValueError(
+                "this model's layers attend bidirectionally, which only the sdpa path does: "
+                "use kernel auto or sdpa and prefill_kernel auto or off"
+            )
+        self.native = not self.bidirectional and self._use_native_kernel(choice)
         self._sdpa_min_query_tokens = SDPA_MIN_QUERY_TOKENS if choice == "auto" else None
         self.layers: list[LayerAttention] = [spec.layer(i) for i in range(spec.num_layers)]
         self.scales = [layer.softmax_scale(spec.head_dim) for layer in self.layers]
@@ -253,7 +263,7 @@ class TorchPagedAttention:
     def _use_prefill_kernel(self, choice: str) -> bool:
         """Whether long prefill rows go through cpu_prefill_attention: where it runs here
         (CPU, bf16, its head sizes, avx512_bf16) and, under auto, timed faster than SDPA."""
-        if choice == "off":
+        if choice == "off" or self.bidirectional:
             return False
         s = self.spec
         usable = (
@@ -349,6 +359,11 @@ class TorchPagedAttention:
 
     def _plan_prefill(self, start: int, end: int, seq_len: int, block_row: np.ndarray) -> _Prefill:
         context_len = seq_len - (end - start)
+        if context_len and self.bidirectional:
+            raise ValueError(
+                "a bidirectional layer attends over its whole prompt at once: a prompt "
+                "cannot be split into chunks or continue a cached prefix"
+            )
         block_ids = None
         if context_len:
             num_blocks = -(-seq_len // self.spec.block_size)
@@ -434,6 +449,7 @@ class TorchPagedAttention:
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             mask=p.masks[layer.sliding_window],
+            causal=not layer.bidirectional,
         )
         return o[0].transpose(0, 1)
 
@@ -472,15 +488,23 @@ class TorchPagedAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         mask: torch.Tensor | None,
+        causal: bool = True,
     ) -> torch.Tensor:
         """q [B, H, Lq, D], k/v [B, KVH, Lk, D] (H a multiple of KVH) → [B, H, Lq, D].
         mask: bool (True: attended) or additive, broadcast to [B, H, Lq, Lk]; None: plain
-        causal with Lq == Lk (a fresh prefill), which lets SDPA pick a fused kernel."""
+        causal with Lq == Lk (a fresh prefill), which lets SDPA pick a fused kernel, or
+        with `causal` False, no mask at all (a bidirectional layer's whole prompt)."""
         scale, softcap = self.scales[layer_idx], self.layers[layer_idx].logit_softcap
         gqa = q.shape[1] != k.shape[1]
         if softcap is None:
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and causal,
+                scale=scale,
+                enable_gqa=gqa,
             )
         # Soft-capped: the scores explicitly, in transformers' order (scale, cap, mask,
         # softmax in fp32).
@@ -490,7 +514,8 @@ class TorchPagedAttention:
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
         if mask is None:
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+            mask = mask.tril() if causal else mask
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:

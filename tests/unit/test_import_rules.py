@@ -5,7 +5,8 @@ them to five rules.
 (a) The contract imports only the contract. The contract is what a plugin is written
     against and what crosses a process boundary: hookspecs, interfaces (with the
     capability Protocols), datatypes (requests as policies see them, scheduler output,
-    runner output, logprobs), messages (the wire format), sampling_params and config.
+    runner output, logprobs), messages (the wire format), sampling_params,
+    pooling_params and config.
     Besides each other, its modules may import the `plugserve` package itself (hookimpl)
     and plugserve.plugins, through which config checks the names stack.yaml selects;
     never the engine, the worker, the frontend or a plugin.
@@ -70,6 +71,7 @@ CONTRACT = (
     "plugserve.datatypes",
     "plugserve.messages",
     "plugserve.sampling_params",
+    "plugserve.pooling_params",
     "plugserve.config",
 )
 CONTRACT_ALSO_MAY_IMPORT = ("plugserve", "plugserve.plugins")

@@ -17,8 +17,8 @@ from plugserve.model_files import BUILTIN_MODELS, load_tokenizer, resolve_model_
 from plugserve.worker.model_loader import iter_weights
 
 
-def _builtin_gguf() -> Path:
-    return model_files._builtin_gguf(
+def _builtin_file() -> Path:
+    return model_files._builtin_file(
         "smollm2-135m-instruct", *BUILTIN_MODELS["smollm2-135m-instruct"]
     )
 
@@ -45,7 +45,7 @@ def test_builtin_name_resolves_to_a_hf_folder(smollm2_path: Path) -> None:
     generation = json.loads((smollm2_path / "generation_config.json").read_text())
     assert generation["eos_token_id"] == config["eos_token_id"] == 2
     # The folder is named after the GGUF's content hash.
-    assert smollm2_path.name == gguf_converter.file_sha256(_builtin_gguf())[:16]
+    assert smollm2_path.name == gguf_converter.file_sha256(_builtin_file())[:16]
 
 
 def test_second_resolve_reuses_the_cache(
@@ -58,13 +58,13 @@ def test_second_resolve_reuses_the_cache(
 
     monkeypatch.setattr(gguf_converter, "convert_gguf", no_conversion)
     assert resolve_model_path("smollm2-135m-instruct") == smollm2_path
-    assert resolve_model_path(str(_builtin_gguf())) == smollm2_path  # same file, by path
+    assert resolve_model_path(str(_builtin_file())) == smollm2_path  # same file, by path
     after = smollm2_path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
 def test_converted_tensors_equal_a_direct_dequantization(smollm2_path: Path) -> None:
-    reader = gguf.GGUFReader(_builtin_gguf())
+    reader = gguf.GGUFReader(_builtin_file())
     source = {t.name: t for t in reader.tensors}
 
     def dequantized(name: str) -> np.ndarray:

@@ -275,6 +275,7 @@ def test_declares_every_layer_option_it_honours() -> None:
         "sliding_window",
         "logit_softcap",
         "scale",
+        "bidirectional",
     }
 
 

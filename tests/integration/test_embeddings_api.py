@@ -1,0 +1,137 @@
+"""/v1/embeddings on a live server serving the embedded all-MiniLM-L6-v2, through the
+official openai SDK (float and base64) and plain HTTP: every input shape OpenAI takes,
+Matryoshka `dimensions`, usage, and bad input answered with a 400 in OpenAI's shape while
+requests in flight beside it finish unharmed. Generating on a pooling model is a 400 too.
+
+One server for the module (the other pooling endpoints' tests share it:
+test_pooling_endpoints.py), launched ahead like every server of the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import httpx
+import numpy as np
+import pytest
+
+from .conftest import NUM_THREADS, assert_openai_error, running_server
+
+MINILM = "all-minilm-l6-v2"
+MINILM_SETTINGS = (
+    "--model", MINILM,
+    "--dtype", "float32",
+    "--kv-cache-memory", "32MiB",
+    "--max-num-seqs", "32",
+    "--num-threads", str(NUM_THREADS),
+    "--shutdown-timeout", "10",
+)  # fmt: skip
+SENTENCES = ["A man is eating food.", "The girl is carrying a baby.", "hi"]
+MIN_COSINE = 0.99999
+
+
+@pytest.fixture(scope="module")
+def minilm_server(tmp_path_factory):
+    with running_server("zmq", tmp_path_factory.mktemp("minilm"), settings=MINILM_SETTINGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    from plugserve.model_files import resolve_model_path
+
+    model = SentenceTransformer(str(resolve_model_path(MINILM)), device="cpu")
+    return model.encode(SENTENCES, convert_to_numpy=True)
+
+
+def min_cosine(got: np.ndarray, expected: np.ndarray) -> float:
+    got, expected = got.astype(np.float64), expected.astype(np.float64)
+    dots = (got * expected).sum(axis=-1)
+    return float((dots / np.linalg.norm(got, axis=-1) / np.linalg.norm(expected, axis=-1)).min())
+
+
+@pytest.mark.starts_server(transport="zmq", settings=MINILM_SETTINGS)
+def test_openai_sdk_embeddings_float_and_base64(minilm_server, reference):
+    with minilm_server.openai_client() as client:
+        floats = client.embeddings.create(model=MINILM, input=SENTENCES, encoding_format="float")
+        raw = client.embeddings.create(model=MINILM, input=SENTENCES, encoding_format="base64")
+        # Without encoding_format the SDK asks for base64 and decodes it itself.
+        decoded = client.embeddings.create(model=MINILM, input=SENTENCES)
+    as_float = np.array([d.embedding for d in floats.data], dtype=np.float32)
+    assert [d.index for d in floats.data] == [0, 1, 2]
+    assert min_cosine(as_float, reference) >= MIN_COSINE
+    from_base64 = np.stack(
+        [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in raw.data]
+    )
+    # Three requests, batched as they arrived: a matmul's summation order may differ.
+    np.testing.assert_allclose(from_base64, as_float, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.array([d.embedding for d in decoded.data]), as_float, atol=2e-6)
+    tokens = floats.usage.prompt_tokens
+    assert tokens == floats.usage.total_tokens == 8 + 9 + 3  # [CLS] ... [SEP] each
+    assert floats.model == MINILM
+
+
+def test_token_ids_and_dimensions(minilm_server):
+    url = minilm_server.url("/v1/embeddings")
+    text = httpx.post(url, json={"input": "hello world"}, timeout=60).json()
+    ids = [101, 7592, 2088, 102]  # the same prompt, as the tokenizer writes it
+    one = httpx.post(url, json={"input": ids}, timeout=60).json()
+    several = httpx.post(url, json={"input": [ids, ids[:2]]}, timeout=60).json()
+    full = np.array(text["data"][0]["embedding"])
+    np.testing.assert_allclose(one["data"][0]["embedding"], full, rtol=0, atol=2e-6)
+    assert len(several["data"]) == 2 and several["usage"]["prompt_tokens"] == 6
+    cut = httpx.post(url, json={"input": "hello world", "dimensions": 32}, timeout=60).json()
+    short = np.array(cut["data"][0]["embedding"])
+    # Truncated, then renormalised: the unit vector along the full one's first 32 values.
+    assert short.shape == (32,)
+    np.testing.assert_allclose(short, full[:32] / np.linalg.norm(full[:32]), rtol=0, atol=1e-5)
+
+
+BAD_BODIES = [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": ["fine", ""]}, "input"),
+    ({"input": "word " * 300}, "input"),  # more than the checkpoint's 256 tokens
+    ({"input": "hi", "dimensions": 385}, "dimensions"),
+    ({"input": "hi", "dimensions": 0}, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "hi", "user": "someone"}, "user"),  # a field it does not implement
+    ({"input": [1, 99_999_999]}, "input"),  # not in the vocabulary
+]
+
+
+def test_bad_input_is_a_400_and_requests_in_flight_finish(minilm_server, reference):
+    url = minilm_server.url("/v1/embeddings")
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            good = [http.post(url, json={"input": SENTENCES}) for _ in range(4)]
+            bad = [http.post(url, json=body) for body, _ in BAD_BODIES]
+            return await asyncio.gather(*good, *bad)
+
+    answers = asyncio.run(scenario())
+    for response in answers[:4]:
+        assert response.status_code == 200, response.text
+        vectors = np.array([d["embedding"] for d in response.json()["data"]])
+        assert min_cosine(vectors, reference) >= MIN_COSINE
+    for response, (body, param) in zip(answers[4:], BAD_BODIES, strict=True):
+        error = assert_openai_error(response, 400)
+        assert error["param"] == param, (body, error)
+    long = assert_openai_error(answers[4 + 3], 400)
+    assert "maximum context length is 256 tokens" in long["message"]
+    assert minilm_server.wait_idle()["num_requests_running"] == 0
+
+
+def test_generating_on_a_pooling_model_is_a_400_naming_why(minilm_server):
+    for path, body in (
+        ("/v1/completions", {"model": MINILM, "prompt": "hi"}),
+        (
+            "/v1/chat/completions",
+            {"model": MINILM, "messages": [{"role": "user", "content": "hi"}]},
+        ),
+    ):
+        error = assert_openai_error(httpx.post(minilm_server.url(path), json=body, timeout=30), 400)
+        assert "is a pooling model and does not generate" in error["message"], error

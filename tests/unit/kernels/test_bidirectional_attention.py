@@ -1,0 +1,88 @@
+"""Bidirectional layers (an encoder's): the torch backend attends every query of a prompt
+to every key of it, later ones included, in a batch of prompts of mixed lengths; a
+backend that cannot is refused by name (flashinfer, whose prefill kernel is causal)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugserve.interfaces.model import AttentionBatch, AttentionSpec, LayerAttention
+from plugserve.worker.model_runner import check_layer_attention
+from plugserve_plugins.kernels.flashinfer import FlashInferAttention
+from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
+
+BIDIRECTIONAL = LayerAttention(bidirectional=True)
+HEADS, HEAD_DIM, BLOCK = 4, 16, 4
+
+
+def spec(layers: int = 2) -> AttentionSpec:
+    return AttentionSpec(
+        num_layers=layers,
+        num_heads=HEADS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        block_size=BLOCK,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        layers=(BIDIRECTIONAL,) * layers,
+    )
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
+def test_each_prompt_attends_to_all_of_itself(kernel: str) -> None:
+    backend = TorchPagedAttention(spec=spec(), options=TorchPagedAttention.Options(kernel=kernel))
+    backend.allocate_kv_cache(16)
+    lengths = [5, 1, 9]  # a one-token prompt rides the decode path
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    blocks = np.zeros((3, 4), dtype=np.int32)
+    slots = []
+    next_block = 0
+    for row, n in enumerate(lengths):
+        count = -(-n // BLOCK)
+        blocks[row, :count] = np.arange(next_block, next_block + count)
+        slots += [blocks[row, i // BLOCK] * BLOCK + i % BLOCK for i in range(n)]
+        next_block += count
+    backend.prepare(
+        AttentionBatch(starts, np.array(lengths, np.int32), blocks, np.array(slots, np.int64))
+    )
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=generator) for _ in range(3))
+    out = backend.forward(0, q, k, v)
+    for row, n in enumerate(lengths):
+        part = slice(int(starts[row]), int(starts[row]) + n)
+        expected = F.scaled_dot_product_attention(
+            *(t[part].transpose(0, 1) for t in (q, k, v)), is_causal=False
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[part], expected)
+
+
+def test_a_prompt_continuing_a_cached_prefix_is_refused() -> None:
+    backend = TorchPagedAttention(spec=spec(), options=TorchPagedAttention.Options(kernel="sdpa"))
+    backend.allocate_kv_cache(8)
+    batch = AttentionBatch(
+        np.array([0, 3], np.int32),
+        np.array([7], np.int32),  # 4 tokens before the 3 of this step
+        np.array([[0, 1]], np.int32),
+        np.array([4, 5, 6], np.int64),
+    )
+    with pytest.raises(ValueError, match="cannot be split into chunks"):
+        backend.prepare(batch)
+
+
+def test_the_causal_cpu_kernels_are_refused_by_name() -> None:
+    options = TorchPagedAttention.Options(kernel="native")
+    with pytest.raises(ValueError, match="attend bidirectionally"):
+        TorchPagedAttention(spec=spec(), options=options)
+
+
+def test_flashinfer_is_refused_naming_bidirectional() -> None:
+    with pytest.raises(ValueError, match="does not support bidirectional"):
+        check_layer_attention(FlashInferAttention, "flashinfer", (BIDIRECTIONAL,))
+
+
+def test_a_bidirectional_layer_has_no_window() -> None:
+    with pytest.raises(ValueError, match="no window"):
+        LayerAttention(bidirectional=True, sliding_window=4)
