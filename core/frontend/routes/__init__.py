@@ -7,7 +7,9 @@ bodies (protocol.py):
 - messages/: /v1/messages (Anthropic's), /v1/messages/count_tokens
 - tokens/: /tokenize, /detokenize      - health/: /health, /ping, /version
 - metrics/: /metrics                   - bench/: /bench/weight_read
-- embeddings/: /v1/embeddings
+- embeddings/: /v1/embeddings          - pooling/: /pooling
+- classify/: /classify                 - score/: /score
+- rerank/: /rerank, /v1/rerank, /v2/rerank
 
 What they share is owned by none: endpoint_flow.py (dependencies, OpenAI's error shape,
 a generating request from a valid body to its last byte) over frontend/serving.py.
@@ -33,17 +35,21 @@ def register_routes(server: ApiServer) -> None:
     builds an app."""
     from plugserve.frontend.routes.bench import route as bench
     from plugserve.frontend.routes.chat import route as chat
+    from plugserve.frontend.routes.classify import route as classify
     from plugserve.frontend.routes.completions import route as completions
     from plugserve.frontend.routes.embeddings import route as embeddings
     from plugserve.frontend.routes.health import route as health
     from plugserve.frontend.routes.messages import route as messages
     from plugserve.frontend.routes.metrics import route as metrics
     from plugserve.frontend.routes.models import route as models
+    from plugserve.frontend.routes.pooling import route as pooling
+    from plugserve.frontend.routes.rerank import route as rerank
     from plugserve.frontend.routes.responses import route as responses
+    from plugserve.frontend.routes.score import route as score
     from plugserve.frontend.routes.tokens import route as tokens
 
     for endpoint in (
-        chat, completions, responses, messages, embeddings, models, tokens, health,
-        bench, metrics,
+        chat, completions, responses, messages, embeddings, pooling, classify, score,
+        rerank, models, tokens, health, bench, metrics,
     ):  # fmt: skip
         server.include_router(endpoint.router)

@@ -29,6 +29,8 @@ async def models(serving: ServingDep) -> dict[str, Any]:
                 "root": serving.model_root,
                 "parent": None,
                 "max_model_len": serving.max_model_len,
+                # What the model serves: generate, or its pooling tasks (embed, classify, ...).
+                "task": list(serving.pooling.tasks) if serving.pooling.is_pooling else ["generate"],
                 "permission": [
                     {
                         "id": f"modelperm-{uuid.uuid4().hex}",

@@ -1,10 +1,12 @@
-"""/v1/embeddings on a live server serving the embedded all-MiniLM-L6-v2, through the
-official openai SDK (float and base64) and plain HTTP: every input shape OpenAI takes,
-Matryoshka `dimensions`, usage, and bad input answered with a 400 in OpenAI's shape while
-requests in flight beside it finish unharmed. Generating on a pooling model is a 400 too.
+"""The pooling endpoints on a live server serving the embedded all-MiniLM-L6-v2:
+/v1/embeddings through the official openai SDK (float and base64) and plain HTTP (every
+input shape OpenAI takes, Matryoshka `dimensions`, usage); /pooling, /score, and a
+Cohere/Jina-shaped rerank on /rerank, /v1/rerank and /v2/rerank over httpx; /v1/models
+saying the task. Bad input is a 400 in OpenAI's shape while requests in flight beside it
+finish unharmed; generating on a pooling model, or classifying with an embedder, is a
+400 naming why.
 
-One server for the module (the other pooling endpoints' tests share it:
-test_pooling_endpoints.py), launched ahead like every server of the suite.
+One server for the module, launched ahead like every server of the suite.
 """
 
 from __future__ import annotations
@@ -38,13 +40,17 @@ def minilm_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference() -> np.ndarray:
+def sentence_transformer():
     from sentence_transformers import SentenceTransformer
 
     from plugserve.model_files import resolve_model_path
 
-    model = SentenceTransformer(str(resolve_model_path(MINILM)), device="cpu")
-    return model.encode(SENTENCES, convert_to_numpy=True)
+    return SentenceTransformer(str(resolve_model_path(MINILM)), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(sentence_transformer) -> np.ndarray:
+    return sentence_transformer.encode(SENTENCES, convert_to_numpy=True)
 
 
 def min_cosine(got: np.ndarray, expected: np.ndarray) -> float:
@@ -135,3 +141,81 @@ def test_generating_on_a_pooling_model_is_a_400_naming_why(minilm_server):
     ):
         error = assert_openai_error(httpx.post(minilm_server.url(path), json=body, timeout=30), 400)
         assert "is a pooling model and does not generate" in error["message"], error
+
+
+def test_models_says_the_task(minilm_server):
+    (card,) = httpx.get(minilm_server.url("/v1/models"), timeout=30).json()["data"]
+    assert card["task"] == ["embed", "token_embed", "score"]
+    assert card["max_model_len"] == 256
+
+
+def test_pooling_returns_the_embedding_or_every_token(minilm_server):
+    url = minilm_server.url("/pooling")
+    embed = httpx.post(url, json={"input": "hello world"}, timeout=60).json()
+    body = {"input": "hello world", "task": "token_embed", "normalize": False}
+    per_token = np.array(httpx.post(url, json=body, timeout=60).json()["data"][0]["data"])
+    vector = np.array(embed["data"][0]["data"])
+    assert vector.shape == (384,) and per_token.shape == (4, 384)  # [CLS] hello world [SEP]
+    # The embedding is the checkpoint's mean pooling of those token states, normalised.
+    mean = per_token.mean(axis=0)
+    np.testing.assert_allclose(vector, mean / np.linalg.norm(mean), rtol=0, atol=1e-5)
+
+
+DOCUMENTS = [
+    "The weather is lovely today.",
+    "A man is eating a piece of bread.",
+    "The new movie is awesome.",
+]
+QUERY = "A man is eating food."
+
+
+def test_rerank_in_the_jina_and_cohere_shape(minilm_server, sentence_transformer):
+    bodies = {
+        "/rerank": {"query": QUERY, "documents": DOCUMENTS},
+        "/v1/rerank": {"model": MINILM, "query": QUERY, "documents": DOCUMENTS, "top_n": 2},
+        "/v2/rerank": {
+            "model": MINILM,
+            "query": QUERY,
+            "documents": [{"text": d} for d in DOCUMENTS],
+            "return_documents": False,
+        },
+    }
+    answers = {
+        path: httpx.post(minilm_server.url(path), json=b, timeout=60) for path, b in bodies.items()
+    }
+    full = answers["/rerank"].json()
+    assert [r["index"] for r in full["results"]] == [1, 0, 2]  # the bread first
+    assert full["results"][0]["document"] == {"text": DOCUMENTS[1]}
+    assert full["usage"]["total_tokens"] > 0 and full["model"] == MINILM
+    top = answers["/v1/rerank"].json()["results"]
+    assert [r["index"] for r in top] == [1, 0]
+    bare = answers["/v2/rerank"].json()["results"]
+    assert len(bare) == 3 and all("document" not in r for r in bare)
+    # An embedder scores a pair by the cosine of its two embeddings.
+    score = httpx.post(
+        minilm_server.url("/score"), json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60
+    ).json()
+    scores = [d["score"] for d in score["data"]]
+    assert scores == pytest.approx(
+        [r["relevance_score"] for r in sorted(full["results"], key=lambda r: r["index"])], abs=1e-5
+    )
+    q, *docs = sentence_transformer.encode([QUERY, *DOCUMENTS])
+    assert scores == pytest.approx([float(np.dot(q, d)) for d in docs], abs=1e-5)
+
+
+def test_bad_pooling_requests_are_400s_naming_why(minilm_server):
+    cases = [
+        ("/rerank", {"query": QUERY, "documents": []}, "documents", "documents is empty"),
+        ("/rerank", {"query": "", "documents": ["x"]}, "query", "query is empty"),
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "text_1 has 2"),
+        ("/classify", {"input": "hi"}, "model", "serves embed, token_embed, score"),
+        (
+            "/pooling",
+            {"input": "hi", "task": "classify"},
+            "model",
+            "needs a model that serves classify",
+        ),
+    ]
+    for path, body, param, words in cases:
+        error = assert_openai_error(httpx.post(minilm_server.url(path), json=body, timeout=30), 400)
+        assert error["param"] == param and words in error["message"], (path, error)
