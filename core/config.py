@@ -134,6 +134,14 @@ class EngineConfig(_Section):
     # cannot are refused by name at start-up. Costs speed (docs/configuration.md).
     batch_invariant: bool = False
     tensor_parallel_size: int = Field(1, ge=1)
+    # Pipeline stages (executor "mp" or "ray"): the decoder layers split into this many
+    # consecutive runs, each stage `tensor_parallel_size` ranks; a stage holds the KV
+    # cache of its own layers only, stage 0 the embeddings, the last stage the final
+    # norm, the head and the sampler. Up to this many batches are in flight at once.
+    pipeline_parallel_size: int = Field(1, ge=1)
+    # Layers per stage, in order, summing to the model's layer count; None: as even as
+    # possible, the first stages one longer (worker.parallel.stage_layer_ranges).
+    pp_layer_partition: list[int] | None = None
     # Engine-core processes behind the one API server, each a full replica of the model.
     data_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -183,6 +191,15 @@ class EngineConfig(_Section):
             raise ValueError(
                 f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
                 f"nnodes ({self.nnodes}): every node runs the same number of ranks"
+            )
+        if self.pp_layer_partition is not None and (
+            len(self.pp_layer_partition) != self.pipeline_parallel_size
+            or min(self.pp_layer_partition) < 1
+        ):
+            raise ValueError(
+                f"pp_layer_partition ({self.pp_layer_partition}) must give "
+                f"pipeline_parallel_size ({self.pipeline_parallel_size}) counts of at least "
+                "one layer each"
             )
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError(

@@ -134,3 +134,22 @@ def hf_greedy_references(hf_reference_model):
         return computed[key]
 
     return references
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Any:
+    """A Ray cluster of two nodes on this host (127.0.0.1), two logical CPUs each, started
+    once per session for every Ray test (starting one takes seconds), this process its
+    driver. Yields the ray.cluster_utils.Cluster: a test may add or kill nodes."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

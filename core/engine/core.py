@@ -2,14 +2,19 @@
 docs/request-path.md, whose numbers the phase comments in the code use).
 
 Every part comes from the plugin registry by the name stack.yaml gives; the engine
-never branches on which one it got.
+never branches on which one it got, only on what it can do: an executor that runs
+batches concurrently (capabilities.RunsBatchesConcurrently: pipeline stages) gets a
+queue of batches in flight instead of one step at a time (`_step_with_batch_queue`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
+from concurrent.futures import Future
 
+from plugserve.capabilities import RunsBatchesConcurrently, runs_batches_concurrently
 from plugserve.config import StackConfig
 from plugserve.datatypes import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
 from plugserve.engine.pooling_scheduling import PoolingScheduling
@@ -88,6 +93,21 @@ class EngineCore:
             if speculative is not None
             else None
         )
+        self._batch_runner: RunsBatchesConcurrently | None = (
+            self.executor
+            if runs_batches_concurrently(self.executor) and self.executor.max_concurrent_batches > 1
+            else None
+        )
+        self.max_concurrent_batches = (
+            1 if self._batch_runner is None else self._batch_runner.max_concurrent_batches
+        )
+        if self._batch_runner is not None and self.speculation is not None:
+            raise ValueError(
+                "speculative decoding does not run with pipeline stages (batches in flight): "
+                "unset stack.speculative or set pipeline_parallel_size to 1"
+            )
+        # Batches submitted and not yet returned, oldest first (max_concurrent_batches > 1).
+        self._batches: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.scheduler = Scheduler(
             policy=policy,
             kv_allocator=kv_allocator,
@@ -100,6 +120,7 @@ class EngineCore:
             structured_output=self.structured_output,
             speculation=self.speculation,
             pooling=pooling,
+            max_concurrent_batches=self.max_concurrent_batches,
         )
         self._observe_steps = registry.has_observers("engine_step_finished")
         self.timer = StepTimer()
@@ -180,13 +201,15 @@ class EngineCore:
         return self.timer.add_counters(self.scheduler.stats())
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or bool(self._batches)
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> tuple[list[EngineCoreOutput], bool]:
         """One pass: schedule, forward, sample, update. Returns the outputs and whether
         any token was computed."""
+        if self._batch_runner is not None:
+            return self._step_with_batch_queue(self._batch_runner)
         if not self.scheduler.has_requests():
             return [], False
         self.timer.step_started()
@@ -204,6 +227,66 @@ class EngineCore:
         if self._observe_steps:  # built only for them: every call counts at batch 1
             self._notify_step(scheduler_output, step_time, forward_time)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _step_with_batch_queue(
+        self, runner: RunsBatchesConcurrently
+    ) -> tuple[list[EngineCoreOutput], bool]:
+        """One turn with several batches in flight: schedule and submit a batch while the
+        queue has room (the scheduler leaves out requests in flight), and return at once
+        if it still has; otherwise wait for the oldest batch and close its pass. The
+        bitmask of a batch is built before it is submitted: its requests' grammars cannot
+        move while it is in flight."""
+        batches = self._batches
+        if not batches and not self.scheduler.has_requests():
+            return [], False
+        self.timer.step_started()
+        scheduler_output = None
+        if len(batches) < self.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            self.timer.scheduled(scheduler_output.scheduled_new_reqs)
+            submit = (
+                scheduler_output.total_num_scheduled_tokens
+                or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+            )
+            if submit:  # (the runners also learn of finished and preempted rows)
+                grammar_output = None
+                constrained = self.scheduler.constrained_sampling(scheduler_output)
+                if constrained:
+                    with self.timer.building_bitmask():
+                        grammar_output = self.structured_output.grammar_output(
+                            constrained, scheduler_output.scheduled_spec_decode_tokens
+                        )
+                self.scheduler.mark_in_flight(scheduler_output)
+                future = runner.submit_batch(scheduler_output, grammar_output)
+                batches.append((scheduler_output, future))
+                if (
+                    scheduler_output.total_num_scheduled_tokens
+                    and len(batches) < self.max_concurrent_batches
+                ):
+                    self.timer.step_finished()
+                    return [], True
+        if not batches:
+            # Nothing could run: close the empty pass (outputs of requests whose grammar
+            # failed) and wait a little for a grammar to compile rather than spin.
+            assert scheduler_output is not None
+            outputs = self.scheduler.update_from_output(
+                scheduler_output, ModelRunnerOutput(sampled_token_ids={})
+            )
+            self.scheduler.wait_for_grammars(timeout=0.01)
+            self.timer.step_finished()
+            return outputs, False
+        oldest, oldest_future = batches.popleft()
+        self.timer.awaiting_batch()
+        model_output = oldest_future.result()
+        self.timer.forward_finished()
+        self.scheduler.mark_returned(oldest)
+        outputs = self.scheduler.update_from_output(oldest, model_output)
+        self.timer.attach_queue_times(outputs)
+        step_time, forward_time = self.timer.step_finished()
+        if self._observe_steps:
+            self._notify_step(oldest, step_time, forward_time)
+        return outputs, oldest.total_num_scheduled_tokens > 0
 
     def _execute_and_sample(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The forward pass, and meanwhile the grammar bitmask of the constrained requests

@@ -22,10 +22,17 @@ it did not keep are taken back from `num_computed_tokens` when the pass returns.
 A pooling request samples nothing: it finishes with `stop` in the step its last prompt
 chunk runs, carrying the pooled output the runner returned, its blocks freed then
 (pooling_scheduling.py says which prompts run whole and which skip the prefix cache).
+
+With several batches in flight at once (pipeline stages, `max_concurrent_batches`), a
+request in a batch that has not returned yet is neither scheduled nor preempted: its
+next tokens depend on that batch's, and its blocks are in use. Each batch then takes at
+most its share of the live requests (live / max_concurrent_batches, rounded up), so that
+the requests spread over the batches and the stages have work at the same time.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
@@ -61,9 +68,13 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         speculation: Speculation | None = None,
         pooling: PoolingScheduling | None = None,
+        max_concurrent_batches: int = 1,
     ) -> None:
         self.policy = policy
         self.pooling = pooling
+        self.max_concurrent_batches = max_concurrent_batches
+        # Requests in a batch the executor has not returned (mark_in_flight).
+        self._in_flight: set[str] = set()
         self.kv = kv_allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -198,6 +209,22 @@ class Scheduler:
                 requests.append(request)
         return requests
 
+    # ------------------------------------------------------------------ batches in flight
+
+    def mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+        """The batch went to the executor: its requests wait for it to return."""
+        self._in_flight.update(scheduler_output.num_scheduled_tokens)
+
+    def mark_returned(self, scheduler_output: SchedulerOutput) -> None:
+        """The batch's output is in (update_from_output follows)."""
+        self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+
+    def _batch_request_limit(self) -> int:
+        if self.max_concurrent_batches == 1:
+            return self.max_num_seqs
+        live = len(self.running) + len(self.policy)
+        return max(1, math.ceil(live / self.max_concurrent_batches))
+
     # ------------------------------------------------------------------ phase 5 + 6
 
     def schedule(self) -> SchedulerOutput:
@@ -207,13 +234,17 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
+        limit = self._batch_request_limit()
 
         # Running requests first: decodes, and prefills still being chunked.
         proposed = self.speculation.propose(self.running) if self.speculation else {}
         spec_tokens: dict[str, list[int]] = {}
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(num_scheduled) < limit:
             request = self.running[index]
+            if request.request_id in self._in_flight:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = proposed.get(request.request_id, [])[: budget - num_new]
             new_blocks = self.kv.allocate_slots(request, num_new + len(draft)) if draft else None
@@ -239,6 +270,7 @@ class Scheduler:
             and budget > 0
             and len(self.policy) > 0
             and len(self.running) < self.max_num_seqs
+            and len(num_scheduled) < limit
         ):
             request = self.policy.peek()
             if request.sampling_params.prompt_logprobs is None and (
@@ -287,12 +319,14 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, index: int) -> list[int] | None:
         """Blocks for `request`, preempting running requests not yet scheduled this step
-        (the policy chooses) until they fit. None if `request` itself was preempted."""
+        and not in flight (the policy chooses) until they fit. None if `request` itself
+        was preempted."""
         while True:
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.policy.select_victim(self.running[index:])
+            candidates = [r for r in self.running[index:] if r.request_id not in self._in_flight]
+            victim = self.policy.select_victim(candidates)
             self._preempt(victim)
             if victim is request:
                 return None

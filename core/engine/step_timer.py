@@ -80,6 +80,7 @@ class StepTimer:
 
     def step_started(self) -> None:
         self._step_started = time.perf_counter()
+        self._forward_time = 0.0
 
     def scheduled(self, new_requests: list[NewRequestData]) -> None:
         """The schedule is made and the forward pass begins; the newly scheduled requests
@@ -111,6 +112,11 @@ class StepTimer:
         # Still waiting for the forward pass after the bitmask: it hid all of it.
         if waited > HIDDEN_WAIT_S:
             self.grammar_bitmask_hidden_steps += 1
+
+    def awaiting_batch(self) -> None:
+        """With batches in flight (pipeline stages): the engine now waits for the oldest;
+        the wait is the step's forward time."""
+        self._forward_started = time.perf_counter()
 
     def forward_finished(self) -> None:
         """Sampled: the executor's part of the step is over."""

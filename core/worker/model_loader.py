@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from plugserve.capabilities import supports_pipeline_stages
 from plugserve.interfaces.model import LayerRoute
 from plugserve.model_files import safetensors_files
 from plugserve.worker.linear_methods import (
@@ -118,6 +119,13 @@ def accepts_parallel(model_cls: type[torch.nn.Module]) -> bool:
     return any(p.name == "parallel" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
+def accepts_stage(model_cls: type[torch.nn.Module]) -> bool:
+    """Whether `model_cls` can be built for one pipeline stage: it takes `stage=` (a
+    worker.parallel.PipelineStage), itself or through **kwargs passed on to its base."""
+    parameters = inspect.signature(model_cls).parameters.values()
+    return any(p.name == "stage" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def load_model(
     model_path: str | os.PathLike[str],
     model_cls: type[torch.nn.Module],
@@ -127,12 +135,14 @@ def load_model(
     parallel: Any = None,
     linear_methods: LinearMethodChooser | None = None,
     model_passes: Sequence[NamedPass] = (),
+    stage: Any = None,
 ) -> torch.nn.Module:
     """Build `model_cls(hf_config=..., attention=...)` on `device` in `dtype`, give its
     linear layers the methods `linear_methods` chooses (None: every layer keeps the plain
     one), load the folder's weights into it, process them and apply `model_passes`
     (finish_loading), and return it in eval mode. A tensor-parallel rank passes its
-    ParallelContext, which the model class must then accept as `parallel=`."""
+    ParallelContext, which the model class must then accept as `parallel=`; a pipeline
+    stage its PipelineStage, accepted as `stage=`."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(model_path))
@@ -143,13 +153,21 @@ def load_model(
             f"{model_cls.__name__} does not support tensor parallelism (no `parallel=` "
             "argument); use tensor_parallel_size=1"
         )
+    if stage is not None:
+        if not (supports_pipeline_stages(model_cls) and accepts_stage(model_cls)):
+            raise ValueError(
+                f"{model_cls.__name__} does not support pipeline parallelism "
+                "(capabilities.SupportsPipelineStages); use pipeline_parallel_size=1"
+            )
+        extra["stage"] = stage
     with _no_param_init(dtype, torch.device(device)):
         model = model_cls(hf_config=hf_config, attention=attention, **extra)
         if linear_methods is not None:  # their parameters, on the device in the dtype
             give_linear_methods(model, linear_methods)
     weights = iter_weights(model_path)
     num_bytes = checkpoint_bytes(model_path)
-    if (parallel is None or parallel.rank == 0) and shows_progress(num_bytes):
+    first_rank = (parallel is None or parallel.rank == 0) and (stage is None or stage.is_first)
+    if first_rank and shows_progress(num_bytes):
         weights = with_progress(weights, num_bytes)  # one bar, rank 0's
     model.load_weights(weights)  # type: ignore[operator]
     finish_loading(model, model_passes)

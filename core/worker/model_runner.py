@@ -11,6 +11,12 @@ Under tensor parallelism every rank runs this same runner on the same SchedulerO
 so the persistent batches stay identical: rank 0 gathers the logits, samples, and
 broadcasts the sampled ids so that every rank appends the same tokens.
 
+Under pipeline parallelism (a StagePlacement, worker/pipeline.py) the runner holds one
+stage: its layers and their KV cache only. A stage other than the first receives its
+activations from the previous one, a stage other than the last sends its own on and
+samples nothing (`samples` is False); the tokens the last stage sampled reach its
+persistent batch through `append_tokens`.
+
 On CUDA: the KV pool is sized from `engine.gpu_memory_utilization` after a profiling
 forward pass, step inputs go through pinned host buffers with non-blocking copies, and
 pure-decode steps replay CUDA graphs (cuda_graphs.py) when the attention backend
@@ -54,7 +60,15 @@ from plugserve.worker.layer_attention import (
 from plugserve.worker.linear_methods import LinearMethodChooser, linear_methods_of
 from plugserve.worker.model_loader import load_model
 from plugserve.worker.model_passes import model_passes_from_config
-from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+from plugserve.worker.models.decoder import StageActivations
+from plugserve.worker.parallel import (
+    NO_PARALLEL,
+    ParallelContext,
+    PipelineLink,
+    PipelineStage,
+    StagePlacement,
+    stage_layer_ranges,
+)
 from plugserve.worker.pooled_outputs import PooledOutputs
 from plugserve.worker.sampler import (
     LogprobsTensors,
@@ -88,9 +102,18 @@ class _ParkedLogits:
 
 
 class ModelRunner:
-    def __init__(self, config: StackConfig, parallel: ParallelContext | None = None) -> None:
+    def __init__(
+        self,
+        config: StackConfig,
+        parallel: ParallelContext | None = None,
+        placement: StagePlacement | None = None,
+    ) -> None:
         self.config = config
         self.parallel = parallel or NO_PARALLEL
+        self.placement = placement
+        # Set by initialize under pipeline parallelism.
+        self.stage: PipelineStage | None = None
+        self._link: PipelineLink | None = None
         engine = config.engine
         self.device = resolve_device(engine.device)
         self.dtype, self._dtype_reason = choose_dtype(engine.dtype, self.device)
@@ -135,15 +158,34 @@ class ModelRunner:
         heads = self.parallel.head_shard(
             num_heads, getattr(hf_config, "num_key_value_heads", None) or num_heads
         )
+        layers = range(hf_config.num_hidden_layers)
+        if self.placement is not None:
+            first, end = stage_layer_ranges(
+                hf_config.num_hidden_layers, self.placement.count, self.placement.partition
+            )[self.placement.index]
+            layers = range(first, end)
+            self.stage = PipelineStage(self.placement.index, self.placement.count, first, end)
+            self._link = PipelineLink(
+                self.placement, hf_config.hidden_size, self.dtype, self.device
+            )
+            logger.info(
+                "pipeline stage %d of %d: layers %d to %d",
+                self.stage.index,
+                self.stage.count,
+                first,
+                end - 1,
+            )
+        # This stage's layers only: its KV cache holds theirs.
+        layer_attention = attention_layers(model_cls, hf_config)
         spec = AttentionSpec(
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=len(layers),
             num_heads=heads.num_heads,
             num_kv_heads=heads.num_kv_heads,
             head_dim=head_dim,
             block_size=self.block_size,
             dtype=self.dtype,
             device=self.device,
-            layers=attention_layers(model_cls, hf_config),
+            layers=layer_attention[layers.start : layers.stop] if layer_attention else (),
         )
         name = self.config.stack.attention
         check_layer_attention(registry.get("attention", name), name, spec.layers)
@@ -166,6 +208,7 @@ class ModelRunner:
             parallel,
             linear_methods=linear_methods,
             model_passes=model_passes_from_config(self.config, registry),
+            stage=self.stage,
         )
         if self.config.engine.batch_invariant:
             refuse_batch_dependent_layers(self.model)
@@ -174,17 +217,24 @@ class ModelRunner:
             self.pooling = PooledOutputs.build(self.model, setup, self.config, registry)
         logger.info("%s", self._describe_kernels())
 
-        # Ranks hold different numbers of KV heads (uneven shards), hence fit different
-        # numbers of blocks; block ids are shared, so all use the smallest count.
-        num_blocks = self.parallel.min_int(self._num_kv_blocks())
+        # Ranks hold different numbers of KV heads (uneven shards), and stages different
+        # numbers of layers, hence fit different numbers of blocks; block ids are shared,
+        # so all use the smallest count.
+        agreeing = self.parallel if self.placement is None else self.placement.world
+        num_blocks = agreeing.min_int(self._num_kv_blocks())
         self.attention.allocate_kv_cache(num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        if self.pooling is None and cuda_graphs_enabled(
-            self.config.engine.cuda_graphs,
-            self.device,
-            self.attention,
-            attention_name=name,
-            world_size=self.parallel.world_size,
+        # Decode graphs capture the whole model's forward; a stage's is split by sends.
+        if (
+            self.pooling is None
+            and self.stage is None
+            and cuda_graphs_enabled(
+                self.config.engine.cuda_graphs,
+                self.device,
+                self.attention,
+                attention_name=name,
+                world_size=self.parallel.world_size,
+            )
         ):
             self._graphs = DecodeGraphs(
                 self.model,
@@ -267,6 +317,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ phase 7
 
+    @property
+    def samples(self) -> bool:
+        """Whether this runner computes logits and samples: the last pipeline stage."""
+        return self.stage is None or self.stage.is_last
+
+    def append_tokens(self, sampled: dict[str, list[int]]) -> None:
+        """Tokens another stage sampled, appended to their requests' rows (requests no
+        longer in the batch are skipped: they finished or were preempted meanwhile)."""
+        batch = self.input_batch
+        for req_id, tokens in sampled.items():
+            row = batch.req_id_to_row.get(req_id)
+            for token in tokens if row is not None else ():
+                batch.append_sampled(np.array([row]), np.array([token]))
+
     def _update_batch(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         if so.finished_req_ids or so.preempted_req_ids:
@@ -303,11 +367,15 @@ class ModelRunner:
             hidden = self._graphs.run(attn_batch, graph_size, ids_t, positions_t)
         else:
             self.attention.prepare(attn_batch)
-            hidden = (
-                self.model(ids_t, positions_t)
-                if self.pooling is None
-                else self.pooling.forward(self.input_batch, so, ids_t, positions_t)
-            )
+            if self.pooling is not None:
+                hidden = self.pooling.forward(self.input_batch, so, ids_t, positions_t)
+            elif self.stage is None:
+                hidden = self.model(ids_t, positions_t)
+            else:
+                stage_output = self._run_stage(ids_t, positions_t)
+                if stage_output is None:
+                    return None  # sent on to the next stage, which samples
+                hidden = stage_output
         if self.pooling is not None:  # nothing to sample: the pooled outputs, now
             pooled = self.pooling.pool(batch, so, attn_batch.query_start_loc, hidden)
             return ModelRunnerOutput(sampled_token_ids={}, pooled=pooled)
@@ -334,6 +402,19 @@ class ModelRunner:
             else None,
         )
         return None
+
+    def _run_stage(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """This pipeline stage's layers: the final hidden states on the last stage; on the
+        others the activations go to the next stage and None is returned."""
+        assert self.stage is not None and self._link is not None
+        previous = None
+        if not self.stage.is_first:
+            previous = StageActivations(*self._link.receive(ids.shape[0]))
+        output = self.model.forward_stage(ids, positions, previous)
+        if isinstance(output, StageActivations):
+            self._link.send(output.hidden, output.residual)
+            return None
+        return output
 
     def _prompt_logprobs(
         self, so: SchedulerOutput, query_start: np.ndarray, hidden: torch.Tensor

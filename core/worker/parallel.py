@@ -1,4 +1,10 @@
-"""Tensor-parallel state, collectives and shard ranges.
+"""Tensor- and pipeline-parallel state, collectives, shard ranges and stage ranges.
+
+Under pipeline parallelism ranks are laid out stage-major (worker/pipeline.py's
+RankLayout): a stage's tensor-parallel ranks are consecutive, each stage has its own
+group for its collectives, and rank j of stage k sends its activations to rank j of
+stage k + 1 point to point (PipelineLink); after a stage's all-reduces its hidden states
+are whole on every rank, so each pair carries the same.
 
 A model built without a ParallelContext (or with `NO_PARALLEL`) runs every collective as
 a no-op and never touches torch.distributed, so the single-process path costs nothing.
@@ -14,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from plugserve.worker.pipeline import RankLayout
 
 # A gloo collective whose peer died blocks until this timeout; the executor notices the
 # death much sooner through process sentinels, so this is only a backstop.
@@ -155,6 +163,59 @@ class ParallelContext:
 NO_PARALLEL = ParallelContext()
 
 
+def stage_layer_ranges(
+    num_layers: int, num_stages: int, partition: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """[start, end) of each pipeline stage's decoder layers: `partition`'s counts in
+    order where given, else as even as possible with the first stages one longer (the
+    last stage also runs the final norm and the head, so it is the one left shorter)."""
+    if partition is None:
+        if num_layers < num_stages:
+            raise ValueError(
+                f"cannot split {num_layers} layers into {num_stages} pipeline stages: "
+                "every stage needs a layer"
+            )
+        return split_evenly(num_layers, num_stages)
+    if len(partition) != num_stages or sum(partition) != num_layers or min(partition) < 1:
+        raise ValueError(
+            f"pp_layer_partition {partition} must give {num_stages} stages at least one "
+            f"layer each, {num_layers} layers in all"
+        )
+    ranges, start = [], 0
+    for count in partition:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Which consecutive decoder layers this process's model holds: [first_layer,
+    end_layer) of stage `index` of `count`. Stage 0 embeds the tokens; the last stage
+    runs the final norm and the head. The default is the whole model in one stage."""
+
+    index: int = 0
+    count: int = 1
+    first_layer: int = 0
+    end_layer: int | None = None  # None: through the last layer
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def holds_layer(self, layer_idx: int) -> bool:
+        return self.first_layer <= layer_idx and (
+            self.end_layer is None or layer_idx < self.end_layer
+        )
+
+
+WHOLE_MODEL = PipelineStage()
+
+
 def init_parallel(
     *,
     rank: int,
@@ -179,3 +240,77 @@ def init_parallel(
         timeout=timedelta(seconds=timeout_s),
     )
     return ParallelContext(rank=rank, world_size=world_size)
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """What a model runner needs to run one pipeline stage."""
+
+    index: int
+    count: int
+    partition: list[int] | None  # engine.pp_layer_partition
+    previous_rank: int | None  # the global rank this stage receives from (None: first)
+    next_rank: int | None  # the global rank it sends to (None: last)
+    world: ParallelContext  # every rank of every stage: agreements such as the KV blocks
+
+
+def join_groups(
+    layout: RankLayout, partition: list[int] | None
+) -> tuple[ParallelContext, StagePlacement | None]:
+    """Once the default group spans every rank: this rank's tensor-parallel context
+    (its stage's ranks) and, with several stages, its StagePlacement (else None). Every
+    rank creates every stage's group, in order, as torch.distributed requires."""
+    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    if pp == 1:
+        return ParallelContext(rank=layout.rank, world_size=tp), None
+    groups = [dist.new_group(layout.stage_ranks(stage)) for stage in range(pp)]
+    parallel = ParallelContext(rank=layout.tp_rank, world_size=tp, group=groups[layout.stage])
+    placement = StagePlacement(
+        index=layout.stage,
+        count=pp,
+        partition=partition,
+        previous_rank=None if layout.stage == 0 else layout.rank - tp,
+        next_rank=None if layout.stage == pp - 1 else layout.rank + tp,
+        world=ParallelContext(rank=layout.rank, world_size=layout.world_size),
+    )
+    return parallel, placement
+
+
+class PipelineLink:
+    """A stage's activations to the next stage and from the previous one: hidden states
+    and residual in one [2, tokens, hidden] message. Sends do not wait for the receiver,
+    so a stage goes on to its next batch while the next stage still computes; a send
+    completes before the following one starts, which keeps the order."""
+
+    def __init__(
+        self,
+        placement: StagePlacement,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.previous_rank = placement.previous_rank
+        self.next_rank = placement.next_rank
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self._sending: tuple[Any, torch.Tensor] | None = None
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        assert self.next_rank is not None
+        self.wait_sent()
+        message = torch.stack([hidden, residual])
+        self._sending = (dist.isend(message, dst=self.next_rank), message)
+
+    def wait_sent(self) -> None:
+        if self._sending is not None:
+            self._sending[0].wait()
+            self._sending = None
+
+    def receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.previous_rank is not None
+        message = torch.empty(
+            (2, num_tokens, self.hidden_size), dtype=self.dtype, device=self.device
+        )
+        dist.recv(message, src=self.previous_rank)
+        return message[0], message[1]

@@ -1,10 +1,16 @@
-"""The multi-process executor: one worker process per tensor-parallel rank.
+"""The multi-process executor: one worker process per rank.
 
-The workers (`plugserve::Worker_TP{rank}`, see mp_worker.py) are spawned children of
-the engine core and form one torch.distributed group (gloo on CPU, nccl on CUDA). Each
-step the SchedulerOutput is msgpack-encoded once and written to every worker's pipe;
-rank 0 answers for the group, since all ranks hold the same persistent batch and rank 0
-broadcasts the tokens it samples.
+The workers (`plugserve::Worker_TP{rank}`, or `Worker_PP{stage}_TP{rank}` under pipeline
+parallelism; see mp_worker.py) are spawned children of the engine core and form one
+torch.distributed group (gloo on CPU, nccl on CUDA). Each step the SchedulerOutput is
+msgpack-encoded once and written to every worker's pipe; rank 0 answers for the group,
+since all ranks hold the same persistent batch and rank 0 broadcasts the tokens it
+samples.
+
+With pipeline_parallel_size > 1 the executor runs batches concurrently
+(capabilities.RunsBatchesConcurrently): each batch is one command to every rank,
+`submit_batch` returns at once, and up to one batch per stage is in flight; the last
+stage's first rank answers each, in order (worker/pipeline.py).
 
 Failure never hangs the engine: every wait watches rank 0's pipe, every worker's pipe
 (a worker that raises sends its error line, then exits) and every worker's process
@@ -14,7 +20,10 @@ survivors, possibly stuck in a collective with the dead rank, are then killed.
 Across nodes, node 0 runs the engine and this executor (ranks 0..local-1); every other
 node runs `python -m plugserve_plugins.executors.mp --node-rank K [--config stack.yaml]
 [-o key=value ...]` with the same settings, whose workers take their commands from
-rank 0 over the process group (see mp_worker.py).
+rank 0 over the process group (see mp_worker.py). Each other node also sends heartbeats
+to this executor (heartbeat.py), watched in the same wait as the local workers, so a
+node that dies or goes silent fails the engine within `heartbeat_timeout_s`, not after
+the collective timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 import weakref
 from collections import deque
@@ -42,7 +52,19 @@ from plugserve.config import StackConfig, load_config
 from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from plugserve.interfaces.executor import KVCacheInfo
 from plugserve.logging_utils import configure_process_logging
+from plugserve.worker.pipeline import (
+    RankLayout,
+    SampledTokenRelay,
+    StageCommand,
+    output_rank,
+)
+from plugserve_plugins.executors.heartbeat import (
+    PeerHeartbeats,
+    heartbeat_port,
+    send_heartbeats,
+)
 from plugserve_plugins.executors.mp_worker import (
+    BATCH,
     ERROR,
     EXECUTE,
     READY,
@@ -67,19 +89,24 @@ class MultiprocOptions(BaseModel):
     collective_timeout_s: float = Field(60.0, gt=0)
     # How long shutdown waits for workers to exit before terminating them.
     shutdown_timeout_s: float = Field(5.0, ge=0)
+    # Across nodes: how often each other node sends node 0 a heartbeat, and after how
+    # long without one node 0 declares it gone.
+    heartbeat_interval_s: float = Field(0.1, gt=0)
+    heartbeat_timeout_s: float = Field(1.0, gt=0)
 
 
 class _Reply(Future):  # type: ignore[type-arg]
-    """execute_model's Future: resolved when its result is asked for, by reading rank 0's
-    reply then, so no thread sits between the engine and the pipe."""
+    """execute_model's (or submit_batch's) Future: resolved when its result is asked
+    for, by reading the output rank's replies up to its own then, so no thread sits
+    between the engine and the pipe."""
 
     def __init__(self, executor: MultiprocExecutor) -> None:
         super().__init__()
         self._executor = executor
 
     def result(self, timeout: float | None = None) -> Any:
-        if not self.done():
-            self._executor._resolve_pending(timeout)
+        while not self.done():
+            self._executor._resolve_next(timeout)
         return super().result(timeout=0)
 
 
@@ -94,9 +121,34 @@ class MultiprocExecutor:
                 f"node_rank {engine.node_rank} runs no engine: start it with "
                 f"`python -m plugserve_plugins.executors.mp --node-rank {engine.node_rank}`"
             )
-        self.world_size = engine.tensor_parallel_size
+        self.tensor_parallel_size = engine.tensor_parallel_size
+        self.pipeline_parallel_size = engine.pipeline_parallel_size
+        self.world_size = engine.tensor_parallel_size * engine.pipeline_parallel_size
+        if self.pipeline_parallel_size > 1 and engine.nnodes > 1:
+            raise ValueError(
+                "the mp executor runs pipeline stages on one node only (its other nodes "
+                "take commands through rank 0, which would wait for the last stage); "
+                "use executor 'ray' for stages across nodes"
+            )
+        self._names = [
+            f"Worker_{RankLayout(rank, self.tensor_parallel_size, self.pipeline_parallel_size).name}"
+            for rank in range(self.world_size)
+        ]
+        self._output_rank = output_rank(self.tensor_parallel_size, self.pipeline_parallel_size)
+        self._relay = SampledTokenRelay()
+        self._staged: SchedulerOutput | None = None
         local = self.world_size // engine.nnodes
         port = engine.master_port or _free_port(engine.master_addr)
+        self._heartbeats = (
+            PeerHeartbeats(
+                engine.master_addr,
+                heartbeat_port(port),
+                {node: f"node {node}" for node in range(1, engine.nnodes)},
+                self.options.heartbeat_timeout_s,
+            )
+            if engine.nnodes > 1
+            else None
+        )
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         ctx = multiprocessing.get_context("spawn")
@@ -117,12 +169,18 @@ class MultiprocExecutor:
         self._decoder = msgspec.msgpack.Decoder(_Output)
         # Workers stop when the executor is shut down or garbage collected.
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self._procs, self._conns, self.options.shutdown_timeout_s
+            self,
+            _stop_workers,
+            self._procs,
+            self._conns,
+            self.options.shutdown_timeout_s,
+            self._heartbeats,
         )
         logger.info(
-            "spawned %d workers (tensor parallel size %d, rendezvous %s:%d)",
+            "spawned %d workers (tensor parallel size %d, pipeline stages %d, rendezvous %s:%d)",
             local,
-            self.world_size,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
             engine.master_addr,
             port,
         )
@@ -134,8 +192,9 @@ class MultiprocExecutor:
         while len(infos) < len(self._conns):
             rank, message = self._receive({r for r in range(len(self._conns)) if r not in infos})
             if message[:1] != READY:
-                self._fail(f"Worker_TP{rank} sent {message[:1]!r} while starting")
+                self._fail(f"{self._names[rank]} sent {message[:1]!r} while starting")
             infos[rank] = msgspec.msgpack.decode(memoryview(message)[1:], type=KVCacheInfo)
+        self._await_nodes()
         # The ranks agreed on the smallest block count among themselves already.
         first = infos[0]
         return KVCacheInfo(
@@ -145,9 +204,39 @@ class MultiprocExecutor:
             max_model_len=first.max_model_len,
         )
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One batch per pipeline stage in flight (capabilities.RunsBatchesConcurrently)."""
+        return self.pipeline_parallel_size
+
+    def submit_batch(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> Future[ModelRunnerOutput]:
+        """Send one batch through the stages; its Future resolves to the sampled tokens.
+        Returns at once: the stages overlap on consecutive batches."""
+        command = StageCommand(
+            scheduler_output=scheduler_output,
+            grammar_output=grammar_output,
+            sampled_since=self._relay.take(),
+        )
+        message = bytearray(BATCH)
+        self._encoder.encode_into(command, message, 1)
+        self._broadcast(message)
+        future = _Reply(self)
+        self._pending.append(future)
+        return future
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> Future[_Output] | _Output:
+        if self.pipeline_parallel_size > 1:
+            # The batch goes out with its bitmask, in sample_tokens.
+            self._staged = scheduler_output
+            if not non_block:
+                return None
+            staged: Future[_Output] = Future()
+            staged.set_result(None)
+            return staged
         message = bytearray(EXECUTE)
         self._encoder.encode_into(scheduler_output, message, 1)
         self._broadcast(message)
@@ -156,21 +245,30 @@ class MultiprocExecutor:
         return future if non_block else future.result()
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        if self.pipeline_parallel_size > 1:
+            if self._staged is None:
+                raise RuntimeError("sample_tokens without execute_model")
+            scheduler_output, self._staged = self._staged, None
+            return self.submit_batch(scheduler_output, grammar_output).result()
         self._resolve_pending(None)  # replies arrive in order: execute's comes first
         message = bytearray(SAMPLE)
         self._encoder.encode_into(grammar_output, message, 1)
         self._broadcast(message)
         output = self._decoder.decode(memoryview(self._receive_reply())[1:])
         if output is None:
-            raise RuntimeError("Worker_TP0 sampled nothing: execute_model was not called")
+            raise RuntimeError(f"{self._names[0]} sampled nothing: execute_model was not called")
         return output
 
     def check_health(self) -> None:
         if self._failure is not None:
             raise RuntimeError(self._failure)
+        if self._heartbeats is not None:
+            gone = self._heartbeats.check(wait(self._heartbeats.waitables(), 0))
+            if gone is not None:
+                self._fail(gone)
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
-                self._fail(_death(rank, proc))
+                self._fail(self._death(rank))
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -190,27 +288,35 @@ class MultiprocExecutor:
                 break
         else:
             return
-        self._fail(_death(gone, self._procs[gone]))  # outside the except: no chained noise
+        self._fail(self._death(gone))  # outside the except: no chained noise
 
     def _resolve_pending(self, timeout: float | None) -> None:
         while self._pending:
-            future = self._pending[0]
-            try:
-                payload = self._receive_reply(timeout)
-                future.set_result(self._decoder.decode(memoryview(payload)[1:]))
-            except TimeoutError:
-                raise
-            except BaseException as exc:
-                for pending in self._pending:
-                    pending.set_exception(exc)
-                self._pending.clear()
-                raise
-            self._pending.popleft()
+            self._resolve_next(timeout)
+
+    def _resolve_next(self, timeout: float | None) -> None:
+        """Read the oldest pending reply (replies come back in the order sent)."""
+        future = self._pending[0]
+        try:
+            payload = self._receive_reply(timeout)
+            output = self._decoder.decode(memoryview(payload)[1:])
+        except TimeoutError:
+            raise
+        except BaseException as exc:
+            for pending in self._pending:
+                pending.set_exception(exc)
+            self._pending.clear()
+            raise
+        self._pending.popleft()
+        if self.pipeline_parallel_size > 1 and output is not None:
+            self._relay.record(output)
+        future.set_result(output)
 
     def _receive_reply(self, timeout: float | None = None) -> bytes:
-        _, message = self._receive({0}, timeout)
+        _, message = self._receive({self._output_rank}, timeout)
         if message[:1] != REPLY:
-            self._fail(f"Worker_TP0 sent {message[:1]!r} instead of a reply")
+            name = self._names[self._output_rank]
+            self._fail(f"{name} sent {message[:1]!r} instead of a reply")
         return message
 
     def _receive(self, ranks: set[int], timeout: float | None = None) -> tuple[int, bytes]:
@@ -219,10 +325,22 @@ class MultiprocExecutor:
         if self._failure is not None:
             raise RuntimeError(self._failure)
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
-        watched: list[Any] = [*self._conns, *sentinels]
+        heartbeats = self._heartbeats
+        give_up = None if timeout is None else time.monotonic() + timeout
         while True:
-            ready = wait(watched, timeout)
-            if not ready:
+            watched: list[Any] = [*self._conns, *sentinels]
+            wake = give_up
+            if heartbeats is not None:
+                watched += heartbeats.waitables()
+                overdue = heartbeats.next_deadline()
+                if overdue is not None:
+                    wake = overdue if wake is None else min(wake, overdue)
+            ready = wait(watched, None if wake is None else max(0.0, wake - time.monotonic()))
+            if heartbeats is not None:
+                gone = heartbeats.check(ready)
+                if gone is not None:
+                    self._fail(gone)
+            if give_up is not None and not ready and time.monotonic() >= give_up:
                 raise TimeoutError("no reply from the workers")
             # Messages before deaths: a worker's own error line says more than its exit.
             for rank, conn in enumerate(self._conns):
@@ -233,17 +351,16 @@ class MultiprocExecutor:
                 except (EOFError, OSError):
                     message = b""  # its end closed: the worker is gone
                 if not message:
-                    self._fail(_death(rank, self._procs[rank]))
+                    self._fail(self._death(rank))
                 if message[:1] == ERROR:
                     error = message[1:].decode(errors="replace")
-                    self._fail(f"Worker_TP{rank} failed: {error}", reporter=rank)
+                    self._fail(f"{self._names[rank]} failed: {error}", reporter=rank)
                 if rank in ranks:
                     return rank, message
-                self._fail(f"Worker_TP{rank} sent {message[:1]!r} out of turn")
+                self._fail(f"{self._names[rank]} sent {message[:1]!r} out of turn")
             for sentinel in ready:
                 if sentinel in sentinels:
-                    rank = sentinels[sentinel]
-                    self._fail(_death(rank, self._procs[rank]))
+                    self._fail(self._death(sentinels[sentinel]))
 
     def _fail(self, reason: str, reporter: int | None = None) -> NoReturn:
         """Record the first failure, stop every worker and raise. Ranks that died are
@@ -251,19 +368,38 @@ class MultiprocExecutor:
         `reporter`, which exits after sending its error, is not one of them."""
         if self._failure is None:
             dead = [
-                _death(rank, proc)
+                self._death(rank)
                 for rank, proc in enumerate(self._procs)
                 if rank != reporter and not proc.is_alive()
             ]
             # dict.fromkeys: the reason may be one of the deaths already listed.
             self._failure = "; ".join(dict.fromkeys([*dead, reason]))
-            logger.error("tensor-parallel workers failed: %s", self._failure)
+            logger.error("workers failed: %s", self._failure)
             self._finalizer.detach()
-            _stop_workers(self._procs, self._conns, timeout=0.0)
+            _stop_workers(self._procs, self._conns, 0.0, self._heartbeats)
         raise RuntimeError(self._failure)
 
+    def _await_nodes(self) -> None:
+        """Once the ranks are up, every other node has dialled in its heartbeats (its
+        ranks joined the rendezvous, so it is running): wait for the last ones."""
+        heartbeats = self._heartbeats
+        if heartbeats is None:
+            return
+        give_up = time.monotonic() + self.options.collective_timeout_s
+        while not heartbeats.all_joined:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                self._fail("a node's ranks joined, but its heartbeats never reached node 0")
+            gone = heartbeats.check(wait(heartbeats.waitables(), min(left, 0.1)))
+            if gone is not None:
+                self._fail(gone)
+        heartbeats.watch_silence()
 
-def _death(rank: int, proc: BaseProcess) -> str:
+    def _death(self, rank: int) -> str:
+        return _death(self._names[rank], self._procs[rank])
+
+
+def _death(name: str, proc: BaseProcess) -> str:
     proc.join(timeout=1.0)  # EOF can come a moment before the exit status
     code = proc.exitcode
     if code is None:
@@ -272,11 +408,18 @@ def _death(rank: int, proc: BaseProcess) -> str:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
-    return f"Worker_TP{rank} (pid {proc.pid}) died unexpectedly: it {how}"
+    return f"{name} (pid {proc.pid}) died unexpectedly: it {how}"
 
 
-def _stop_workers(procs: list[BaseProcess], conns: list[Connection], timeout: float) -> None:
+def _stop_workers(
+    procs: list[BaseProcess],
+    conns: list[Connection],
+    timeout: float,
+    heartbeats: PeerHeartbeats | None = None,
+) -> None:
     """Ask politely, then terminate, then kill; never blocks much past `timeout`."""
+    if heartbeats is not None:
+        heartbeats.close()
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.send_bytes(SHUTDOWN)
@@ -306,12 +449,14 @@ def _free_port(host: str) -> int:
 
 def _spec(config: StackConfig, rank: int, port: int, options: MultiprocOptions) -> WorkerSpec:
     engine = config.engine
-    local = engine.tensor_parallel_size // engine.nnodes
+    world_size = engine.tensor_parallel_size * engine.pipeline_parallel_size
+    local = world_size // engine.nnodes
     return WorkerSpec(
         config_json=config.model_dump_json(),
         rank=rank,
         local_rank=rank % local,
-        world_size=engine.tensor_parallel_size,
+        world_size=world_size,
+        tensor_parallel_size=engine.tensor_parallel_size,
         local_world_size=local,
         master_addr=engine.master_addr,
         master_port=port,
@@ -340,6 +485,14 @@ def run_node(config: StackConfig) -> int:
         proc = ctx.Process(target=worker_main, args=(spec, None), name=spec.name)
         proc.start()
         procs.append(proc)
+    stop_beating = threading.Event()
+    send_heartbeats(
+        engine.master_addr,
+        heartbeat_port(engine.master_port),
+        engine.node_rank,
+        options.heartbeat_interval_s,
+        stop_beating,
+    )
     failed = 0
     pending = {proc.sentinel: proc for proc in procs}
     while pending:
@@ -351,6 +504,9 @@ def run_node(config: StackConfig) -> int:
                 # A rank without its peers can only hang in a collective.
                 for other in pending.values():
                     other.kill()
+                # Node 0 learns of it from the heartbeats' end.
+                stop_beating.set()
+    stop_beating.set()
     return failed
 
 

@@ -1,14 +1,21 @@
-"""The worker process of the `mp` executor: one per tensor-parallel rank.
+"""The worker process of the `mp` executor: one per rank (tensor-parallel rank of a
+pipeline stage).
 
 A worker builds a ModelRunner for its rank, joins the torch.distributed group, says it
 is ready with its KV capacity, then serves commands until told to stop:
 
     executor → worker   b"E" + msgpack(SchedulerOutput)   execute_model
                         b"S" + msgpack(grammar output)    sample_tokens
+                        b"B" + msgpack(StageCommand)      one batch through the stages
                         b"Q"                              shut down
     worker → executor   b"I" + msgpack(KVCacheInfo)       ready (every rank)
-                        b"R" + msgpack(output or None)    a reply (rank 0 only)
+                        b"R" + msgpack(output or None)    a reply (the output rank only)
                         b"X" + utf-8 error line           failed; the worker exits
+
+The output rank is rank 0 without pipeline parallelism, else the last stage's first
+rank, which samples (worker/pipeline.py). Under pipeline parallelism every batch is one
+b"B" command, answered when the last stage has sampled it; the earlier stages go on to
+the next command as soon as they have sent their activations on.
 
 Commands arrive on the worker's Pipe from the executor. Across nodes (nnodes > 1) only
 rank 0 has the executor's commands; it relays each one to every rank with a broadcast
@@ -32,10 +39,11 @@ import msgspec
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, SchedulerOutput
 from plugserve.logging_utils import configure_process_logging
+from plugserve.worker.pipeline import RankLayout, StageCommand, run_stage_command
 
 logger = logging.getLogger(__name__)
 
-EXECUTE, SAMPLE, SHUTDOWN = b"E", b"S", b"Q"
+EXECUTE, SAMPLE, BATCH, SHUTDOWN = b"E", b"S", b"B", b"Q"
 READY, REPLY, ERROR = b"I", b"R", b"X"
 
 _PR_SET_PDEATHSIG = 1
@@ -48,7 +56,8 @@ class WorkerSpec:
     config_json: str
     rank: int
     local_rank: int
-    world_size: int
+    world_size: int  # tensor_parallel_size x pipeline_parallel_size
+    tensor_parallel_size: int
     local_world_size: int
     master_addr: str
     master_port: int
@@ -57,8 +66,13 @@ class WorkerSpec:
     timeout_s: float
 
     @property
+    def layout(self) -> RankLayout:
+        tp = self.tensor_parallel_size
+        return RankLayout(self.rank, tp, self.world_size // tp)
+
+    @property
     def name(self) -> str:
-        return f"Worker_TP{self.rank}"
+        return f"Worker_{self.layout.name}"
 
 
 def one_line(exc: BaseException) -> str:
@@ -117,17 +131,18 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
 
     from plugserve.device import resolve_device
     from plugserve.worker.model_runner import ModelRunner
-    from plugserve.worker.parallel import init_parallel
+    from plugserve.worker.parallel import init_parallel, join_groups
 
     config = StackConfig.model_validate_json(spec.config_json)
     if config.engine.num_threads is None:
         # The ranks of a node share its cores; more threads than cores only thrash.
         config.engine.num_threads = max(1, (os.cpu_count() or 1) // spec.local_world_size)
     device = resolve_device(config.engine.device)
-    parallel = None
+    layout = spec.layout
+    parallel = placement = None
     control: Any = None
     if spec.world_size > 1:
-        parallel = init_parallel(
+        init_parallel(
             rank=spec.rank,
             world_size=spec.world_size,
             local_rank=spec.local_rank,
@@ -136,12 +151,13 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
             device=device,
             timeout_s=spec.timeout_s,
         )
+        parallel, placement = join_groups(layout, config.engine.pp_layer_partition)
         if spec.relay and device.type == "cuda":
             # nccl moves device tensors only; commands are host bytes.
             import torch.distributed as dist
 
             control = dist.new_group(backend="gloo")
-    runner = ModelRunner(config, parallel)
+    runner = ModelRunner(config, parallel, placement)
     info = runner.initialize()
     logger.info("rank %d of %d ready (%d KV blocks)", spec.rank, spec.world_size, info.num_blocks)
     if conn is not None:
@@ -150,6 +166,8 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     grammar_decoder = msgspec.msgpack.Decoder(GrammarOutput | None)
+    batch_decoder = msgspec.msgpack.Decoder(StageCommand)
+    answers = layout.is_output_rank and conn is not None
     with torch.inference_mode():
         while True:
             message = commands.next()
@@ -159,12 +177,14 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
             elif kind == SAMPLE:
                 grammar = grammar_decoder.decode(memoryview(message)[1:])
                 out = runner.sample_tokens(grammar)
+            elif kind == BATCH:
+                out = run_stage_command(runner, batch_decoder.decode(memoryview(message)[1:]))
             elif kind == SHUTDOWN:
                 logger.info("shutting down")
                 return
             else:
                 raise RuntimeError(f"unknown command {kind!r}")
-            if spec.rank == 0 and conn is not None:  # rank 0 answers for the group
+            if answers:  # the output rank answers for the group
                 conn.send_bytes(REPLY + encoder.encode(out))
 
 

@@ -22,6 +22,11 @@ class UniProcExecutor:
                 f"executor 'uni' runs one rank; tensor_parallel_size="
                 f"{config.engine.tensor_parallel_size} needs a multi-process executor"
             )
+        if config.engine.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"executor 'uni' runs one rank; pipeline_parallel_size="
+                f"{config.engine.pipeline_parallel_size} needs executor 'mp' or 'ray'"
+            )
         # Imported where the executor is built (the engine process): the registry loads
         # this module in every process, the API server's too, which must not import the
         # model runner.

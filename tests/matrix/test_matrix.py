@@ -24,6 +24,9 @@ logprobs within the harness's fp32 tolerance). The stack's plugins meet the mode
 through the model runner, and tests/correctness proves each architecture in depth; the
 covering set proves the stacks serve it, at a few cells' cost instead of the product's.
 
+Each executor that runs pipeline stages (capabilities.RunsBatchesConcurrently) also
+serves the scenario in one default-stack cell of two stages, fp32, token for token.
+
 Every structured-output backend, tool parser and reasoning parser (the
 `structured_output`, `tool_parser` and `reasoning_parser` slots) serves too, over a
 covering set of default-stack float32 cells rather than across the product: the grammar
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 from collections.abc import Callable, Iterator
@@ -65,7 +69,12 @@ from integration.conftest import GreedyCompletion, greedy_completion, server_und
 from transformers import Qwen3Config
 
 from plugserve.bench.plugserve_server import PlugserveServer
-from plugserve.capabilities import has_dtypes, has_tensor_parallel_limit, reports_unavailability
+from plugserve.capabilities import (
+    has_dtypes,
+    has_tensor_parallel_limit,
+    reports_unavailability,
+    runs_batches_concurrently,
+)
 from plugserve.plugins import get_registry
 
 SLOTS = ("scheduler", "transport", "executor", "attention")
@@ -92,12 +101,14 @@ class Cell:
     attention: str
     tensor_parallel_size: int
     dtype: str
+    pipeline_parallel_size: int = 1
 
     @property
     def id(self) -> str:
+        stages = f"pp{self.pipeline_parallel_size}" if self.pipeline_parallel_size > 1 else ""
         return (
             f"{self.scheduler}-{self.transport}-{self.executor}{self.tensor_parallel_size}"
-            f"-{self.attention}-{self.dtype}"
+            f"{stages}-{self.attention}-{self.dtype}"
         )
 
     def settings(self) -> list[str]:
@@ -106,6 +117,7 @@ class Cell:
             "--stack.executor", self.executor,
             "--stack.attention", self.attention,
             "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--pipeline-parallel-size", str(self.pipeline_parallel_size),
             "--max-num-seqs", "8",
             "--kv-cache-memory", "32MiB",
             "--max-model-len", "512",
@@ -152,6 +164,14 @@ def matrix_cells() -> list:
     for names_, dtype in combos:
         cell, marks = _cell(impls, names_, dtype)
         params.append(pytest.param(cell, id=cell.id, marks=marks))
+    # Each executor that runs pipeline stages (batches in flight: the engine's batch
+    # queue) in one default-stack cell of two stages: the stages change the executor's
+    # and the engine's path only, which no other slot's choice meets.
+    for executor in names["executor"]:
+        if runs_batches_concurrently(impls["executor"][executor].cls):
+            cell, marks = _cell(impls, ("fcfs", "zmq", executor, "torch"), "float32")
+            cell = dataclasses.replace(cell, tensor_parallel_size=1, pipeline_parallel_size=2)
+            params.append(pytest.param(cell, id=cell.id, marks=marks))
     return params
 
 

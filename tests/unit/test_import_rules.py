@@ -14,7 +14,7 @@ them to five rules.
     contract, plugserve.ops (the compiled ops: headers, build helper, huge pages),
     plugserve.user_cache (where it keeps what it makes once per machine) and
     plugserve.logging_utils; an executor also the worker API it drives (the model
-    runner, worker.parallel) and plugserve.device; a linear method or a model pass also
+    runner, worker.parallel, worker.pipeline) and plugserve.device; a linear method or a model pass also
     the layers it runs or rewrites (plugserve.worker.layers: the plain method it may
     build on, the decoder layer, attention, the gated MLP, the norms). Never another
     plugin package (its own package's modules are fine), never engine or frontend
@@ -85,6 +85,7 @@ PLUGIN_PUBLIC_SURFACE = (
 EXECUTOR_ALSO_MAY_IMPORT = (
     "plugserve.worker.model_runner",
     "plugserve.worker.parallel",
+    "plugserve.worker.pipeline",
     "plugserve.device",
 )
 # Plugins that hold linear methods or model passes, and what they may import beyond the

@@ -12,13 +12,24 @@ whatever the architecture: the model file never chooses it. After loading, model
 (interfaces.model.DecoderFrame): what the loop calls per layer (`layer_fns`), or the
 whole stack and final norm as one replacement (`install_stack`).
 
+Under pipeline parallelism (`stage=`, a worker.parallel.PipelineStage) the frame holds
+only its stage's layers, the embeddings only on the first stage (and on the last where
+the head is tied to them), the final norm and the head only on the last; the others are
+`AbsentLayer` placeholders, so checkpoint names keep their layer numbers and the
+stage's weights load by them. `forward_stage` runs the stage: it takes the previous
+stage's `StageActivations` (hidden states and residual stream) and returns its own, or
+the final hidden states on the last stage.
+
 A subclass builds its layers in `build_layer` and overrides a hook where its family
-differs (Gemma scales the embeddings, soft-caps the logits, ...).
+differs (Gemma scales the embeddings, soft-caps the logits, rotates some layers by
+another table in `run_layers`, ...).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -31,12 +42,13 @@ from plugserve.interfaces.model import (
     LayerAttention,
     WholeStack,
 )
+from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
 from plugserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from plugserve.worker.layers.norm import RMSNorm
 from plugserve.worker.layers.rotary import RopeStep, RotaryEmbedding, rope_parameters
 from plugserve.worker.linear_methods import linear_methods_of
-from plugserve.worker.parallel import NO_PARALLEL, ParallelContext
+from plugserve.worker.parallel import NO_PARALLEL, WHOLE_MODEL, ParallelContext, PipelineStage
 
 # The fused projections of the shared layers (layers.attention.Attention and
 # layers.mlp.GatedMLP): checkpoint projection → (our module, its shard id there).
@@ -58,6 +70,25 @@ def head_dim_of(hf_config: Any) -> int:
 
 def num_kv_heads_of(hf_config: Any) -> int:
     return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass
+class StageActivations:
+    """What a non-final pipeline stage hands the next: the last layer's output and the
+    residual stream before it, [tokens, hidden] each (the next layer's norm adds them)."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
+class AbsentLayer(nn.Module):
+    """A module another pipeline stage holds: no parameters, never called."""
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("this module lives on another pipeline stage")
 
 
 class DecoderModel(nn.Module):
@@ -86,30 +117,54 @@ class DecoderForCausalLM(nn.Module):
         hf_config: Any,
         attention: AttentionBackend,
         parallel: ParallelContext | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.config = hf_config
         self.parallel = parallel or NO_PARALLEL
+        num_layers = hf_config.num_hidden_layers
+        self.stage = stage or WHOLE_MODEL
+        self.stage_layers = range(self.stage.first_layer, self.stage.end_layer or num_layers)
+        if self.stage.is_last and self.stage_layers.stop != num_layers:
+            raise ValueError(
+                f"the last pipeline stage must run through layer {num_layers - 1}; "
+                f"it ends at {self.stage_layers.stop - 1}"
+            )
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        holds_embedding = self.stage.is_first or (self.stage.is_last and self.tie_word_embeddings)
         self.model = DecoderModel(
-            VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, self.parallel),
+            VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, self.parallel)
+            if holds_embedding
+            else AbsentLayer(),
             (
-                self.build_layer(hf_config, i, attention, self.parallel)
-                for i in range(hf_config.num_hidden_layers)
+                self._build_stage_layer(hf_config, i, attention)
+                if self.stage.holds_layer(i)
+                else AbsentLayer()
+                for i in range(num_layers)
             ),
-            self.build_norm(hf_config),
+            self.build_norm(hf_config) if self.stage.is_last else AbsentLayer(),
         )
         self.rotary = self.build_rotary(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Untied, the head holds the same vocabulary rows as this rank's embedding slice.
         self.lm_head: ParallelLMHead | None = (
-            None
-            if self.tie_word_embeddings
-            else ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.parallel)
+            ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.parallel)
+            if self.stage.is_last and not self.tie_word_embeddings
+            else None
         )
         # What forward runs per layer: the modules, or what a model pass put in their
         # place; and where a pass installed one, the whole stack as one (install_stack).
-        self.layer_fns: list[Any] = list(self.model.layers)
+        self.layer_fns: list[Any] = list(self.layers)
         self.whole_stack: WholeStack | None = None
+
+    def _build_stage_layer(self, hf_config: Any, layer_idx: int, attention: Any) -> nn.Module:
+        """Layer `layer_idx`, built by its global number (a family's per-layer choices
+        follow it), its attention reading the KV cache by its place in this stage: the
+        stage's attention backend holds its own layers' cache only."""
+        layer = self.build_layer(hf_config, layer_idx, attention, self.parallel)
+        for module in layer.modules():
+            if isinstance(module, Attention):
+                module.layer_idx -= self.stage.first_layer
+        return layer
 
     # ------------------------------------------------------------------ what a family gives
 
@@ -143,7 +198,8 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def layers(self) -> Sequence[nn.Module]:
-        return self.model.layers
+        """This stage's decoder layers (every layer without pipeline parallelism)."""
+        return self.model.layers[self.stage_layers.start : self.stage_layers.stop]
 
     @property
     def final_norm(self) -> nn.Module:
@@ -161,16 +217,45 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long over the flat batch → hidden states [T, hidden]."""
         x = self.embed(input_ids)
-        rope = self.rotary.prepare(positions, x.dtype)
         stack = self.whole_stack
         if stack is not None and stack.runs(x.shape[0]):
-            return stack(x, rope)
-        return self.run_layers(x, rope)
+            return stack(x, self.rotary.prepare(positions, x.dtype))
+        return self.final_hidden(*self.run_layers(x, None, positions))
 
-    def run_layers(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
-        residual = None
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous: StageActivations | None,
+    ) -> torch.Tensor | StageActivations:
+        """One pipeline stage (capabilities.SupportsPipelineStages): the first embeds
+        `input_ids`, the others continue from the `previous` stage's activations; the
+        last returns the final hidden states [T, hidden], the others their
+        StageActivations for the next stage."""
+        if self.stage.is_first and self.stage.is_last:
+            return self.forward(input_ids, positions)
+        if self.stage.is_first:
+            x, residual = self.embed(input_ids), None
+        else:
+            assert previous is not None
+            x, residual = previous.hidden, previous.residual
+        x, residual = self.run_layers(x, residual, positions)
+        if self.stage.is_last:
+            return self.final_hidden(x, residual)
+        assert residual is not None  # every stage holds at least one layer
+        return StageActivations(x, residual)
+
+    def run_layers(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's layers over (x, residual), rotating by the frame's table."""
+        rope: RopeStep = self.rotary.prepare(positions, x.dtype)
         for layer in self.layer_fns:
             x, residual = layer(x, residual, self.rotary, rope)
+        return x, residual
+
+    def final_hidden(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final norm over the last layer's output and the residual stream."""
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, residual)[0]
@@ -206,6 +291,19 @@ class DecoderForCausalLM(nn.Module):
         """Checkpoint tensors that are not weights of ours."""
         # RoPE's inverse frequencies are derived state in HF's own model; some tied
         # checkpoints store the shared matrix twice.
-        return name.endswith("rotary_emb.inv_freq") or (
-            self.lm_head is None and name == "lm_head.weight"
+        return (
+            name.endswith("rotary_emb.inv_freq")
+            or (self.lm_head is None and name == "lm_head.weight")
+            or not self._stage_holds_weight(name)
         )
+
+    def _stage_holds_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a module of this pipeline stage."""
+        layer = _LAYER_WEIGHT.match(name)
+        if layer is not None:
+            return self.stage.holds_layer(int(layer.group(1)))
+        if name.startswith("model.embed_tokens."):
+            return not isinstance(self.model.embed_tokens, AbsentLayer)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.stage.is_last
+        return True

@@ -166,14 +166,14 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The frame's layer loop, each layer rotating by its kind's table."""
-        x = self.embed(input_ids)
+    def run_layers(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frame's layer loop over this stage's layers, each layer rotating by its
+        kind's table."""
         full = (self.rotary, self.rotary.prepare(positions, x.dtype))
         sliding = (self.sliding_rotary, self.sliding_rotary.prepare(positions, x.dtype))
-        residual = None
-        for layer, is_sliding in zip(self.layer_fns, self.layer_is_sliding, strict=True):
+        kinds = self.layer_is_sliding[self.stage_layers.start : self.stage_layers.stop]
+        for layer, is_sliding in zip(self.layer_fns, kinds, strict=True):
             x, residual = layer(x, residual, *(sliding if is_sliding else full))
-        if residual is None:  # no layers
-            return self.model.norm(x)
-        return self.model.norm.add_and_norm(x, residual)[0]
+        return x, residual

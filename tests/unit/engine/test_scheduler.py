@@ -29,6 +29,7 @@ def make_scheduler(
     max_model_len=256,
     policy="fcfs",
     prefix_caching=True,
+    max_concurrent_batches=1,
 ) -> Scheduler:
     registry = get_registry()
     return Scheduler(
@@ -43,6 +44,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
+        max_concurrent_batches=max_concurrent_batches,
     )
 
 
@@ -234,3 +236,67 @@ def test_a_request_the_policy_refuses_leaves_no_trace():
         scheduler.add_request(make_request("a", 5))
     assert not scheduler.has_requests()
     assert "a" not in scheduler.requests
+
+
+def sampled_for(scheduler: Scheduler, out) -> ModelRunnerOutput:
+    """The stand-in runner's output for batch `out`, computed when it was scheduled."""
+    return ModelRunnerOutput(
+        sampled_token_ids={
+            rid: [TOKEN]
+            for rid, n in out.num_scheduled_tokens.items()
+            if scheduler.requests[rid].num_computed_tokens + n == scheduler.requests[rid].num_tokens
+        }
+    )
+
+
+def test_with_two_batches_in_flight_a_request_in_one_is_never_scheduled_again():
+    """Pipeline stages: a batch is scheduled while the one before is still in flight.
+    The live requests split over the two batches (each takes its share, half, rounded
+    up); a request waits for its batch to return before it is scheduled again, and is
+    never chosen to give way while in flight."""
+    scheduler = make_scheduler(max_concurrent_batches=2)
+    for rid in "abcd":
+        scheduler.add_request(make_request(rid, 5, max_tokens=3))
+    first = scheduler.schedule()
+    scheduler.mark_in_flight(first)
+    assert sorted(first.num_scheduled_tokens) == ["a", "b"]
+    first_output = sampled_for(scheduler, first)
+    second = scheduler.schedule()
+    scheduler.mark_in_flight(second)
+    assert sorted(second.num_scheduled_tokens) == ["c", "d"]
+    second_output = sampled_for(scheduler, second)
+    # Both batches in flight: nothing left to schedule.
+    assert scheduler.schedule().num_scheduled_tokens == {}
+    scheduler.mark_returned(first)
+    outputs = scheduler.update_from_output(first, first_output)
+    assert {o.request_id: o.new_token_ids for o in outputs} == {"a": [TOKEN], "b": [TOKEN]}
+    third = scheduler.schedule()
+    assert sorted(third.num_scheduled_tokens) == ["a", "b"]  # c and d are still out
+    scheduler.mark_in_flight(third)
+    scheduler.mark_returned(second)
+    scheduler.update_from_output(second, second_output)
+    assert sorted(scheduler.schedule().num_scheduled_tokens) == ["c", "d"]
+
+
+def test_a_request_in_flight_is_not_preempted_for_blocks():
+    """With the pool dry, a request that needs a block may preempt only requests that are
+    not in flight: here none but itself, so it gives way, and the one in flight keeps
+    its blocks."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_concurrent_batches=2)
+    scheduler.add_request(make_request("a", 8, max_tokens=8))  # two blocks
+    scheduler.add_request(make_request("b", 4, max_tokens=8))  # one block, then more
+    first = scheduler.schedule()
+    assert sorted(first.num_scheduled_tokens) == ["a"]
+    scheduler.mark_in_flight(first)  # and it stays out
+    b = scheduler.requests["b"]
+    while b.num_preemptions == 0:
+        assert b.num_output_tokens <= 5, "b's 9th token needs a third block of the four"
+        out = scheduler.schedule()
+        assert list(out.num_scheduled_tokens) in (["b"], [])
+        scheduler.mark_in_flight(out)
+        scheduler.mark_returned(out)
+        scheduler.update_from_output(out, sampled_for(scheduler, out))
+    assert b.status == RequestStatus.PREEMPTED
+    a = scheduler.requests["a"]
+    assert a.status == RequestStatus.RUNNING and a.num_preemptions == 0
+    assert len(scheduler.kv.block_ids("a")) == 2

@@ -1,0 +1,118 @@
+"""Pipeline parallelism end to end, against the in-process engine on the same tiny
+checkpoint: on the mp executor, two stages of two tensor-parallel ranks each (four worker
+processes), the layers split by pp_layer_partition, in fp32 (the same tokens, logprobs
+within the single-process tolerance), and two stages in bf16, held to the project's
+bf16 agreement criterion (tests/correctness/agreement.py); on the Ray executor, over the
+session's two-node local cluster, two stages (one per node) and two stages of two ranks,
+in fp32. Every family's split is proven in test_architectures_match_hf.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from correctness.agreement import NEAR_TIE
+from correctness.tiny_checkpoints import (
+    FP32_TP_LOGPROB_TOLERANCE,
+    TinyRun,
+    tiny,
+    write_tiny_checkpoint,
+)
+from plugserve import SamplingParams
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory, tiny_tokenizer, tiny_prompts) -> TinyRun:
+    """An untied 3-layer Llama: stages of one and two layers by pp_layer_partition."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama-3-layers")
+    config = LlamaConfig(**tiny(num_hidden_layers=3, tie_word_embeddings=False))
+    write_tiny_checkpoint(config, Path(folder), tiny_tokenizer)
+    return TinyRun(str(folder), tiny_prompts, references=[])
+
+
+@pytest.fixture(scope="module")
+def uni_fp32(three_layers) -> list:
+    return generate(three_layers, 0, executor="uni")
+
+
+def assert_same(staged: list, alone: list) -> None:
+    for mine, theirs in zip(staged, alone, strict=True):
+        assert mine.token_ids == theirs.token_ids
+        for token, lp, reference in zip(
+            mine.token_ids, mine.logprobs, theirs.logprobs, strict=True
+        ):
+            assert abs(lp[token].logprob - reference[token].logprob) <= FP32_TP_LOGPROB_TOLERANCE
+
+
+def generate(run: TinyRun, logprobs: int, **engine) -> list:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs
+    )
+    with run.llm(**engine) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in run.prompts], params)
+        return [o.outputs[0] for o in outputs]
+
+
+def test_two_stages_of_two_tensor_parallel_ranks_match_one_process(three_layers, uni_fp32) -> None:
+    tp_pp = generate(
+        three_layers,
+        0,
+        executor="mp",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        pp_layer_partition=[1, 2],
+        num_threads=1,
+    )
+    assert_same(tp_pp, uni_fp32)
+
+
+def test_two_stages_in_bf16_follow_one_process(three_layers) -> None:
+    """bf16: a stage runs its layers one by one where one process may run the whole
+    stack fused, so sums may round apart; greedy tokens may then part only where the
+    one process's two best tokens are a near-tie by the bf16 criterion."""
+    uni = generate(three_layers, 2, executor="uni", dtype="bfloat16")
+    staged = generate(
+        three_layers, 2, executor="mp", pipeline_parallel_size=2, num_threads=1, dtype="bfloat16"
+    )
+    for alone, pp in zip(uni, staged, strict=True):
+        parted = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(alone.token_ids, pp.token_ids, strict=False))
+                if a != b
+            ),
+            None,
+        )
+        if parted is None:
+            continue
+        best, runner_up = sorted(alone.logprobs[parted].values(), key=lambda lp: -lp.logprob)[:2]
+        assert pp.token_ids[parted] in alone.logprobs[parted], (alone.token_ids, pp.token_ids)
+        assert best.logprob - runner_up.logprob <= NEAR_TIE, (parted, best, runner_up)
+
+
+@pytest.mark.ray
+def test_on_ray_two_stages_one_per_node_and_two_by_two_match_one_process(
+    three_layers, uni_fp32, ray_cluster
+) -> None:
+    """The Ray executor's actors on the two-node cluster: PP=2 puts a stage on each node
+    (the stages' bundles spread); TP=2 x PP=2 a stage of two ranks on each."""
+    import ray
+
+    for engine in (
+        dict(pipeline_parallel_size=2),
+        dict(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition=[2, 1]),
+    ):
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+        with three_layers.llm(executor="ray", num_threads=1, **engine) as llm:
+            actors = llm.engine.executor._actors
+            nodes = ray.get([actor.node_id.remote() for actor in actors])
+            tp = engine.get("tensor_parallel_size", 1)
+            assert len({nodes[0], nodes[-1]}) == 2, "the two stages share a node"
+            assert len(set(nodes[:tp])) == 1, "a stage's ranks span nodes"
+            outputs = llm.generate([{"prompt_token_ids": p} for p in three_layers.prompts], params)
+        assert_same([o.outputs[0] for o in outputs], uni_fp32)
