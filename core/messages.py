@@ -94,6 +94,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     # Prompt tokens computed (prefix-cache hits are not), and PINGs answered.
     num_prompt_tokens: int = 0
     num_pings: int = 0
+    # Speculative decoding since start (vLLM's spec_decode counters): drafts verified,
+    # their tokens, the tokens accepted, and per draft position the drafts accepted there.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 # The fields of SchedulerStats that describe the engine's state now; every other field
@@ -102,7 +108,7 @@ GAUGE_FIELDS = ("num_running", "num_waiting", "kv_usage", "num_kv_blocks", "num_
 COUNTER_FIELDS = tuple(
     name
     for name in SchedulerStats.__struct_fields__
-    if name not in GAUGE_FIELDS and name != "num_finished"
+    if name not in GAUGE_FIELDS and name not in ("num_finished", "spec_num_accepted_tokens_per_pos")
 )
 
 
@@ -116,7 +122,15 @@ def stats_since(now: SchedulerStats, before: SchedulerStats) -> SchedulerStats:
         for reason, n in now.num_finished.items()
         if n != before.num_finished.get(reason, 0)
     }
+    delta.spec_num_accepted_tokens_per_pos = _minus(
+        now.spec_num_accepted_tokens_per_pos, before.spec_num_accepted_tokens_per_pos
+    )
     return delta
+
+
+def _minus(now: list[int], before: list[int]) -> list[int]:
+    """Per-position counts of `now` less `before`'s (which may be shorter)."""
+    return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]
 
 
 def add_stats(total: SchedulerStats, delta: SchedulerStats) -> None:
@@ -127,6 +141,12 @@ def add_stats(total: SchedulerStats, delta: SchedulerStats) -> None:
         setattr(total, name, getattr(total, name) + getattr(delta, name))
     for reason, n in delta.num_finished.items():
         total.num_finished[reason] = total.num_finished.get(reason, 0) + n
+    per_pos = total.spec_num_accepted_tokens_per_pos
+    for i, n in enumerate(delta.spec_num_accepted_tokens_per_pos):
+        if i < len(per_pos):
+            per_pos[i] += n
+        else:
+            per_pos.append(n)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

@@ -47,6 +47,7 @@ from plugserve.config import StackConfig
 from plugserve.device import resolve_device
 from plugserve.engine.core import EngineCore
 from plugserve.engine.entrypoint import engine_process_name
+from plugserve.engine.speculation import describe_acceptance
 from plugserve.interfaces.transport import EngineChannel
 from plugserve.logging_utils import configure_process_logging
 from plugserve.messages import (
@@ -484,6 +485,8 @@ class _StatsLog:
             current.kv_usage * 100,
             100 * hits / queries if queries else 0.0,
         )
+        if spec_line := describe_acceptance(current, last):
+            logger.info("Engine %03d: %s", self.engine_index, spec_line)
         self._last = current
         self._last_at = now
         self._unlogged = current.num_running + current.num_waiting > 0

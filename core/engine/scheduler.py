@@ -507,6 +507,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv.stats()
+        spec = self.speculation.stats if self.speculation is not None else None
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=self.num_waiting,
@@ -519,6 +520,10 @@ class Scheduler:
             num_generated_tokens=self.num_generated_tokens,
             num_finished=dict(self.num_finished),
             num_prompt_tokens=self.num_prompt_tokens,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos) if spec else [],
         )
 
 

@@ -17,6 +17,7 @@ from plugserve.capabilities import supports_grammar_rollback
 from plugserve.datatypes import Request
 from plugserve.interfaces.speculative import DraftRequest, SpecProposer
 from plugserve.interfaces.structured_output import Grammar
+from plugserve.messages import SchedulerStats
 
 
 @dataclass
@@ -79,11 +80,14 @@ class Speculation:
         return drafts
 
     def _room(self, request: Request) -> int:
-        """How many drafts the request can use now: 0 unless it is decoding; never more
-        than its output or the context can still take beside the pass's own token; none
-        with a grammar that cannot undo tokens, while the thinking budget forces tokens,
-        or while a reasoning runs that a grammar or a budget follows."""
+        """How many drafts the request can use now: 0 unless it is generating and
+        decoding; never more than its output or the context can still take beside the
+        pass's own token; none with a grammar that cannot undo tokens, while the thinking
+        budget forces tokens, or while a reasoning runs that a grammar or a budget
+        follows."""
         if request.num_tokens - request.num_computed_tokens != 1 or request.forced_token_ids:
+            return 0
+        if request.pooling_params is not None:  # it samples nothing
             return 0
         if request.grammar is not None and not supports_grammar_rollback(request.grammar):
             return 0
@@ -124,3 +128,25 @@ def _grammar_allowed_prefix(grammar: Grammar, draft: list[int]) -> list[int]:
         accepted += 1
     grammar.rollback(accepted)
     return draft[:accepted]
+
+
+def describe_acceptance(now: SchedulerStats, before: SchedulerStats) -> str | None:
+    """The engine log's speculative-decoding line for the interval between two stats
+    (None when nothing was verified in it): the share of draft tokens accepted, the mean
+    number of tokens a verified draft landed (its accepted tokens plus the target's own),
+    and the acceptance rate at each draft position."""
+    drafts = now.spec_num_drafts - before.spec_num_drafts
+    if drafts <= 0:
+        return None
+    drafted = now.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    before_pos = before.spec_num_accepted_tokens_per_pos
+    per_pos = [
+        (n - (before_pos[i] if i < len(before_pos) else 0)) / drafts
+        for i, n in enumerate(now.spec_num_accepted_tokens_per_pos)
+    ]
+    return (
+        f"Speculative decoding: acceptance rate: {100 * accepted / max(drafted, 1):.1f}%, "
+        f"mean accepted length: {1 + accepted / drafts:.2f}, drafts: {drafts}, "
+        f"per-position acceptance rate: {', '.join(f'{r:.2f}' for r in per_pos)}"
+    )

@@ -276,6 +276,17 @@ class FrontendMetrics:
             token_buckets,
         )
         # Per engine, the labelled children (labels() costs a lookup per call).
+        # Speculative decoding (vLLM's names; zero without it).
+        spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._spec_accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ("position",),
+        )
         self._engines = []
         for engine in range(num_engines):
             values = (model_name, str(engine))
@@ -296,6 +307,9 @@ class FrontendMetrics:
                     queue=queue.labels(*values),
                     request_prompt=request_prompt.labels(*values),
                     request_generation=request_generation.labels(*values),
+                    spec_drafts=spec_drafts.labels(*values),
+                    spec_draft_tokens=spec_draft_tokens.labels(*values),
+                    spec_accepted=spec_accepted.labels(*values),
                 )
             )
         # plugserve_* of earlier releases, summed over the engines.
@@ -334,6 +348,15 @@ class FrontendMetrics:
             m.prefix_cache_hits.inc(stats.prefix_cache_hits)
         if stats.num_preemptions:
             m.preemptions.inc(stats.num_preemptions)
+        if stats.spec_num_drafts:
+            m.spec_drafts.inc(stats.spec_num_drafts)
+            m.spec_draft_tokens.inc(stats.spec_num_draft_tokens)
+            m.spec_accepted.inc(stats.spec_num_accepted_tokens)
+            for position, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+                if n:
+                    self._spec_accepted_per_pos.labels(
+                        self.model_name, str(engine), str(position)
+                    ).inc(n)
         for field, legacy in self._legacy:
             value = getattr(stats, field)
             if value:

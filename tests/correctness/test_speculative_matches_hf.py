@@ -1,8 +1,8 @@
 """Speculative decoding changes how many tokens a pass lands, never which: greedy
-continuations with the `ngram` proposer equal transformers' token for token (fp32, a
+continuations with each bundled proposer equal transformers' token for token (fp32, a
 tiny Llama checkpoint), batched and one request at a time, with chunked prefill (the
-step's budget is CHUNK_TOKENS), with preemptions forced, and over TP_SIZE
-tensor-parallel workers; the logprobs of the accepted tokens equal those of the same
+step's budget is CHUNK_TOKENS) and preemptions forced; with `ngram`, also over TP_SIZE
+tensor-parallel workers, and the logprobs of the accepted tokens equal those of the same
 engine without speculation.
 
 The tiny checkpoint's random weights make its greedy continuations fall into repeating
@@ -29,11 +29,21 @@ from correctness.tiny_checkpoints import (
 from plugserve import LLM, SamplingParams
 from plugserve.sampling_params import StructuredOutputsParams
 
-SPECULATIVE = {
-    "speculative": {"proposer": "ngram", "num_tokens": 3},
+PROPOSER_OPTIONS = {
     # Single-token matches too: the random model's runs are short.
-    "plugins.ngram": {"min_n": 1, "max_n": 3},
+    "ngram": {"min_n": 1, "max_n": 3},
+    "suffix": {"max_depth": 4, "min_confidence": 0.3},
 }
+
+
+def speculating(proposer: str) -> dict:
+    return {
+        "speculative": {"proposer": proposer, "num_tokens": 3},
+        f"plugins.{proposer}": PROPOSER_OPTIONS[proposer],
+    }
+
+
+SPECULATIVE = speculating("ngram")
 # The logprob of a token verified among 1 + drafts query rows against the same token
 # decoded alone: the same fp32 arithmetic but for the matmuls' and attention's summation
 # order over more rows (measured: at most 2e-6 nats on this checkpoint).
@@ -60,10 +70,13 @@ def assert_every_kind_of_verdict(llm: LLM) -> None:
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
 
 
-def test_batched_under_preemption_and_alone_match_transformers(llama_run: TinyRun) -> None:
+@pytest.mark.parametrize("proposer", sorted(PROPOSER_OPTIONS))
+def test_batched_under_preemption_and_alone_match_transformers(
+    llama_run: TinyRun, proposer: str
+) -> None:
     # 12 blocks of 16 tokens hold the longest request (100 + 24 tokens) but not all seven
     # at once: the batched run preempts.
-    with llama_run.llm(num_kv_blocks=12, **SPECULATIVE) as llm:
+    with llama_run.llm(num_kv_blocks=12, **speculating(proposer)) as llm:
         llama_run.check(llm, batched=True)
         assert llm.engine.scheduler.num_preemptions > 0
         assert_every_kind_of_verdict(llm)

@@ -522,3 +522,18 @@ def test_spec_proposer_cell_matches_hf(
     assert [c.token_ids for c in completions] == [e.token_ids for e in expected]
     assert [c.text for c in completions] == [e.text for e in expected]
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
+    # vLLM's speculative-decoding counters are served, and add up.
+    spec = {
+        name.partition("{")[0]: value
+        for name, value in idle.items()
+        if name.startswith("vllm:spec_decode_num_")
+    }
+    per_pos = sum(
+        value
+        for name, value in idle.items()
+        if name.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    )
+    drafted = spec["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = spec["vllm:spec_decode_num_accepted_tokens_total"]
+    assert spec["vllm:spec_decode_num_drafts_total"] <= drafted
+    assert accepted <= drafted and per_pos == accepted
