@@ -150,6 +150,8 @@ class ModelRunner:
         )
 
         setup = pooling_setup(model_path, self.config.engine.runner, self.config.stack.pooler)
+        if setup.is_pooling and self.placement is not None:
+            raise ValueError("a pooling model runs whole in each rank: no pipeline parallelism")
         model_max = context_limit(model_cls, hf_config, setup)
         self.max_model_len = min(self.config.engine.max_model_len or model_max, model_max)
         num_heads = hf_config.num_attention_heads

@@ -41,6 +41,12 @@ Every speculative-decoding proposer (the `spec_proposer` slot) serves the scenar
 default stack in float32, speculating: its greedy output equals the reference token for
 token, as any cell's (tests/correctness/test_speculative_matches_hf.py proves the
 verification in depth).
+
+Every pooler (the `pooler` slot, a third party's max pooling included) serves the
+embedded all-MiniLM-L6-v2 on the default stack in float32 through /v1/embeddings: its
+vectors equal transformers' BertModel hidden states pooled as the pooler says, then
+normalised as the checkpoint's Normalize module does (tests/correctness proves each
+pooling architecture in depth).
 """
 
 from __future__ import annotations
@@ -265,6 +271,10 @@ def server_args(item: pytest.Item, checkpoint: Callable[[TinyCase], Any]) -> tup
         slots = ["--stack.structured_output", backend, "--stack.tool_parser", parser]
         slots += ["--stack.reasoning_parser", reasoning]
         return cell.transport, [*cell.settings(), *slots]
+    if "pooler" in params:
+        cell = OUTPUT_SLOTS_CELL
+        pooling = ["--model", POOLING_MODEL, "--stack.pooler", params["pooler"]]
+        return cell.transport, [*cell.settings(), *pooling]
     if "spec_proposer" in params:
         cell = OUTPUT_SLOTS_CELL
         speculative = [
@@ -537,3 +547,70 @@ def test_spec_proposer_cell_matches_hf(
     accepted = spec["vllm:spec_decode_num_accepted_tokens_total"]
     assert spec["vllm:spec_decode_num_drafts_total"] <= drafted
     assert accepted <= drafted and per_pos == accepted
+
+
+# ------------------------------------------------------------------ the pooler slot
+
+POOLING_MODEL = "all-minilm-l6-v2"
+POOLING_SENTENCES = ["A man is eating food.", "hi", "The weather is lovely today, isn't it?"]
+# What each pooler computes from one prompt's final hidden states [tokens, hidden].
+POOLINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "last": lambda h: h[-1],
+    "cls": lambda h: h[0],
+    "mean": lambda h: h.mean(0),
+    "all": lambda h: h,
+    "max": lambda h: h.amax(0),
+}
+
+
+def pooler_cells() -> list:
+    poolers = get_registry().implementations("pooler")
+    return [
+        pytest.param(
+            name,
+            id=name,
+            marks=[pytest.mark.skip(reason=reason)]
+            if (reason := _unavailable(impl.cls)) is not None
+            else [],
+        )
+        for name, impl in sorted(poolers.items())
+    ]
+
+
+@pytest.fixture(scope="module")
+def minilm_hidden_states() -> list[torch.Tensor]:
+    from transformers import AutoModel, AutoTokenizer
+
+    from plugserve.model_files import resolve_model_path
+
+    path = resolve_model_path(POOLING_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [
+            model(**tokenizer(s, return_tensors="pt")).last_hidden_state[0]
+            for s in POOLING_SENTENCES
+        ]
+
+
+@pytest.mark.parametrize("pooler", pooler_cells())
+def test_pooler_cell_matches_hf(
+    pooler: str, request: pytest.FixtureRequest, servers: ServerQueue
+) -> None:
+    import httpx
+    import numpy as np
+
+    with servers.serve(request.node) as server:
+        response = httpx.post(
+            server.url("/v1/embeddings"), json={"input": POOLING_SENTENCES}, timeout=120
+        )
+        idle = server.wait_idle()
+    assert response.status_code == 200, response.text
+    if pooler not in POOLINGS:
+        pytest.fail(f"pooler {pooler!r} has no reference here: add what it computes to POOLINGS")
+    for data, hidden in zip(
+        response.json()["data"], request.getfixturevalue("minilm_hidden_states"), strict=True
+    ):
+        expected = torch.nn.functional.normalize(POOLINGS[pooler](hidden), dim=-1)
+        np.testing.assert_allclose(data["embedding"], expected.numpy(), rtol=0, atol=2e-5)
+    assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
