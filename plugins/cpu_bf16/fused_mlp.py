@@ -11,12 +11,17 @@ from plugserve_plugins.cpu_bf16.packed_linear import pack_onednn
 
 
 class FusedMLP:
-    """down(silu(gate(x)) * up(x)), from the loaded gate, up and down weights."""
+    """down(silu(gate(x)) * up(x)) over oneDNN's blocked copies of the three weights
+    (pack_onednn). The down projection's copy is the one its PackedLinear holds for the
+    plan's other oneDNN buckets, shared rather than made twice (from_loaded makes all
+    three, where there is none to share)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        self.gate = pack_onednn(gate.contiguous())
-        self.up = pack_onednn(up.contiguous())
-        self.down = pack_onednn(down)
+        self.gate, self.up, self.down = gate, up, down
+
+    @classmethod
+    def from_loaded(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> FusedMLP:
+        return cls(pack_onednn(gate.contiguous()), pack_onednn(up.contiguous()), pack_onednn(down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.mkldnn

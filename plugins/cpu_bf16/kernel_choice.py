@@ -51,12 +51,14 @@ from plugserve_plugins.cpu_bf16.kernel_plan import (
     BATCH_INVARIANT_KERNELS,
     KERNELS,
     KERNELS_BY_NAME,
+    LAYOUT_SHARE,
     ONE_ROW,
     ROW_BUCKETS,
     Kernel,
     KernelPlan,
     candidates_for,
     is_prefill,
+    layouts_of,
 )
 from plugserve_plugins.cpu_bf16.kernel_setting import KERNEL_ENV, allowed_libraries, forced_plan
 from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
@@ -207,13 +209,15 @@ def plan_for(
     coded: bool = False,
     remeasure: bool | None = None,
     batch_invariant: bool = False,
+    layout_gain: float = 0.0,
 ) -> Measurement:
-    """The plan for a model whose step runs `steps`: the one cached for this machine and
-    shape, else measured now (and cached). `coded`: one-row matmuls may read
-    exponent-coded copies of the weights. Where each bucket has one candidate (a single
-    library allowed), that one, unmeasured. `batch_invariant`: one kernel of
-    BATCH_INVARIANT_KERNELS for every bucket (choose_single), a ValueError where none
-    runs here."""
+    """The plan for a model whose step runs `steps`, from its candidates' times: those
+    cached for this machine and shape, else measured now (and cached). `coded`: one-row
+    matmuls may read exponent-coded copies of the weights. Where each bucket has one
+    candidate (a single library allowed), that one, unmeasured. `batch_invariant`: one
+    kernel of BATCH_INVARIANT_KERNELS for every bucket (choose_single), a ValueError where
+    none runs here; else `layout_gain`: the least gain a further copy of the weights must
+    bring the buckets that read it (choose)."""
     candidates = batch_invariant_candidates() if batch_invariant else candidates_here(coded)
     total = sum(_step_bytes(step) for step in steps)
     forced = forced_plan()
@@ -227,19 +231,25 @@ def plan_for(
         plan = forced or KernelPlan(tuple(c[0] for c in candidates))
         return Measurement(plan, [{} for _ in ROW_BUCKETS], [0] * len(ROW_BUCKETS), 0, total)
     key = _cache_key(steps, candidates)
-    if batch_invariant:
-        key["batch_invariant"] = True
     path = cache_root() / "kernel_plans" / f"{_digest(key)}.json"
+
+    def plan_of(measurement: Measurement) -> Measurement:
+        times = measurement.times_ms
+        measurement.plan = (
+            choose_single(times, candidates[0])
+            if batch_invariant
+            else choose(times, candidates, layout_gain)
+        )
+        return measurement
+
     if remeasure is None:
         remeasure = os.environ.get(REMEASURE_ENV, "") not in ("", "0")
     if not remeasure and path.exists():
         try:
-            return Measurement.from_json(json.loads(path.read_text()), path)
+            return plan_of(Measurement.from_json(json.loads(path.read_text()), path))
         except (KeyError, ValueError, TypeError) as exc:
             logger.warning("ignoring unreadable kernel plan %s: %s", path, exc)
-    measurement = measure(steps, candidates)
-    if batch_invariant:
-        measurement.plan = choose_single(measurement.times_ms, candidates[0])
+    measurement = plan_of(measure(steps, candidates))
     measurement.key = key
     # A plan timed at start-up beside other work is used, not kept: the next start times
     # it again. One measured on request (`plugserve bench kernels`) is kept all the same:
@@ -386,9 +396,16 @@ def _rounds(bucket: int) -> int:
     return PREFILL_ROUNDS if is_prefill(bucket) else DECODE_ROUNDS
 
 
-def choose(times: list[dict[str, float | None]], candidates: list[list[Kernel]]) -> KernelPlan:
+def choose(
+    times: list[dict[str, float | None]],
+    candidates: list[list[Kernel]],
+    layout_gain: float = 0.0,
+) -> KernelPlan:
     """Each bucket's fastest candidate (its survivor, or its only candidate, where it was
-    not timed)."""
+    not timed); then, with `layout_gain` > 0, fewer copies of the weights: a layout the
+    plan would keep (kernel_plan.layouts_of) is dropped where every bucket that reads it
+    has a timed candidate on the layouts kept anyway within `layout_gain` of its time (a
+    copy of the weights must earn that much), the largest layouts tried first."""
     chosen = []
     for bucket_times, kernels in zip(times, candidates, strict=True):
         timed = {name: ms for name, ms in bucket_times.items() if ms is not None}
@@ -396,6 +413,38 @@ def choose(times: list[dict[str, float | None]], candidates: list[list[Kernel]])
             chosen.append(KERNELS_BY_NAME[min(timed, key=timed.__getitem__)])
         else:
             chosen.append(KERNELS_BY_NAME[next(iter(bucket_times))] if bucket_times else kernels[0])
+    plan = KernelPlan(tuple(chosen))
+    while layout_gain > 0:
+        for layout in sorted(plan.layouts(), key=lambda name: (-LAYOUT_SHARE[name], name)):
+            leaner = _without_layout(plan, layout, times, layout_gain)
+            if leaner is not None:
+                plan = leaner
+                break
+        else:
+            break
+    return plan
+
+
+def _without_layout(
+    plan: KernelPlan, layout: str, times: list[dict[str, float | None]], layout_gain: float
+) -> KernelPlan | None:
+    """`plan` with every bucket that reads `layout` moved to its fastest timed candidate
+    on the plan's other layouts, where each such candidate is within `layout_gain` of the
+    bucket's time; None where a bucket has none."""
+    kept = plan.layouts() - {layout}
+    chosen = []
+    for kernel, bucket_times in zip(plan.by_bucket, times, strict=True):
+        if layout not in layouts_of(kernel):
+            chosen.append(kernel)
+            continue
+        timed = {name: ms for name, ms in bucket_times.items() if ms is not None}
+        others = [name for name in timed if layouts_of(KERNELS_BY_NAME[name]) <= kept]
+        if kernel.name not in timed or not others:
+            return None
+        best = min(others, key=timed.__getitem__)
+        if timed[best] > (1 + layout_gain) * timed[kernel.name]:
+            return None
+        chosen.append(KERNELS_BY_NAME[best])
     return KernelPlan(tuple(chosen))
 
 
@@ -456,7 +505,7 @@ def _mlp_call(
     inter = step.down.shape[1]
     fused = None
     if any(k.fused_mlp for k in kernels) and step.gate_up_bias is None:
-        fused = FusedMLP(step.gate_up[:inter], step.gate_up[inter:], step.down)
+        fused = FusedMLP.from_loaded(step.gate_up[:inter], step.gate_up[inter:], step.down)
     silu_and_mul = torch.ops.plugserve_ops.silu_and_mul if ops.load(ops.OPS_SOURCE) else None
 
     def run(kernel: Kernel, x: torch.Tensor) -> torch.Tensor:

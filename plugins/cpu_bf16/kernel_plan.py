@@ -110,6 +110,32 @@ KERNELS_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 BATCH_INVARIANT_KERNELS: tuple[Kernel, ...] = (OWN_TILED, OWN_AMX)
 
 
+# The copies of a weight a kernel reads: cpu_gemm's k-pair-packed one ("packed"), its
+# exponent-coded copy beside it ("coded": a coded block may point back into the packed
+# one), oneDNN's blocked one ("onednn"; the fused MLP reads it for the down projection and
+# blocked copies of its own of the gate and up halves, "fused_gate_up"), or the weight as
+# loaded ("plain"). Each layout a plan uses is one more copy of (part of) the model's
+# weights in memory; LAYOUT_SHARE is roughly what share of the weights' bytes it adds
+# (a Llama-shaped MLP holds about two thirds of them, its gate and up two thirds of that).
+Layout = Literal["packed", "coded", "onednn", "fused_gate_up", "plain"]
+LAYOUT_SHARE: dict[str, float] = {
+    "packed": 1.0,
+    "coded": 0.75,
+    "onednn": 1.0,
+    "fused_gate_up": 0.45,
+    "plain": 1.0,
+}
+
+
+def layouts_of(kernel: Kernel) -> frozenset[str]:
+    """The copies of a weight `kernel` reads (Layout)."""
+    if kernel.library == "own":
+        return frozenset({"packed", "coded"} if kernel.coded else {"packed"})
+    if kernel.library == "onednn":
+        return frozenset({"onednn", "fused_gate_up"} if kernel.fused_mlp else {"onednn"})
+    return frozenset({"plain"})
+
+
 def candidates_for(
     bucket: int, libraries: tuple[Library, ...], coded: bool, amx: bool = False
 ) -> list[Kernel]:
@@ -147,6 +173,10 @@ class KernelPlan:
 
     def libraries(self) -> set[Library]:
         return {kernel.library for kernel in self.by_bucket}
+
+    def layouts(self) -> frozenset[str]:
+        """The copies of each weight this plan keeps (Layout)."""
+        return frozenset().union(*(layouts_of(kernel) for kernel in self.by_bucket))
 
     @property
     def one_row_mode(self) -> int:

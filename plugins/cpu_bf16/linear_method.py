@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from plugserve.interfaces.model import LinearLayer, TiedLmHead
@@ -35,7 +35,11 @@ from plugserve_plugins.cpu_bf16 import kernel_choice
 from plugserve_plugins.cpu_bf16.cpu_features import row_pool_enabled
 from plugserve_plugins.cpu_bf16.fused_mlp import FusedMLP
 from plugserve_plugins.cpu_bf16.kernel_plan import TILED, KernelPlan
-from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear, packing_supported
+from plugserve_plugins.cpu_bf16.packed_linear import (
+    PackedLinear,
+    pack_onednn,
+    packing_supported,
+)
 from plugserve_plugins.cpu_bf16.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,10 @@ class PackedCpuBf16(PlainLinearMethod):
         model_config = ConfigDict(extra="forbid")
         # One-row matmuls may read exponent-coded copies of the packed weights.
         coded_weights: bool = True
+        # The least share of a bucket's time a further copy of the weights (a kernel's
+        # own layout: exponent-coded, oneDNN's, the fused MLP's) must save to be kept;
+        # 0: each row count's fastest kernel, whatever the copies cost in memory.
+        layout_gain: float = Field(0.05, ge=0)
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or self.Options()
@@ -117,25 +125,43 @@ class PackedCpuBf16(PlainLinearMethod):
             return
         steps = step_matmuls(model, layers, tied_head)
         measurement = kernel_choice.plan_for(
-            steps, coded=self.options.coded_weights, batch_invariant=self.batch_invariant
+            steps,
+            coded=self.options.coded_weights,
+            batch_invariant=self.batch_invariant,
+            layout_gain=self.options.layout_gain,
         )
         plan = measurement.plan
         log_plan(measurement)
         arena = WeightArena.for_weights(weights, plan)
         owned = {id(layer) for layer in layers}
-        fused_mlps: dict[int, FusedMLP] = {}
-        # modules() visits a GatedMLP before its linears: its fused form reads their
-        # loaded weights, which packing them then frees.
+        packed: dict[int, PackedLinear] = {}
+        # The gate and up halves of each fusing MLP, blocked for oneDNN before packing
+        # frees the loaded gate-up weight (modules() visits a GatedMLP before its linears).
+        fusing: list[tuple[GatedMLP, torch.Tensor, torch.Tensor]] = []
         for module in model.modules():
             if isinstance(module, GatedMLP) and _owns_mlp(owned, module):
                 if plan.fused_mlp and _fuses(module):
-                    fused_mlps[id(module)] = _fused_mlp(module)
+                    gate_up = module.gate_up_proj.weight
+                    fusing.append(
+                        (
+                            module,
+                            pack_onednn(gate_up[: module.inter].contiguous()),
+                            pack_onednn(gate_up[module.inter :].contiguous()),
+                        )
+                    )
             elif id(module) in owned:
                 layer: LinearLayer = module  # type: ignore[assignment]
                 weight = layer.weight  # type: ignore[attr-defined]
-                layer.install(PackedLinear(weight, layer.matmul_bias, arena, plan))
+                packed[id(module)] = PackedLinear(weight, layer.matmul_bias, arena, plan)
+                layer.install(packed[id(module)])
         if tied_head is not None:
             tied_head.install_head(PackedLinear(tied_head.weight, arena=arena, plan=plan))
+        # Each fused MLP's down projection: its PackedLinear's oneDNN copy (a plan with a
+        # fused-MLP bucket runs oneDNN, so every PackedLinear of it holds one).
+        fused_mlps = {
+            id(mlp): FusedMLP(gate, up, _onednn_copy(packed[id(mlp.down_proj)]))
+            for mlp, gate, up in fusing
+        }
         self.packing = CpuPacking(plan, arena, measurement, fused_mlps)
 
 
@@ -183,16 +209,17 @@ def _fuses(mlp: GatedMLP) -> bool:
     )
 
 
-def _fused_mlp(mlp: GatedMLP) -> FusedMLP:
-    gate_up = mlp.gate_up_proj.weight
-    return FusedMLP(gate_up[: mlp.inter], gate_up[mlp.inter :], mlp.down_proj.weight)
+def _onednn_copy(linear: PackedLinear) -> torch.Tensor:
+    if linear.onednn_weight is None:
+        raise RuntimeError("a plan with a fused-MLP bucket packs every weight for oneDNN")
+    return linear.onednn_weight
 
 
 def describe_bf16_path(plan: KernelPlan) -> str:
     """One line for the start-up log: which kernel each row bucket runs, and whether
     one-row steps share their work with the row pool's helper thread (which also needs
     more than one torch thread)."""
-    line = plan.describe()
+    line = f"{plan.describe()}; weights held as {', '.join(sorted(plan.layouts()))}"
     one_row = plan.by_bucket[0]
     if one_row.library == "own" and one_row.one_row_mode != TILED:
         pool = row_pool_enabled() and torch.get_num_threads() > 1
