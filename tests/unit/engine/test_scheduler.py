@@ -300,3 +300,26 @@ def test_a_request_in_flight_is_not_preempted_for_blocks():
     a = scheduler.requests["a"]
     assert a.status == RequestStatus.RUNNING and a.num_preemptions == 0
     assert len(scheduler.kv.block_ids("a")) == 2
+
+
+def test_a_spent_thinking_budget_completes_the_end_marker_the_model_began():
+    """Reasoning tokens are counted; once the budget is spent the marker's remaining ids
+    are constrained one per step (the model had already written its first id), and the
+    request is constrained no more once the marker is out."""
+    from plugserve.sampling_params import ReasoningParams
+
+    marker = [51, 52, 53]
+    scheduler = make_scheduler()
+    request = make_request(
+        "r", 4, max_tokens=10, reasoning=ReasoningParams(end_token_ids=marker, budget=3)
+    )
+    scheduler.add_request(request)
+    constrained_steps = []
+    for token in [9, 9, 51, 52, 53, 9]:  # the stand-in runner samples what was forced
+        out = scheduler.schedule()
+        forced = scheduler.constrained_sampling(out)
+        constrained_steps.append([r.forced_token_ids[0] for r in forced])
+        sampled = {"r": [token]}
+        (output,) = scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+    assert constrained_steps == [[], [], [], [52], [53], []]
+    assert output.num_reasoning_tokens == 5 and not request.in_reasoning

@@ -134,3 +134,42 @@ def test_logprobs_json_cannot_carry_are_rendered_as_vllm_renders_them():
         "6": -9999.0,
         "7": -9999.0,
     }
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_refused_by_name(serving):
+    """The server has no reasoning parser: nothing could end a reasoning, so a budget
+    for one is a 400 naming the field, on chat and on Anthropic's Messages API."""
+    from plugserve.frontend.routes.messages.protocol import MessagesRequest
+    from plugserve.frontend.routes.messages.serving import MessagesServing
+
+    with pytest.raises(InvalidRequest) as chat_error:
+        chat(serving, thinking_token_budget=8)
+    assert chat_error.value.param == "thinking_token_budget"
+    assert chat(serving).params.reasoning is None
+    body = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        }
+    )
+    with pytest.raises(InvalidRequest) as messages_error:
+        MessagesServing(serving).prepare(body, "r")
+    assert messages_error.value.param == "thinking"
+
+
+def test_with_a_reasoning_parser_the_engine_is_told_where_the_reasoning_ends(serving):
+    """SamplingParams.reasoning carries the end marker's ids (its tokenization here: the
+    embedded tokenizer has no thinking tokens) and the budget, when the output starts in
+    reasoning."""
+    with_parser = OpenAIServing(
+        serving.client,
+        serving.renderer,
+        "m",
+        reasoning_parser=get_registry().get("reasoning_parser", "qwen3"),
+    )
+    params = chat(with_parser, thinking_token_budget=8).params
+    assert params.reasoning is not None and params.reasoning.budget == 8
+    marker = serving.renderer.encode("</think>", add_special_tokens=False)
+    assert params.reasoning.end_token_ids == marker
