@@ -110,7 +110,9 @@ def test_stream_sends_anthropics_event_sequence(client: anthropic.Anthropic, mod
     assert final.usage.output_tokens == expected.usage.output_tokens
 
 
-def test_a_tool_result_turn_and_text_answers(client: anthropic.Anthropic, model: str) -> None:
+def test_a_tool_result_turn_and_text_answers(
+    client: anthropic.Anthropic, model: str, server: Any
+) -> None:
     history = [
         *QUESTION,
         {
@@ -152,6 +154,29 @@ def test_a_tool_result_turn_and_text_answers(client: anthropic.Anthropic, model:
         thinking={"type": "disabled"},
     )
     assert counted.input_tokens == message.usage.input_tokens
+    # The turns render as the chat messages they are: the call an assistant's tool call,
+    # the result a tool message.
+    call = {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}
+    chat_history = [
+        {"role": "system", "content": "Answer briefly."},
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": call}
+        ]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    chat_tool = {"type": "function", "function": {"name": "get_weather", **WEATHER_TOOL}}
+    chat_tool["function"]["parameters"] = chat_tool["function"].pop("input_schema")
+    tokenized = httpx.post(
+        server.url("/tokenize"),
+        json={
+            "model": model,
+            "messages": chat_history,
+            "tools": [chat_tool],
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    ).json()
+    assert tokenized["count"] == counted.input_tokens
 
 
 def test_errors_are_in_anthropics_shape(

@@ -95,6 +95,8 @@ def test_reasoning_then_a_json_answer_at_once_and_streamed(
     assert reasoning and message["reasoning"] == reasoning
     with pytest.raises(json.JSONDecodeError):
         json.loads(reasoning)  # the thinking was free: the schema constrained the answer only
+    unconstrained = chat(client, model).choices[0].message.model_dump()
+    assert unconstrained["reasoning_content"] == reasoning  # the grammar never touched it
     assert json.loads(message["content"])["answer"] in ("yes", "no")
     assert answer.choices[0].finish_reason == "stop"
     details = answer.usage.completion_tokens_details
