@@ -145,6 +145,13 @@ def test_a_tool_result_turn_and_text_answers(
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
     with client.messages.stream(**request) as stream:
         assert stream.get_final_text() == text.text
+    # A stop sequence from the greedy text itself ends the same request where it first
+    # appears.
+    stop = text.text[len(text.text) // 2 :]
+    before = text.text[: text.text.index(stop)]
+    stopped = client.messages.create(**{**request, "stop_sequences": [stop]})
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(block.text for block in stopped.content) == before
     counted = client.messages.count_tokens(
         model=model,
         system="Answer briefly.",
