@@ -10,8 +10,6 @@ from plugserve_plugins.cpu_bf16 import kernel_choice, packed_linear
 from plugserve_plugins.cpu_bf16.kernel_plan import (
     BATCH_INVARIANT_KERNELS,
     OWN,
-    OWN_AMX,
-    OWN_TILED,
     ROW_BUCKETS,
     KernelPlan,
 )
@@ -47,30 +45,6 @@ def test_every_row_is_the_same_bits_whatever_rows_share_the_call(
         assert torch.equal(linear(x[:rows]), everything[:rows]), f"{rows} rows"
     for row in (0, 7, 299):
         assert torch.equal(linear(x[row : row + 1]), everything[row : row + 1]), f"row {row}"
-
-
-def test_the_mode_takes_one_kernel_for_every_bucket_weighing_each_bucket_by_its_best() -> None:
-    # AMX tiles 10% behind in the three decode buckets and twice as fast in the two
-    # prefill ones: over each bucket's best, 3 x 1.1 + 2 x 1.0 against 3 x 1.0 + 2 x 2.0.
-    times = [
-        {OWN_TILED.name: 1.0, OWN_AMX.name: 1.1},
-        {OWN_TILED.name: 1.0, OWN_AMX.name: 1.1},
-        {OWN_TILED.name: 3.0, OWN_AMX.name: 3.3},
-        {OWN_TILED.name: 40.0, OWN_AMX.name: 20.0},
-        {OWN_TILED.name: 400.0, OWN_AMX.name: 200.0},
-    ]
-    kernels = [OWN_TILED, OWN_AMX]
-    assert kernel_choice.choose_single(times, kernels) == KernelPlan.single(OWN_AMX)
-    # Far ahead at decode, a little behind at prefill: the decode buckets decide.
-    times = [
-        {OWN_TILED.name: 1.0, OWN_AMX.name: 3.0},
-        {OWN_TILED.name: 1.0, OWN_AMX.name: 3.0},
-        {OWN_TILED.name: 3.0, OWN_AMX.name: 6.0},
-        {OWN_TILED.name: 22.0, OWN_AMX.name: 20.0},
-        {OWN_TILED.name: 220.0, OWN_AMX.name: 200.0},
-    ]
-    assert kernel_choice.choose_single(times, kernels) == KernelPlan.single(OWN_TILED)
-    assert len(times) == len(ROW_BUCKETS)
 
 
 def test_a_pinned_plan_that_mixes_kernels_is_refused_by_name(

@@ -20,10 +20,10 @@ from plugserve_plugins.cpu_bf16 import (
     kernel_choice,
     kernel_setting,
     packed_linear,
+    plan_rules,
 )
 from plugserve_plugins.cpu_bf16.kernel_plan import (
     KERNELS_BY_NAME,
-    ONEDNN,
     OWN_AMX,
     ROW_BUCKETS,
     Kernel,
@@ -96,7 +96,7 @@ def test_a_slowed_candidate_never_wins_whichever_it_is() -> None:
             clock.advance(0.021 if kernel == slowed else 0.001)
 
         times = kernel_choice.time_candidates(run, candidates, clock)
-        plan = kernel_choice.choose(times, candidates)
+        plan = plan_rules.choose(times, candidates)
         for bucket, chosen, bucket_times in zip(candidates, plan.by_bucket, times, strict=True):
             if len(bucket) > 1 and slowed in bucket:
                 assert chosen != slowed
@@ -128,7 +128,7 @@ def test_prefill_buckets_are_timed_on_row_counts_not_seen_before() -> None:
             built.add(rows)
 
     times = kernel_choice.time_candidates(run, candidates, clock)
-    plan = kernel_choice.choose(times, candidates)
+    plan = plan_rules.choose(times, candidates)
     for b, bucket in enumerate(ROW_BUCKETS):
         # (A bucket where one is left, after the other lost the one below, is not run.)
         bucket_counts = counts.get((b, steady.name), []) + counts.get((b, builds.name), [])
@@ -373,45 +373,3 @@ def test_a_plan_timed_on_request_beside_a_busy_process_is_kept_and_says_so(
     assert f"kept in {kept.cache_file}" in kept.describe()
     assert "other processes took 90% of the CPUs" in kept.describe()
     assert kernel_choice.plan_for(tiny_step()).from_cache
-
-
-def _times(*buckets: dict[Kernel, float]) -> list[dict[str, float | None]]:
-    return [{kernel.name: ms for kernel, ms in bucket.items()} for bucket in buckets]
-
-
-def test_a_further_copy_of_the_weights_is_kept_only_where_it_earns_its_gain() -> None:
-    """Each layout a plan reads is a copy of the weights in memory: one the fastest
-    kernels would add is dropped where every bucket reading it has a kernel on the other
-    layouts within layout_gain of its time."""
-    own, coded, onednn = KERNELS_BY_NAME["own"], KERNELS_BY_NAME["own/coded"], ONEDNN
-    fused = KERNELS_BY_NAME["onednn/fused-mlp"]
-    times = _times(
-        {coded: 0.97, own: 1.0},  # the coded copy saves 3 %
-        {own: 1.0, onednn: 1.5},
-        {own: 3.0, onednn: 3.2},
-        {own: 40.0, onednn: 20.0, fused: 19.5},  # oneDNN saves half; its fused MLP 2.5 %
-        {own: 400.0, onednn: 210.0, fused: 200.0},  # the fused MLP 5 %
-    )
-    prefill = [own, onednn, fused]
-    candidates = [[coded, own], [own, onednn], [own, onednn], prefill, prefill]
-    fastest = KernelPlan((coded, own, own, fused, fused))
-    assert kernel_choice.choose(times, candidates) == fastest
-    assert fastest.layouts() == {"packed", "coded", "onednn", "fused_gate_up"}
-    lean = kernel_choice.choose(times, candidates, layout_gain=0.05)
-    assert lean == KernelPlan((own, own, own, onednn, onednn))
-    assert lean.layouts() == {"packed", "onednn"}
-    # Where the coded copy saves a fifth of a one-row step, it stays.
-    times[0] = {coded.name: 0.8, own.name: 1.0}
-    assert kernel_choice.choose(times, candidates, layout_gain=0.05).by_bucket[0] == coded
-
-
-def test_a_layout_stays_where_a_bucket_reading_it_has_no_timed_alternative() -> None:
-    """A bucket left with its one survivor (the others lost a smaller bucket) says nothing
-    about what dropping its layout would cost: the layout stays."""
-    own, onednn = KERNELS_BY_NAME["own"], ONEDNN
-    times = _times({own: 1.0}, {own: 1.0, onednn: 1.01}, {own: 3.0, onednn: 3.02}, {}, {})
-    times[3] = {onednn.name: None}
-    times[4] = {onednn.name: None}
-    candidates = [[own], [own, onednn], [own, onednn], [own, onednn], [own, onednn]]
-    plan = kernel_choice.choose(times, candidates, layout_gain=0.05)
-    assert plan == KernelPlan((own, own, own, onednn, onednn))
