@@ -173,3 +173,24 @@ def test_with_a_reasoning_parser_the_engine_is_told_where_the_reasoning_ends(ser
     assert params.reasoning is not None and params.reasoning.budget == 8
     marker = serving.renderer.encode("</think>", add_special_tokens=False)
     assert params.reasoning.end_token_ids == marker
+
+
+def test_anthropic_fields_with_no_effect_are_logged_by_name(serving, caplog):
+    from plugserve.frontend.routes.messages.protocol import MessagesRequest
+    from plugserve.frontend.routes.messages.serving import MessagesServing
+
+    cached = {"type": "ephemeral"}
+    body = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "system": [{"type": "text", "text": "Be brief.", "cache_control": cached}],
+            "messages": [{"role": "user", "content": "Hi"}],
+            "metadata": {"user_id": "u"},
+        }
+    )
+    logger = "plugserve.frontend.routes.messages.serving"
+    with caplog.at_level(logging.DEBUG, logger=logger):
+        MessagesServing(serving).prepare(body, "r")
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert ignored == ["request fields accepted and ignored: metadata, system.cache_control"]

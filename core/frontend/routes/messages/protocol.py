@@ -229,6 +229,23 @@ class MessagesRequest(ConversationRequest):
     metadata: Metadata | None = None
     service_tier: str | None = None
 
+    def ignored_fields(self) -> list[str]:
+        """The fields given that change nothing here, by name (logged at debug level)."""
+        ignored = [name for name in ("metadata", "service_tier") if name in self.model_fields_set]
+        system = [] if self.system is None or isinstance(self.system, str) else self.system
+        if any(block.cache_control for block in system):
+            ignored.append("system.cache_control")
+        for tool in self.tools or []:
+            if tool.cache_control:
+                ignored.append("tools.cache_control")
+                break
+        for message in self.messages:
+            blocks = [] if isinstance(message.content, str) else message.content
+            if any(getattr(b, "cache_control", None) for b in blocks):
+                ignored.append("messages.content.cache_control")
+                break
+        return ignored
+
     def chat_body(self) -> dict[str, Any]:
         body = super().chat_body()
         body["max_tokens"] = self.max_tokens

@@ -96,6 +96,8 @@ class MessagesServing:
 
     def prepare(self, body: MessagesRequest, request_id: str) -> PreparedChat:
         """Validate `body` as the chat request it describes; InvalidRequest if it is not one."""
+        if logger.isEnabledFor(logging.DEBUG) and (ignored := body.ignored_fields()):
+            logger.debug("request fields accepted and ignored: %s", ", ".join(ignored))
         return ChatServing(self.serving).prepare(self._chat(body), f"msg_{request_id}")
 
     def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
