@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/structured_output.py
 	$(BIN)/python benchmarks/engine_overhead.py phases served
 	$(BIN)/python benchmarks/batch_invariant.py
+	$(BIN)/python benchmarks/speculative.py
 
 # Thousands of requests of every kind through each transport, a quarter of the clients
 # leaving part-way; then every KV block free, nothing running, memory flat, every answer
