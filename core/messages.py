@@ -79,6 +79,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     num_steps: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
+    # Pipeline stages: each stage's seconds of work since start (empty: one stage).
+    pipeline_stage_busy_seconds: list[float] = msgspec.field(default_factory=list)
     # Request counters since start: output tokens generated (kept after the stop checks),
     # and finished requests by finish reason (one of FINISH_REASONS).
     num_generated_tokens: int = 0
@@ -102,9 +104,17 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
-# The fields of SchedulerStats that describe the engine's state now; every other field
-# counts since the engine started (and, on the wire, since its previous stats message).
-GAUGE_FIELDS = ("num_running", "num_waiting", "kv_usage", "num_kv_blocks", "num_free_kv_blocks")
+# The fields of SchedulerStats that describe the engine's state now (the stages' busy
+# seconds travel whole, as the latest batch brought them back); every other field counts
+# since the engine started (and, on the wire, since its previous stats message).
+GAUGE_FIELDS = (
+    "num_running",
+    "num_waiting",
+    "kv_usage",
+    "num_kv_blocks",
+    "num_free_kv_blocks",
+    "pipeline_stage_busy_seconds",
+)
 COUNTER_FIELDS = tuple(
     name
     for name in SchedulerStats.__struct_fields__

@@ -280,6 +280,8 @@ class EngineCore:
         self.timer.awaiting_batch()
         model_output = oldest_future.result()
         self.timer.forward_finished()
+        if model_output.stage_busy_seconds:
+            self.timer.stage_busy_seconds = model_output.stage_busy_seconds
         self.scheduler.mark_returned(oldest)
         outputs = self.scheduler.update_from_output(oldest, model_output)
         self.timer.attach_queue_times(outputs)

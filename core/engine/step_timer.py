@@ -46,6 +46,7 @@ class StepTimer:
         self.grammar_bitmask_seconds = 0.0
         self.grammar_forward_wait_seconds = 0.0
         self.grammar_bitmask_hidden_steps = 0
+        self.stage_busy_seconds: list[float] = []  # the latest a batch brought back
         self._step_started = 0.0
         self._forward_started = 0.0
         self._forward_time = 0.0
@@ -145,4 +146,5 @@ class StepTimer:
         stats.grammar_bitmask_seconds = self.grammar_bitmask_seconds
         stats.grammar_forward_wait_seconds = self.grammar_forward_wait_seconds
         stats.grammar_bitmask_hidden_steps = self.grammar_bitmask_hidden_steps
+        stats.pipeline_stage_busy_seconds = list(self.stage_busy_seconds)
         return stats

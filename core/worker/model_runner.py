@@ -114,6 +114,11 @@ class ModelRunner:
         # Set by initialize under pipeline parallelism.
         self.stage: PipelineStage | None = None
         self._link: PipelineLink | None = None
+        # Under pipeline parallelism: this rank's seconds in execute_model and
+        # sample_tokens so far, and the stages' figures the last activations carried.
+        self.busy_seconds = 0.0
+        self._stage_busy: list[float] = []
+        self._sampling_started = 0.0
         engine = config.engine
         self.device = resolve_device(engine.device)
         self.dtype, self._dtype_reason = choose_dtype(engine.dtype, self.device)
@@ -410,11 +415,17 @@ class ModelRunner:
         others the activations go to the next stage and None is returned."""
         assert self.stage is not None and self._link is not None
         previous = None
-        if not self.stage.is_first:
-            previous = StageActivations(*self._link.receive(ids.shape[0]))
+        if self.stage.is_first:
+            self._stage_busy = [0.0] * self.stage.count
+        else:
+            hidden, residual, self._stage_busy = self._link.receive(ids.shape[0])
+            previous = StageActivations(hidden, residual)
+        started = time.perf_counter()
         output = self.model.forward_stage(ids, positions, previous)
+        self.busy_seconds += time.perf_counter() - started
         if isinstance(output, StageActivations):
-            self._link.send(output.hidden, output.residual)
+            self._stage_busy[self.stage.index] = self.busy_seconds
+            self._link.send(output.hidden, output.residual, self._stage_busy)
             return None
         return output
 
@@ -481,6 +492,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        self._sampling_started = time.perf_counter()
         parked, self._parked = self._parked, None
         if parked is None or not parked.req_ids:
             return ModelRunnerOutput(
@@ -513,6 +525,10 @@ class ModelRunner:
             result.logprobs = self._logprobs_lists(parked, out.logprobs)
         if parked.prompt_logprobs:
             result.prompt_logprobs = parked.prompt_logprobs
+        if self.stage is not None:
+            self.busy_seconds += time.perf_counter() - self._sampling_started
+            self._stage_busy[self.stage.index] = self.busy_seconds
+            result.stage_busy_seconds = list(self._stage_busy)
         return result
 
     def _verify_drafts(
@@ -534,6 +550,10 @@ class ModelRunner:
         )
         if parked.prompt_logprobs:
             result.prompt_logprobs = parked.prompt_logprobs
+        if self.stage is not None:
+            self.busy_seconds += time.perf_counter() - self._sampling_started
+            self._stage_busy[self.stage.index] = self.busy_seconds
+            result.stage_busy_seconds = list(self._stage_busy)
         return result
 
     @staticmethod

@@ -278,9 +278,10 @@ def join_groups(
 
 class PipelineLink:
     """A stage's activations to the next stage and from the previous one: hidden states
-    and residual in one [2, tokens, hidden] message. Sends do not wait for the receiver,
-    so a stage goes on to its next batch while the next stage still computes; a send
-    completes before the following one starts, which keeps the order."""
+    and residual in one [2, tokens, hidden] message, then the stages' busy seconds so far
+    (float64, one per stage: each stage fills in its own). Sends do not wait for the
+    receiver, so a stage goes on to its next batch while the next stage still computes;
+    a send completes before the following one starts, which keeps the order."""
 
     def __init__(
         self,
@@ -294,23 +295,29 @@ class PipelineLink:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
-        self._sending: tuple[Any, torch.Tensor] | None = None
+        self.num_stages = placement.count
+        self._sending: list[tuple[Any, torch.Tensor]] = []
 
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor, busy: list[float]) -> None:
         assert self.next_rank is not None
         self.wait_sent()
         message = torch.stack([hidden, residual])
-        self._sending = (dist.isend(message, dst=self.next_rank), message)
+        seconds = torch.tensor(busy, dtype=torch.float64, device=self.device)
+        for tensor in (message, seconds):
+            self._sending.append((dist.isend(tensor, dst=self.next_rank), tensor))
 
     def wait_sent(self) -> None:
-        if self._sending is not None:
-            self._sending[0].wait()
-            self._sending = None
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
 
-    def receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """The previous stage's hidden states, residual and stage busy seconds."""
         assert self.previous_rank is not None
         message = torch.empty(
             (2, num_tokens, self.hidden_size), dtype=self.dtype, device=self.device
         )
+        seconds = torch.empty(self.num_stages, dtype=torch.float64, device=self.device)
         dist.recv(message, src=self.previous_rank)
-        return message[0], message[1]
+        dist.recv(seconds, src=self.previous_rank)
+        return message[0], message[1], seconds.tolist()

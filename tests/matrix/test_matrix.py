@@ -92,6 +92,10 @@ PROMPTS = [
 ]
 MAX_TOKENS = 16
 DTYPES = ("float32", "bfloat16")
+# Executors that place their ranks on a cluster start one per server (many seconds):
+# each serves only its pipeline cell, not the product; the other slots meet the
+# executor contract the same way through mp, which crosses them all.
+CLUSTER_EXECUTORS = ("ray",)
 # The non-Llama architectures the stacks serve: Qwen3's q/k norm and a head_dim that is
 # not hidden / heads, untied head.
 ARCHITECTURES = [
@@ -169,7 +173,8 @@ def matrix_cells() -> list:
     params = []
     for names_, dtype in combos:
         cell, marks = _cell(impls, names_, dtype)
-        params.append(pytest.param(cell, id=cell.id, marks=marks))
+        if cell.executor not in CLUSTER_EXECUTORS:
+            params.append(pytest.param(cell, id=cell.id, marks=marks))
     # Each executor that runs pipeline stages (batches in flight: the engine's batch
     # queue) in one default-stack cell of two stages: the stages change the executor's
     # and the engine's path only, which no other slot's choice meets.
@@ -187,6 +192,7 @@ def architecture_cells() -> list:
     registry = get_registry()
     impls = {slot: registry.implementations(slot) for slot in SLOTS}
     others = {slot: sorted(impls[slot]) for slot in SLOTS[:-1]}
+    others["executor"] = [e for e in others["executor"] if e not in CLUSTER_EXECUTORS]
     params = []
     for attention in sorted(impls["attention"]):
         cls = impls["attention"][attention].cls

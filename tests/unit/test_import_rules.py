@@ -34,6 +34,9 @@ them to five rules.
     such as the SmolLM3 example) imports the CPU kernels (plugserve_plugins.cpu_bf16);
     nor does the core hold or include their C++ (cpu_gemm*, cpu_decoder*): how a layer
     runs on a CPU is a plugin's, the linear method's or the model pass's.
+(f) `ray` (the optional extra `plugserve[ray]`) is imported only inside functions of the
+    Ray executor's modules, which run where that executor is built; loading every
+    plugin, as each process does, imports no ray.
 
 Everywhere else an import under `if TYPE_CHECKING:` counts like any other: a type
 annotation is a dependency of the layer that writes it. A failure names the file, the
@@ -582,3 +585,44 @@ def test_type_checking_and_function_imports_do_not_make_cycles(tmp_path: Path) -
         },
     )
     assert cycle_violations(read_graph({"plugserve": tmp_path / "core"})) == []
+
+
+RAY_MODULES = ("plugins/executors/ray_executor.py", "plugins/executors/ray_worker.py")
+
+
+def _imports_ray(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "ray" for alias in node.names)
+    return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray"
+
+
+def test_ray_is_imported_only_in_the_ray_executors_functions() -> None:
+    violations = []
+    for path in sorted([*(ROOT / "core").rglob("*.py"), *(ROOT / "plugins").rglob("*.py")]):
+        tree = ast.parse(path.read_text(), str(path))
+        in_function = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for inner in ast.walk(node)
+        }
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(tree):
+            if _imports_ray(node) and (name not in RAY_MODULES or id(node) not in in_function):
+                violations.append(f"{name}:{node.lineno}: rule (f), imports ray")
+    assert not violations, violations
+
+
+def test_loading_every_plugin_imports_no_ray() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from plugserve.plugins import get_registry; r = get_registry(); "
+        "[r.implementations(s) for s in ('executor', 'scheduler', 'transport')]; "
+        "print('ray' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
