@@ -1,13 +1,14 @@
 """Pipeline parallelism end to end, against the in-process engine on the same tiny
 checkpoint: on the mp executor, two stages of two tensor-parallel ranks each (four worker
 processes), the layers split by pp_layer_partition, in fp32 (the same tokens, logprobs
-within the single-process tolerance), and two stages in bf16, held to the project's
+within the single-process tolerance; constrained requests valid), and two stages in bf16, held to the project's
 bf16 agreement criterion (tests/correctness/agreement.py); on the Ray executor, over the
 session's two-node local cluster, two stages (one per node) and two stages of two ranks,
 in fp32. Every family's split is proven in test_architectures_match_hf.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from correctness.tiny_checkpoints import (
     write_tiny_checkpoint,
 )
 from plugserve import SamplingParams
+from plugserve.sampling_params import StructuredOutputsParams
 
 NEW_TOKENS = 16
 
@@ -49,19 +51,35 @@ def assert_same(staged: list, alone: list) -> None:
             assert abs(lp[token].logprob - reference[token].logprob) <= FP32_TP_LOGPROB_TOLERANCE
 
 
-def generate(run: TinyRun, logprobs: int, **engine) -> list:
+# A constraint the tiny model ends within a few tokens: its bitmask travels with the
+# batch (StageCommand) to the last stage, which alone samples.
+ANSWER = SamplingParams(
+    temperature=0.0,
+    max_tokens=NEW_TOKENS,
+    structured_outputs=StructuredOutputsParams(json=json.dumps({"enum": ["yes", "no"]})),
+)
+
+
+def generate(run: TinyRun, logprobs: int, constrained: list | None = None, **engine) -> list:
+    """Every prompt's greedy continuation; with `constrained`, also each prompt under
+    ANSWER, appended to it."""
     params = SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs
     )
+    requests = [{"prompt_token_ids": p} for p in run.prompts]
     with run.llm(**engine) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in run.prompts], params)
+        outputs = llm.generate(requests, params)
+        if constrained is not None:
+            constrained += [o.outputs[0] for o in llm.generate(requests, ANSWER)]
         return [o.outputs[0] for o in outputs]
 
 
 def test_two_stages_of_two_tensor_parallel_ranks_match_one_process(three_layers, uni_fp32) -> None:
+    answers: list = []
     tp_pp = generate(
         three_layers,
         0,
+        answers,
         executor="mp",
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
@@ -69,6 +87,8 @@ def test_two_stages_of_two_tensor_parallel_ranks_match_one_process(three_layers,
         num_threads=1,
     )
     assert_same(tp_pp, uni_fp32)
+    for answer in answers:
+        assert json.loads(answer.text) in ("yes", "no") and answer.finish_reason == "stop"
 
 
 def test_two_stages_in_bf16_follow_one_process(three_layers) -> None:
