@@ -64,14 +64,17 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
 
 
 class ReasoningParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
-    """The output opens with the model's reasoning, which the stack's reasoning parser
-    closes at `end_token_ids` (its end marker: one id where the marker is a token of its
-    own, else the marker's tokenization). Until the engine has appended that sequence the
+    """The output opens with the model's reasoning, which ends at the stack's reasoning
+    parser's end marker: `end_token_ids`, the marker's own id where it is a token of its
+    own, else (with `end_text`, the marker as text) the first place the output's text
+    shows `end_text`, whatever tokens spell it, as the parser finds it. Until then the
     request's grammar, if any, neither masks nor advances: a constraint applies to the
     answer only. With `budget`, once that many reasoning tokens are out the engine forces
-    the rest of the end marker through the bitmask."""
+    the end marker (`end_token_ids`, the rest of it if the output began it) through the
+    bitmask."""
 
     end_token_ids: list[int]
+    end_text: str | None = None
     budget: int | None = None
 
     def __post_init__(self) -> None:

@@ -444,7 +444,7 @@ class Scheduler:
             request.forced_token_ids.pop(0)
             if not request.forced_token_ids:
                 self._num_forcing -= 1
-        if request.output_token_ids[-len(end) :] == end:
+        if self._reasoning_ended(request, reasoning.end_text, end):
             request.in_reasoning = False
             if request.forced_token_ids:  # the model closed it on its own meanwhile
                 request.forced_token_ids = []
@@ -458,6 +458,17 @@ class Scheduler:
         ):
             request.forced_token_ids = end[_partial_marker(request.output_token_ids, end) :]
             self._num_forcing += 1
+
+    def _reasoning_ended(self, request: Request, end_text: str | None, end: list[int]) -> bool:
+        """Whether the output's last token completed the end marker: its ids, or, for a
+        marker that is text, its text in the output's last tokens (the marker was not
+        there a token earlier, or the reasoning would have ended then)."""
+        output = request.output_token_ids
+        if end_text is None or self.structured_output is None:
+            return output[-len(end) :] == end
+        # Each token holds a character of the marker at least: its text fits in as many.
+        window = output[-(len(end_text) + 1) :]
+        return end_text in self.structured_output.decode(window)
 
     @staticmethod
     def _make_output(

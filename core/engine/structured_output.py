@@ -52,6 +52,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="plugserve-grammar")
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
         self.vocab_size = 0  # the model's logits width, known once the backend is built
         self._bitmask: torch.Tensor | None = None  # reused: [rows, ceil(vocab / 32)] int32
         # Compiled constraints by StructuredOutputsParams.key, least recently used first.
@@ -89,9 +91,20 @@ class StructuredOutputManager:
                 self._backend = self._build_backend()
             return self._backend
 
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded on first use (by the backend, or by a reasoning
+        whose end marker is found in the text)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(resolve_model_path(self._config.model))
+            return self._tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer().decode(token_ids)
+
     def _build_backend(self) -> StructuredOutputBackend:
         model_path = resolve_model_path(self._config.model)
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = self.tokenizer()
         vocab_size = max(model_vocab_size(self._config), len(tokenizer))
         # The tokens that end the model's output: the tokenizer's EOS and every EOS id of
         # generation_config.json (a chat model's end of turn among them).

@@ -249,7 +249,9 @@ class OpenAIServing:
         parser = cls(tokenizer=self.tokenizer, prompt_token_ids=prompt)
         if not parser.starts_in_reasoning:
             return params  # the prompt closed the thinking: nothing to gate or budget
-        reasoning = ReasoningParams(end_token_ids=parser.end_token_ids, budget=budget)
+        reasoning = ReasoningParams(
+            end_token_ids=parser.end_token_ids, end_text=parser.end_text, budget=budget
+        )
         return msgspec.structs.replace(params, reasoning=reasoning)
 
     @staticmethod

@@ -40,6 +40,13 @@ class ReasoningParser(Protocol):
         else its tokenization."""
         ...
 
+    @property
+    def end_text(self) -> str | None:
+        """Where the end marker is not one token: its text, which the engine then finds
+        in the output's text, as the parser does (whatever tokens spell it); None where
+        the engine finds `end_token_ids`."""
+        ...
+
     def extract_reasoning(
         self, text: str, token_ids: Sequence[int]
     ) -> tuple[str | None, str | None]:
@@ -100,6 +107,10 @@ class ThinkingMarkersParser:
         if self.end_id is not None:
             return [self.end_id]
         return list(self.tokenizer.encode(self.end_marker, add_special_tokens=False))
+
+    @property
+    def end_text(self) -> str | None:
+        return None if self.end_id is not None else self.end_marker
 
     # ------------------------------------------------------------------ parsing
 

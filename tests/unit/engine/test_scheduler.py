@@ -323,3 +323,30 @@ def test_a_spent_thinking_budget_completes_the_end_marker_the_model_began():
         (output,) = scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
     assert constrained_steps == [[], [], [], [52], [53], []]
     assert output.num_reasoning_tokens == 5 and not request.in_reasoning
+
+
+def test_a_text_end_marker_ends_the_reasoning_however_its_tokens_spell_it(smollm2_path):
+    """Where the end marker is text (no token of its own), the engine finds it in the
+    output's text, as the reasoning parser does: spelled with other tokens than its
+    usual ones it still ends the reasoning at the token that completes it."""
+    from plugserve.config import load_config
+    from plugserve.engine.structured_output import StructuredOutputManager
+    from plugserve.sampling_params import ReasoningParams
+
+    manager = StructuredOutputManager(load_config(None, {"model": str(smollm2_path)}))
+    tokenizer = manager.tokenizer()
+    usual = tokenizer.encode("</think>", add_special_tokens=False)
+    spelled = [tokenizer.convert_tokens_to_ids(piece) for piece in ("<", "/", "think", ">")]
+    assert spelled != usual and tokenizer.decode(spelled) == "</think>"
+    scheduler = make_scheduler()
+    scheduler.structured_output = manager
+    reasoning = ReasoningParams(end_token_ids=usual, end_text="</think>")
+    request = make_request("r", 4, max_tokens=10, reasoning=reasoning)
+    scheduler.add_request(request)
+    ended_after = []
+    for token in [9, *spelled, 9]:
+        run_step(scheduler, token)
+        ended_after.append(not request.in_reasoning)
+    assert ended_after == [False, False, False, False, True, True]
+    assert request.num_reasoning_tokens == 5
+    manager.shutdown()

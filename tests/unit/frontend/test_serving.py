@@ -173,6 +173,7 @@ def test_with_a_reasoning_parser_the_engine_is_told_where_the_reasoning_ends(ser
     assert params.reasoning is not None and params.reasoning.budget == 8
     marker = serving.renderer.encode("</think>", add_special_tokens=False)
     assert params.reasoning.end_token_ids == marker
+    assert params.reasoning.end_text == "</think>"  # no token of its own: found as text
 
 
 def test_anthropic_fields_with_no_effect_are_logged_by_name(serving, caplog):

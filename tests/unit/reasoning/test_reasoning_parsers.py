@@ -89,6 +89,8 @@ def test_the_end_marker_is_one_id_where_it_is_a_token_else_its_tokenization(
     assert parser(tokenizer).end_token_ids == ids
     is_special = "</think>" in tokenizer.all_special_tokens
     assert len(ids) == 1 if is_special else len(ids) > 1
+    # A marker that is text the engine finds by its text, as the parser does.
+    assert parser(tokenizer).end_text == (None if is_special else "</think>")
 
 
 def test_a_reasoning_that_never_closes_stays_reasoning(tokenizer: Any) -> None:
