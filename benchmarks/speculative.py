@@ -16,7 +16,7 @@ at each draft position. The ratios speculative / plain compare runs on the same 
 one right after the other (servers are started in turn, never together).
 
     .venv/bin/python benchmarks/speculative.py [--concurrency "1 8"] [--proposer ngram]
-        [--num-tokens 4] [--rounds 2] [--json out.json]
+        [--num-tokens 4] [--rounds 2] [--workloads "copy-heavy random"] [--json out.json]
 """
 
 from __future__ import annotations
@@ -139,10 +139,15 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each case, alternating")
     parser.add_argument("--num-random", type=int, default=16)
+    parser.add_argument("--workloads", default="copy-heavy random")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split()]
-    loads = workloads(args.num_random, seed=0)
+    loads = {
+        name: bodies
+        for name, bodies in workloads(args.num_random, seed=0).items()
+        if name in args.workloads.split()
+    }
     base = ["--dtype", "bfloat16", "--max-num-seqs", str(max(concurrencies))]
     base += ["--enable-prefix-caching", "false"]
     configs = {
