@@ -57,6 +57,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_overhead.py phases served
 	$(BIN)/python benchmarks/batch_invariant.py
 	$(BIN)/python benchmarks/speculative.py
+	$(BIN)/python benchmarks/embeddings.py
+	$(BIN)/python benchmarks/embeddings.py --dtype bfloat16
 
 # Thousands of requests of every kind through each transport, a quarter of the clients
 # leaving part-way; then every KV block free, nothing running, memory flat, every answer

@@ -157,6 +157,10 @@ def make_server(
                 dtype,
                 "--max-num-seqs",
                 str(max_concurrency),
+                # An encoder runs each prompt whole: room for every sentence in flight
+                # (up to 128 tokens each) in one step, as docs/examples/embeddings.yaml.
+                "--max-num-batched-tokens",
+                str(max_concurrency * MAX_TOKENS),
             ],
         )
     vllm = ANCHORS / "venv-vllm" / "bin" / "vllm"

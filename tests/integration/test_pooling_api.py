@@ -219,3 +219,13 @@ def test_bad_pooling_requests_are_400s_naming_why(minilm_server):
     for path, body, param, words in cases:
         error = assert_openai_error(httpx.post(minilm_server.url(path), json=body, timeout=30), 400)
         assert error["param"] == param and words in error["message"], (path, error)
+
+
+def test_pooling_on_a_generating_model_is_a_400_naming_why(zmq_server):
+    """The reverse: the session's shared SmolLM2 server generates, and says so."""
+    for path, body in (
+        ("/v1/embeddings", {"input": "hi"}),
+        ("/rerank", {"query": "q", "documents": ["d"]}),
+    ):
+        error = assert_openai_error(httpx.post(zmq_server.url(path), json=body, timeout=30), 400)
+        assert "needs a pooling model; this model generates" in error["message"], error
