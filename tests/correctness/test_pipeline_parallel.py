@@ -1,10 +1,11 @@
 """Pipeline parallelism end to end, against the in-process engine on the same tiny
 checkpoint: on the mp executor, two stages of two tensor-parallel ranks each (four worker
 processes), the layers split by pp_layer_partition, in fp32 (the same tokens, logprobs
-within the single-process tolerance; constrained requests valid), and two stages in bf16, held to the project's
-bf16 agreement criterion (tests/correctness/agreement.py); on the Ray executor, over the
-session's two-node local cluster, two stages (one per node) and two stages of two ranks,
-in fp32. Every family's split is proven in test_architectures_match_hf.py."""
+within the single-process tolerance; constrained requests valid), and two stages in
+bf16, held to the project's bf16 agreement criterion (tests/correctness/agreement.py);
+on the Ray executor, over the session's two-node local cluster, two stages of two ranks,
+one stage per node, in fp32. Every family's split is proven in
+test_architectures_match_hf.py."""
 
 from __future__ import annotations
 
@@ -116,23 +117,20 @@ def test_two_stages_in_bf16_follow_one_process(three_layers) -> None:
 
 
 @pytest.mark.ray
-def test_on_ray_two_stages_one_per_node_and_two_by_two_match_one_process(
+def test_on_ray_two_stages_of_two_ranks_one_stage_per_node_match_one_process(
     three_layers, uni_fp32, ray_cluster
 ) -> None:
-    """The Ray executor's actors on the two-node cluster: PP=2 puts a stage on each node
-    (the stages' bundles spread); TP=2 x PP=2 a stage of two ranks on each."""
+    """The Ray executor's actors on the two-node cluster, TP=2 x PP=2: a stage's two
+    ranks on one node (its bundle), the stages on the two nodes (SPREAD), the
+    activations crossing between nodes. (PP=2 alone on Ray serves a plugin-matrix cell.)"""
     import ray
 
-    for engine in (
-        dict(pipeline_parallel_size=2),
-        dict(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition=[2, 1]),
-    ):
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-        with three_layers.llm(executor="ray", num_threads=1, **engine) as llm:
-            actors = llm.engine.executor._actors
-            nodes = ray.get([actor.node_id.remote() for actor in actors])
-            tp = engine.get("tensor_parallel_size", 1)
-            assert len({nodes[0], nodes[-1]}) == 2, "the two stages share a node"
-            assert len(set(nodes[:tp])) == 1, "a stage's ranks span nodes"
-            outputs = llm.generate([{"prompt_token_ids": p} for p in three_layers.prompts], params)
-        assert_same([o.outputs[0] for o in outputs], uni_fp32)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    engine = dict(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition=[2, 1])
+    with three_layers.llm(executor="ray", num_threads=1, **engine) as llm:
+        actors = llm.engine.executor._actors
+        nodes = ray.get([actor.node_id.remote() for actor in actors])
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3], "a stage's ranks span nodes"
+        assert nodes[0] != nodes[2], "the two stages share a node"
+        outputs = llm.generate([{"prompt_token_ids": p} for p in three_layers.prompts], params)
+    assert_same([o.outputs[0] for o in outputs], uni_fp32)
