@@ -1,41 +1,27 @@
 """The example third-party pooler (tests/plugins/plugserve-max-pooler, installed by the
-Makefile like any package): found through its entry point and selected with
-`stack.pooler: max`, it pools the embedded MiniLM as transformers' BertModel plus an
-element-wise max over the tokens, then the checkpoint's normalisation, computes."""
+Makefile like any package) is found through its own entry point and distribution, and
+builds as the pooler slot's Protocol says; the plugin matrix serves it
+(tests/matrix/test_matrix.py, test_pooler_cell_matches_hf[max]: /v1/embeddings equal to
+transformers' hidden states max-pooled and normalised)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from plugserve import LLM
+from plugserve.interfaces.pooling import Pooler
 from plugserve.plugins import get_registry
-
-SENTENCES = ["A man is eating food.", "hi", "Two men pushed carts through the woods."]
 
 
 def test_registered_from_its_own_distribution():
-    (implementation,) = [
-        impl for name, impl in get_registry().implementations("pooler").items() if name == "max"
-    ]
-    assert implementation.distribution == "plugserve-max-pooler"
+    implementations = get_registry().implementations("pooler")
+    assert implementations["max"].distribution == "plugserve-max-pooler"
+    assert implementations["max"].plugin == "max_pooler"
 
 
-def test_max_pooling_matches_transformers():
-    from transformers import AutoModel, AutoTokenizer
-
-    from plugserve.model_files import resolve_model_path
-
-    path = resolve_model_path("all-minilm-l6-v2")
-    llm = LLM("all-minilm-l6-v2", dtype="float32", pooler="max", kv_cache_memory="16MiB")
-    got = np.stack(llm.encode(SENTENCES))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
-    with torch.inference_mode():
-        expected = [
-            torch.nn.functional.normalize(
-                model(**tokenizer(s, return_tensors="pt")).last_hidden_state[0].amax(0), dim=0
-            ).numpy()
-            for s in SENTENCES
-        ]
-    np.testing.assert_allclose(got, np.stack(expected), rtol=0, atol=2e-5)
+def test_pools_the_element_wise_maximum_in_fp32():
+    pooler = get_registry().build("pooler", "max")
+    assert isinstance(pooler, Pooler) and pooler.tokens == "all"
+    hidden = torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.0]], dtype=torch.bfloat16)
+    pooled = pooler.pool(hidden)
+    assert pooled.dtype == torch.float32
+    torch.testing.assert_close(pooled, torch.tensor([1.0, 3.0]))
