@@ -59,19 +59,11 @@ struct LayerStack : torch::CustomClassHolder {
     bool next_rotates;
   };
 
-  LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-             int64_t one_row_mode)
+  LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
       : cos_sin(std::move(cos_sin)),
         num_heads(num_heads),
         num_kv_heads(num_kv_heads),
-        head_dim(head_dim),
-        one_row_mode(one_row_mode) {
-    // Every mode a kernel plan can give cpu_gemm's one-row bucket runs here, kAmx included.
-    TORCH_CHECK(one_row_mode >= plugserve::kStreamNonTemporal && one_row_mode <= plugserve::kAmx,
-                "one_row_mode must be a plugserve::OneRowMode");
-    TORCH_CHECK(one_row_mode != plugserve::kAmx || plugserve::amx_available(),
-                "one_row_mode kAmx needs AMX tiles, which this CPU or build lacks");
-  }
+        head_dim(head_dim) {}
 
   void add_layer(int64_t attention_layer, at::Tensor o_proj, c10::optional<at::Tensor> o_bias,
                  at::Tensor post_attention_norm, at::Tensor gate_up_proj,
@@ -101,8 +93,16 @@ struct LayerStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
   at::Tensor cos_sin;
   int64_t num_heads, num_kv_heads, head_dim;
-  int64_t one_row_mode;  // how its one-row matmuls run (cpu_gemm.h's OneRowMode)
 };
+
+// The step's cpu_gemm mode (cpu_gemm.h's OneRowMode), which its kernel plan gives the step's
+// row count: how one row runs, or kAmx, every row count on AMX tiles.
+void check_mode(int64_t mode) {
+  TORCH_CHECK(mode >= plugserve::kStreamNonTemporal && mode <= plugserve::kAmx,
+              "mode must be a plugserve::OneRowMode");
+  TORCH_CHECK(mode != plugserve::kAmx || plugserve::amx_available(),
+              "mode kAmx needs AMX tiles, which this CPU or build lacks");
+}
 
 // The mode a weight runs in: AMX tiles need K divisible by 32, and a weight that is not
 // runs the vector kernel, as packed_linear.PackedLinear runs it outside the stack.
@@ -116,7 +116,7 @@ int64_t mode_for(const at::Tensor& packed, int64_t one_row_mode) {
 // qkv, or after the last layer the final-normed hidden states.
 at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
                    const at::Tensor& attention_out, at::Tensor residual,
-                   const at::Tensor& positions) {
+                   const at::Tensor& positions, int64_t mode) {
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() &&
                   residual.scalar_type() == at::kBFloat16 &&
                   residual.size(0) == attention_out.size(0),
@@ -129,24 +129,24 @@ at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
 
   at::Tensor h = plugserve::linear_bf16(attention_out, layer.o_proj, hidden, layer.o_bias,
                                         c10::nullopt, layer.o_coded,
-                                        mode_for(layer.o_proj, stack.one_row_mode));
+                                        mode_for(layer.o_proj, mode));
   plugserve::fused_add_rms_norm_impl<BF16>(h, residual, layer.post_attention_norm, eps);
   at::Tensor gate_up = plugserve::linear_bf16(h, layer.gate_up_proj, 2 * intermediate,
                                               layer.gate_up_bias, c10::nullopt,
                                               layer.gate_up_coded,
-                                              mode_for(layer.gate_up_proj, stack.one_row_mode));
+                                              mode_for(layer.gate_up_proj, mode));
   at::Tensor activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
   plugserve::silu_and_mul_impl<BF16>(activated, gate_up);
   at::Tensor m = plugserve::linear_bf16(activated, layer.down_proj, hidden, layer.down_bias,
                                         c10::nullopt, layer.down_coded,
-                                        mode_for(layer.down_proj, stack.one_row_mode));
+                                        mode_for(layer.down_proj, mode));
   plugserve::fused_add_rms_norm_impl<BF16>(m, residual, layer.next_norm, eps);
   if (!layer.next_qkv_proj.has_value()) return m;  // the last layer: m is the model's output
 
   at::Tensor qkv = plugserve::linear_bf16(m, *layer.next_qkv_proj, layer.qkv_features,
                                           layer.next_qkv_bias, c10::nullopt,
                                           layer.next_qkv_coded,
-                                          mode_for(*layer.next_qkv_proj, stack.one_row_mode));
+                                          mode_for(*layer.next_qkv_proj, mode));
   const int64_t heads = stack.num_heads, kv_heads = stack.num_kv_heads, d = stack.head_dim;
   if (layer.next_q_norm.has_value()) {
     plugserve::check_norm_heads(qkv, *layer.next_q_norm, 0, heads, d);
@@ -165,17 +165,19 @@ at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
 
 at::Tensor decode_stretch(const c10::intrusive_ptr<LayerStack>& stack, int64_t index,
                           const at::Tensor& attention_out, at::Tensor residual,
-                          const at::Tensor& positions) {
+                          const at::Tensor& positions, int64_t mode) {
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(stack->layers.size()), "layer ",
               index, " is not in the stack");
-  return stretch(*stack, stack->layers[index], attention_out, residual, positions);
+  check_mode(mode);
+  return stretch(*stack, stack->layers[index], attention_out, residual, positions, mode);
 }
 
 // The first layer's rotated qkv [T, (q + k + v heads) * D] → the final-normed hidden states.
 at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor qkv,
                          at::Tensor residual, const at::Tensor& positions,
-                         int64_t attention_fn, int64_t attention_context) {
+                         int64_t attention_fn, int64_t attention_context, int64_t mode) {
   TORCH_CHECK(attention_fn != 0, "no attention call");
+  check_mode(mode);
   TORCH_CHECK(!stack->layers.empty() && !stack->layers.back().next_qkv_proj.has_value(),
               "the stack must end with a layer that has no next qkv_proj");
   const auto attend = reinterpret_cast<plugserve::LayerAttentionFn>(attention_fn);
@@ -190,7 +192,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor
         attend(context, layer.attention_layer, by_head.narrow(1, 0, heads),
                by_head.narrow(1, heads, kv_heads), by_head.narrow(1, heads + kv_heads, kv_heads))
             .view({tokens, heads * d});
-    qkv = stretch(*stack, layer, attention_out, residual, positions);
+    qkv = stretch(*stack, layer, attention_out, residual, positions, mode);
   }
   return qkv;
 }
@@ -199,15 +201,15 @@ at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor
 
 TORCH_LIBRARY(plugserve_decoder, m) {
   m.class_<LayerStack>("LayerStack")
-      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t, int64_t>())
+      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
       .def("add_layer", &LayerStack::add_layer);
   m.def(
       "decode_stretch(__torch__.torch.classes.plugserve_decoder.LayerStack stack, int index, "
-      "Tensor attention_out, Tensor(a!) residual, Tensor positions) -> Tensor");
+      "Tensor attention_out, Tensor(a!) residual, Tensor positions, int mode) -> Tensor");
   m.def(
       "decode_layers(__torch__.torch.classes.plugserve_decoder.LayerStack stack, Tensor qkv, "
-      "Tensor(a!) residual, Tensor positions, int attention_fn, int attention_context) "
-      "-> Tensor");
+      "Tensor(a!) residual, Tensor positions, int attention_fn, int attention_context, "
+      "int mode) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(plugserve_decoder, CPU, m) {

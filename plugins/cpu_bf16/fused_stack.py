@@ -12,7 +12,7 @@ import torch
 from plugserve.capabilities import supports_fused_cpu_layer
 from plugserve_plugins.cpu_bf16.cpu_features import decoder_unavailable_reason
 from plugserve_plugins.cpu_bf16.fused_layer import FusedCpuDecoderLayer, Matmul
-from plugserve_plugins.cpu_bf16.kernel_plan import AMX, KernelPlan, bucket_index
+from plugserve_plugins.cpu_bf16.kernel_plan import KernelPlan, bucket_index
 from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
 
 
@@ -57,16 +57,13 @@ class FusedCpuDecoder:
         first = layers[0]
         # Every stretch's weights, held in C++ once (decode_stretch, decode_layers).
         self.stack = torch.classes.plugserve_decoder.LayerStack(
-            cos_sin, first.heads[0], first.heads[1], first.head_dim, plan.one_row_mode
+            cos_sin, first.heads[0], first.heads[1], first.head_dim
         )
-        # The steps it runs: those whose row count the plan gives cpu_gemm; the others run
+        # The steps it runs: those whose row count the plan gives cpu_gemm, each in its
+        # bucket's mode (a one-row stream, the vector tiles, AMX tiles); the others run
         # layer by layer, each linear through its plan's kernel.
-        # (Its matmuls run one cpu_gemm mode: AMX tiles for every row count, or not.)
-        stack_amx = plan.one_row_mode == AMX
-        self.runs_bucket = tuple(
-            kernel.library == "own" and (kernel.one_row_mode == AMX) == stack_amx
-            for kernel in plan.by_bucket
-        )
+        self.runs_bucket = tuple(kernel.library == "own" for kernel in plan.by_bucket)
+        self.mode_by_bucket = tuple(kernel.one_row_mode for kernel in plan.by_bucket)
         for layer, following in zip(layers, [*layers[1:], None], strict=True):
             o, gate_up, down = map(_packed, (layer.o_proj, layer.gate_up_proj, layer.down_proj))
             qkv = None if following is None else _packed(following.qkv_proj)
@@ -112,12 +109,13 @@ class FusedCpuDecoder:
         first.norm_and_rotate(qkv, positions)
         # Where the backend offers its kernel as a C++ call (for this step: it may offer it
         # only for some), decode_layers runs every layer in one op.
+        mode = self.mode_by_bucket[bucket_index(x.shape[0])]
         call = self.attention.cpu_layer_call() if self.offers_layer_call else None
         if call is not None:
-            return decoder_ops.decode_layers(self.stack, qkv, residual, positions, *call)
+            return decoder_ops.decode_layers(self.stack, qkv, residual, positions, *call, mode)
         for index, layer in enumerate(self.layers):
             qkv = decoder_ops.decode_stretch(
-                self.stack, index, layer.attend(qkv), residual, positions
+                self.stack, index, layer.attend(qkv), residual, positions, mode
             )
         return qkv  # after the last layer, the final-normed hidden states
 

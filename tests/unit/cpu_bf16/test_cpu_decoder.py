@@ -92,9 +92,7 @@ def variant(a: dict, name: str) -> dict:
 def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """A one-layer LayerStack of these weights, its stretch run by decode_stretch."""
     qkv = a["qkv"]
-    stack = torch.classes.plugserve_decoder.LayerStack(
-        a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM, a["plan"].one_row_mode
-    )
+    stack = torch.classes.plugserve_decoder.LayerStack(a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM)
     stack.add_layer(
         0, a["o"].weight, a["o"].own_bias, a["post_norm"],
         a["gate_up"].weight, a["gate_up"].own_bias, a["down"].weight, a["down"].own_bias,
@@ -106,7 +104,10 @@ def call_op(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> tor
         a["q_norm"], a["k_norm"], EPS, a["rotates"],
     )  # fmt: skip
     positions = torch.tensor([3, 0, 17])[: attention_out.shape[0]]
-    return torch.ops.plugserve_decoder.decode_stretch(stack, 0, attention_out, residual, positions)
+    mode = a["plan"].for_rows(attention_out.shape[0]).one_row_mode
+    return torch.ops.plugserve_decoder.decode_stretch(
+        stack, 0, attention_out, residual, positions, mode
+    )
 
 
 def one_by_one(a: dict, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -181,12 +182,10 @@ def test_rejects_a_norm_weight_of_another_width_and_a_position_past_the_table() 
         call_op({**a, "next_norm": bf16(HIDDEN // 2)}, attention_out, residual)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         call_op({**a, "cos_sin": torch.randn(4, HEAD_DIM)}, attention_out, residual)
-    stack = torch.classes.plugserve_decoder.LayerStack(
-        a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM, OWN.one_row_mode
-    )
+    stack = torch.classes.plugserve_decoder.LayerStack(a["cos_sin"], Q_HEADS, KV_HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="layer 0 is not in the stack"):
         torch.ops.plugserve_decoder.decode_stretch(
-            stack, 0, attention_out, residual, torch.tensor([3, 0, 17])
+            stack, 0, attention_out, residual, torch.tensor([3, 0, 17]), OWN.one_row_mode
         )
 
 

@@ -35,7 +35,7 @@ from plugserve.worker.models.mistral import MistralForCausalLM
 from plugserve.worker.models.phi3 import Phi3ForCausalLM
 from plugserve.worker.models.qwen3 import Qwen3ForCausalLM
 from plugserve.worker.parallel import ParallelContext
-from plugserve_plugins.cpu_bf16 import kernel_setting, linear_method, packed_linear
+from plugserve_plugins.cpu_bf16 import cpu_features, kernel_setting, linear_method, packed_linear
 from plugserve_plugins.cpu_bf16.fused_layer import FusedCpuDecoderLayer
 from plugserve_plugins.cpu_bf16.fused_stack import FusedCpuDecoder
 from plugserve_plugins.cpu_bf16.kernel_plan import ROW_BUCKETS
@@ -235,6 +235,42 @@ def test_the_layer_stack_in_one_op_computes_what_one_op_per_stretch_does(
 
 @pytest.mark.usefixtures("own_kernel")
 @needs_fused_ops
+def test_the_stack_runs_every_cpu_gemm_bucket_in_that_buckets_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan that streams one row and runs more on AMX tiles (as measured plans on AMX
+    CPUs do) runs the whole stack at every row count, each in its bucket's mode, and
+    computes what the layers do one by one through the same plan."""
+    if not cpu_features.amx_available():
+        pytest.skip("no AMX tiles on this CPU")
+    plan = ["own"] + ["own/amx"] * (len(ROW_BUCKETS) - 1)
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, ",".join(plan))
+    config = LlamaConfig(**SIZES, tie_word_embeddings=True)
+    hf_model = hf_model_of(config)
+
+    def build() -> tuple[LlamaForCausalLM, Any]:
+        model, backend = bf16_model(LlamaForCausalLM, config, num_blocks=16)
+        model.load_weights(hf_model.state_dict().items())
+        finish_loading(model, automatic_passes())
+        assert isinstance(model.whole_stack, FusedCpuDecoder)
+        return model, backend
+
+    (stacked, stacked_backend), (layered, layered_backend) = build(), build()
+    assert all(stacked.whole_stack.runs(rows) for rows in (1, 3, 63))
+    monkeypatch.setattr(layered.whole_stack, "runs", lambda rows: False)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (20, 3, 40)]
+    steps = [
+        [(str(i), p) for i, p in enumerate(prompts)],  # prefill: 63 rows, AMX tiles
+        [(str(i), [7 + i]) for i in range(3)],  # decode, 3 rows: AMX tiles
+        [("1", [9])],  # decode, one row: the stream
+    ]
+    a, b = PagedRunner(stacked, stacked_backend, 16), PagedRunner(layered, layered_backend, 16)
+    for rows in steps:
+        assert_close_to(a.step(rows), b.step(rows))
+
+
+@pytest.mark.usefixtures("own_kernel")
+@needs_fused_ops
 def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_layer() -> None:
     import numpy as np
 
@@ -249,7 +285,7 @@ def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_laye
     positions = torch.zeros(1, dtype=torch.long)
     decode_layers = torch.ops.plugserve_decoder.decode_layers
     with pytest.raises(RuntimeError, match="no attention call"):
-        decode_layers(stack.stack, qkv, residual, positions, 0, 0)
+        decode_layers(stack.stack, qkv, residual, positions, 0, 0, stack.mode_by_bucket[0])
     # The two-layer stack against a backend whose cache holds one layer.
     one_layer = make_backend(
         LlamaConfig(**{**SIZES, "num_hidden_layers": 1}), num_blocks=4, dtype=torch.bfloat16
@@ -265,7 +301,7 @@ def test_the_layer_stack_op_rejects_a_missing_attention_call_and_an_unknown_laye
     call = one_layer.cpu_layer_call()
     assert call is not None
     with pytest.raises(RuntimeError, match="layer 1 is outside the cache"):
-        decode_layers(stack.stack, qkv, residual, positions, *call)
+        decode_layers(stack.stack, qkv, residual, positions, *call, stack.mode_by_bucket[0])
 
 
 @pytest.mark.skipif(not PACKS or OPS_MISSING is not None, reason="no bf16 packing or fused ops")
