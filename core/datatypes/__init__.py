@@ -13,6 +13,9 @@ phases the modules name are docs/request-path.md's.
   server (datatypes/pooled_tensor.py).
 - `RequestDelta`: what the API server's engine client yields for one request, to the
   endpoints and to an endpoint plugin (datatypes/request_delta.py).
+- `StageCommand`, `RankLayout`, `SampledTokenRelay`, `output_rank`: a batch as every
+  rank of every pipeline stage receives it, where a rank sits, and the relay of sampled
+  tokens to the earlier stages (datatypes/pipeline_stage.py).
 
 The Protocols in plugserve.interfaces, the plugins, the wire messages, the engine, the
 frontend and the worker import these from here. This package imports only the standard
@@ -24,6 +27,12 @@ so).
 from __future__ import annotations
 
 from plugserve.datatypes.grammar_output import GrammarOutput
+from plugserve.datatypes.pipeline_stage import (
+    RankLayout,
+    SampledTokenRelay,
+    StageCommand,
+    output_rank,
+)
 from plugserve.datatypes.pooled_tensor import PooledTensor
 from plugserve.datatypes.request import Request, RequestStatus
 from plugserve.datatypes.request_delta import RequestDelta
@@ -41,8 +50,12 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "PooledTensor",
+    "RankLayout",
     "Request",
     "RequestDelta",
     "RequestStatus",
+    "SampledTokenRelay",
     "SchedulerOutput",
+    "StageCommand",
+    "output_rank",
 ]

@@ -11,7 +11,7 @@ Under tensor parallelism every rank runs this same runner on the same SchedulerO
 so the persistent batches stay identical: rank 0 gathers the logits, samples, and
 broadcasts the sampled ids so that every rank appends the same tokens.
 
-Under pipeline parallelism (a StagePlacement, worker/pipeline.py) the runner holds one
+Under pipeline parallelism (a StagePlacement, worker/parallel.py) the runner holds one
 stage: its layers and their KV cache only. A stage other than the first receives its
 activations from the previous one, a stage other than the last sends its own on and
 samples nothing (`samples` is False); the tokens the last stage sampled reach its

@@ -1,6 +1,6 @@
 """Tensor- and pipeline-parallel state, collectives, shard ranges and stage ranges.
 
-Under pipeline parallelism ranks are laid out stage-major (worker/pipeline.py's
+Under pipeline parallelism ranks are laid out stage-major (datatypes/pipeline_stage.py's
 RankLayout): a stage's tensor-parallel ranks are consecutive, each stage has its own
 group for its collectives, and rank j of stage k sends its activations to rank j of
 stage k + 1 point to point (PipelineLink); after a stage's all-reduces its hidden states
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plugserve.worker.pipeline import RankLayout
+from plugserve.datatypes import RankLayout
 
 # A gloo collective whose peer died blocks until this timeout; the executor notices the
 # death much sooner through process sentinels, so this is only a backstop.

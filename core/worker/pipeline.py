@@ -1,7 +1,7 @@
-"""Pipeline parallelism: where a rank sits, the one command every rank runs per batch,
-and the executor's relay of sampled tokens. Torch-free, so that an executor plugin
-loaded in the API server can import it; the stage's groups and its link to the next
-stage are in worker/parallel.py.
+"""Pipeline parallelism on a worker: the one command every rank runs per batch
+(`run_stage_command`). The command, the rank layout and the executor's relay of sampled
+tokens are data the executors share (datatypes/pipeline_stage.py); the stage's groups
+and its link to the next stage are in worker/parallel.py.
 
 Ranks are laid out stage-major: global rank = stage * tensor_parallel_size + tp_rank,
 so a stage's tensor-parallel ranks are consecutive (one node, for a fast all-reduce)
@@ -19,78 +19,9 @@ schedules a request again before the batch that sampled its last token has retur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-
-
-class StageCommand(msgspec.Struct, kw_only=True):
-    """One batch for every rank of every stage."""
-
-    scheduler_output: SchedulerOutput
-    grammar_output: GrammarOutput | None = None
-    # Tokens the last stage sampled since the previous command, by request: the earlier
-    # stages append them to their persistent batches before this batch runs.
-    sampled_since: dict[str, list[int]] = msgspec.field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Where global rank `rank` sits among tensor_parallel_size x pipeline_parallel_size."""
-
-    rank: int
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def stage(self) -> int:
-        return self.rank // self.tensor_parallel_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tensor_parallel_size
-
-    @property
-    def is_output_rank(self) -> bool:
-        """The rank that samples and answers for the group: the last stage's first."""
-        return self.rank == output_rank(self.tensor_parallel_size, self.pipeline_parallel_size)
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        tp = self.tensor_parallel_size
-        return list(range(stage * tp, (stage + 1) * tp))
-
-    @property
-    def name(self) -> str:
-        if self.pipeline_parallel_size == 1:
-            return f"TP{self.tp_rank}"
-        return f"PP{self.stage}_TP{self.tp_rank}"
-
-
-def output_rank(tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
-    return (pipeline_parallel_size - 1) * tensor_parallel_size
-
-
-class SampledTokenRelay:
-    """The executor's side of the token relay: what the last stage sampled, collected
-    from its outputs until the next command carries it to the earlier stages."""
-
-    def __init__(self) -> None:
-        self._tokens: dict[str, list[int]] = {}
-
-    def record(self, output: ModelRunnerOutput) -> None:
-        for req_id, tokens in output.sampled_token_ids.items():
-            self._tokens.setdefault(req_id, []).extend(tokens)
-
-    def take(self) -> dict[str, list[int]]:
-        tokens, self._tokens = self._tokens, {}
-        return tokens
+from plugserve.datatypes import ModelRunnerOutput, StageCommand
 
 
 def run_stage_command(runner: Any, command: StageCommand) -> ModelRunnerOutput | None:

@@ -10,7 +10,7 @@ samples.
 With pipeline_parallel_size > 1 the executor runs batches concurrently
 (capabilities.RunsBatchesConcurrently): each batch is one command to every rank,
 `submit_batch` returns at once, and up to one batch per stage is in flight; the last
-stage's first rank answers each, in order (worker/pipeline.py).
+stage's first rank answers each, in order (datatypes/pipeline_stage.py).
 
 Failure never hangs the engine: every wait watches rank 0's pipe, every worker's pipe
 (a worker that raises sends its error line, then exits) and every worker's process
@@ -49,15 +49,17 @@ from pydantic import BaseModel, Field
 
 from plugserve import hookimpl
 from plugserve.config import StackConfig, load_config
-from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from plugserve.interfaces.executor import KVCacheInfo
-from plugserve.logging_utils import configure_process_logging
-from plugserve.worker.pipeline import (
+from plugserve.datatypes import (
+    GrammarOutput,
+    ModelRunnerOutput,
     RankLayout,
     SampledTokenRelay,
+    SchedulerOutput,
     StageCommand,
     output_rank,
 )
+from plugserve.interfaces.executor import KVCacheInfo
+from plugserve.logging_utils import configure_process_logging
 from plugserve_plugins.executors.heartbeat import (
     PeerHeartbeats,
     heartbeat_port,

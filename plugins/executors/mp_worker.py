@@ -37,9 +37,8 @@ from typing import Any
 import msgspec
 
 from plugserve.config import StackConfig
-from plugserve.datatypes import GrammarOutput, SchedulerOutput
+from plugserve.datatypes import GrammarOutput, RankLayout, SchedulerOutput, StageCommand
 from plugserve.logging_utils import configure_process_logging
-from plugserve.worker.pipeline import RankLayout, StageCommand, run_stage_command
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +131,7 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
     from plugserve.device import resolve_device
     from plugserve.worker.model_runner import ModelRunner
     from plugserve.worker.parallel import init_parallel, join_groups
+    from plugserve.worker.pipeline import run_stage_command
 
     config = StackConfig.model_validate_json(spec.config_json)
     if config.engine.num_threads is None:

@@ -44,14 +44,16 @@ from pydantic import BaseModel, Field
 
 from plugserve import hookimpl
 from plugserve.config import StackConfig
-from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from plugserve.interfaces.executor import KVCacheInfo
-from plugserve.worker.pipeline import (
+from plugserve.datatypes import (
+    GrammarOutput,
+    ModelRunnerOutput,
     RankLayout,
     SampledTokenRelay,
+    SchedulerOutput,
     StageCommand,
     output_rank,
 )
+from plugserve.interfaces.executor import KVCacheInfo
 from plugserve_plugins.executors.heartbeat import PeerHeartbeats
 
 logger = logging.getLogger(__name__)

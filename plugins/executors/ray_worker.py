@@ -20,10 +20,10 @@ from typing import Any
 import msgspec
 
 from plugserve.config import StackConfig
-from plugserve.datatypes import ModelRunnerOutput
+from plugserve.datatypes import ModelRunnerOutput, RankLayout, StageCommand
 from plugserve.interfaces.executor import KVCacheInfo
 from plugserve.logging_utils import configure_process_logging
-from plugserve.worker.pipeline import RankLayout, StageCommand, run_stage_command
+from plugserve.worker.pipeline import run_stage_command
 from plugserve_plugins.executors.heartbeat import send_heartbeats
 
 logger = logging.getLogger(__name__)
