@@ -46,6 +46,7 @@ from plugserve.datatypes import (
     SchedulerOutput,
 )
 from plugserve.engine.pooling_scheduling import PoolingScheduling
+from plugserve.engine.reasoning_gate import ReasoningGate
 from plugserve.interfaces.kv_cache import KVAllocator
 from plugserve.interfaces.scheduling import SchedulingPolicy
 from plugserve.messages import EngineCoreOutput, SchedulerStats
@@ -93,7 +94,8 @@ class Scheduler:
         # Constrained requests whose grammar is being compiled, in arrival order.
         self._waiting_for_grammar: list[Request] = []
         self._num_with_grammar = 0  # live requests holding a compiled grammar
-        self._num_forcing = 0  # live requests whose thinking budget is forcing its end
+        # Where each reasoning request's reasoning ends, and the thinking budgets.
+        self.reasoning = ReasoningGate()
         # Outputs of requests finished by schedule() (a grammar that failed to compile),
         # handed out by the next update_from_output.
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -196,7 +198,7 @@ class Scheduler:
         """The requests whose next token is constrained at this step: a grammar past the
         reasoning, or an end marker the thinking budget forces (a prefill chunk that does
         not reach the end of its tokens samples nothing and needs no bitmask row)."""
-        if not self._num_with_grammar and not self._num_forcing:
+        if not self._num_with_grammar and not self.reasoning.num_forcing:
             return []
         requests = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -400,7 +402,7 @@ class Scheduler:
             num_output = request.num_output_tokens
             grammar = request.grammar
             if request.in_reasoning:
-                self._advance_reasoning(request, token)
+                self.reasoning.advance(request, token, self.structured_output)
             elif grammar is not None:
                 if not grammar.accept_token(token):
                     request.status = RequestStatus.FINISHED_ERROR
@@ -431,44 +433,6 @@ class Scheduler:
             if request.is_finished:
                 return token_ids[: i + 1]
         return token_ids
-
-    def _advance_reasoning(self, request: Request, token: int) -> None:
-        """`token` belongs to the reasoning. The reasoning ends once the output ends with
-        the end marker; from the next token on, the grammar applies. With a thinking
-        budget reached, the marker's remaining ids are forced, one per step."""
-        reasoning = request.sampling_params.reasoning
-        assert reasoning is not None
-        request.num_reasoning_tokens += 1
-        end = reasoning.end_token_ids
-        if request.forced_token_ids:
-            request.forced_token_ids.pop(0)
-            if not request.forced_token_ids:
-                self._num_forcing -= 1
-        if self._reasoning_ended(request, reasoning.end_text, end):
-            request.in_reasoning = False
-            if request.forced_token_ids:  # the model closed it on its own meanwhile
-                request.forced_token_ids = []
-                self._num_forcing -= 1
-            return
-        budget = reasoning.budget
-        if (
-            budget is not None
-            and request.num_reasoning_tokens >= budget
-            and not request.forced_token_ids
-        ):
-            request.forced_token_ids = end[_partial_marker(request.output_token_ids, end) :]
-            self._num_forcing += 1
-
-    def _reasoning_ended(self, request: Request, end_text: str | None, end: list[int]) -> bool:
-        """Whether the output's last token completed the end marker: its ids, or, for a
-        marker that is text, its text in the output's last tokens (the marker was not
-        there a token earlier, or the reasoning would have ended then)."""
-        output = request.output_token_ids
-        if end_text is None or self.structured_output is None:
-            return output[-len(end) :] == end
-        # Each token holds a character of the marker at least: its text fits in as many.
-        window = output[-(len(end_text) + 1) :]
-        return end_text in self.structured_output.decode(window)
 
     @staticmethod
     def _make_output(
@@ -501,9 +465,7 @@ class Scheduler:
         if request.grammar is not None:
             request.grammar = None
             self._num_with_grammar -= 1
-        if request.forced_token_ids:
-            request.forced_token_ids = []
-            self._num_forcing -= 1
+        self.reasoning.release(request)
         del self.requests[request.request_id]
         self._preempted_req_ids.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
@@ -536,12 +498,3 @@ class Scheduler:
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos) if spec else [],
         )
-
-
-def _partial_marker(output_token_ids: list[int], end: list[int]) -> int:
-    """How many leading ids of the end marker the output already ends with (a marker the
-    model began writing is completed, not written twice)."""
-    for length in range(min(len(end) - 1, len(output_token_ids)), 0, -1):
-        if output_token_ids[-length:] == end[:length]:
-            return length
-    return 0
