@@ -50,8 +50,9 @@ from plugserve.worker.batch_invariance import (
     refuse_batch_dependent_layers,
 )
 from plugserve.worker.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
-from plugserve.worker.cuda_path import PinnedStaging, profile_kv_budget
+from plugserve.worker.cuda_path import PinnedStaging
 from plugserve.worker.input_batch import InputBatch
+from plugserve.worker.kv_cache_size import num_kv_blocks
 from plugserve.worker.layer_attention import (
     attention_layers,
     check_layer_attention,
@@ -70,21 +71,17 @@ from plugserve.worker.parallel import (
     stage_layer_ranges,
 )
 from plugserve.worker.pooled_outputs import PooledOutputs
+from plugserve.worker.prompt_logprobs import prompt_logprobs_of_step
 from plugserve.worker.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
     apply_grammar_bitmask,
-    token_logprobs,
 )
 from plugserve.worker.spec_decode import verify_drafts, write_drafts
 from plugserve.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
-
-# Prompt logprobs are computed over at most this many tokens at once: a whole prefill's
-# fp32 logits (tokens × vocabulary) would be hundreds of MB.
-PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass
@@ -228,7 +225,15 @@ class ModelRunner:
         # numbers of layers, hence fit different numbers of blocks; block ids are shared,
         # so all use the smallest count.
         agreeing = self.parallel if self.placement is None else self.placement.world
-        num_blocks = agreeing.min_int(self._num_kv_blocks())
+        num_blocks = agreeing.min_int(
+            num_kv_blocks(
+                self.config.engine,
+                self.attention,
+                self.model,
+                self.device,
+                self.max_model_len,
+            )
+        )
         self.attention.allocate_kv_cache(num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         # Decode graphs capture the whole model's forward; a stage's is split by sends.
@@ -277,37 +282,6 @@ class ModelRunner:
             if describes_linears(method):
                 line += f"; {method.describe()}"
         return f"{line}; attention: {self.config.stack.attention}"
-
-    def _num_kv_blocks(self) -> int:
-        engine = self.config.engine
-        if engine.num_kv_blocks is not None:
-            return engine.num_kv_blocks
-        per_block = self.attention.kv_cache_bytes_per_block()
-        if self.device.type == "cuda":
-            budget = profile_kv_budget(
-                self.model,
-                self.attention,
-                num_tokens=min(
-                    engine.max_num_batched_tokens, engine.max_num_seqs * self.max_model_len
-                ),
-                max_rows=engine.max_num_seqs,
-                block_size=self.block_size,
-                device=self.device,
-                utilization=engine.gpu_memory_utilization,
-            )
-            setting = f"engine.gpu_memory_utilization ({engine.gpu_memory_utilization})"
-        else:
-            budget = int(engine.kv_cache_memory)
-            setting = f"engine.kv_cache_memory ({budget} bytes)"
-        num_blocks = max(budget, 0) // per_block
-        # More blocks than every sequence at full length can use is wasted memory.
-        useful = engine.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
-        num_blocks = min(num_blocks, useful)
-        if num_blocks < 2:
-            raise ValueError(
-                f"{setting} leaves room for fewer than 2 KV blocks of {per_block} bytes; raise it"
-            )
-        return num_blocks
 
     def measure_weight_read(self, seconds: float) -> tuple[int, float]:
         """(weight bytes, bytes/s): how fast this process reads the buffer of weights its
@@ -387,7 +361,9 @@ class ModelRunner:
             pooled = self.pooling.pool(batch, so, attn_batch.query_start_loc, hidden)
             return ModelRunnerOutput(sampled_token_ids={}, pooled=pooled)
         prompt_logprobs = (
-            self._prompt_logprobs(so, step.attention.query_start_loc, hidden)
+            prompt_logprobs_of_step(
+                so, self.input_batch, step.attention.query_start_loc, hidden, self.model
+            )
             if np.any(batch.num_prompt_logprobs[: batch.num_reqs] >= 0)
             else None
         )
@@ -428,57 +404,6 @@ class ModelRunner:
             self._link.send(output.hidden, output.residual, self._stage_busy)
             return None
         return output
-
-    def _prompt_logprobs(
-        self, so: SchedulerOutput, query_start: np.ndarray, hidden: torch.Tensor
-    ) -> dict[str, list[Logprobs]] | None:
-        """Logprobs of the prompt tokens this step's chunks predict, for the rows that
-        asked: the hidden state at position q gives prompt token q + 1's logprob. Every
-        rank computes the logits (a collective under tensor parallelism); the driver keeps
-        the result."""
-        batch = self.input_batch
-        # The step's rows in the order of its tokens (StepInputBuilder's order: by row).
-        rows = np.sort([batch.req_id_to_row[r] for r in so.num_scheduled_tokens])
-        indices, targets, owners = [], [], []
-        for k, row in enumerate(rows.tolist()):
-            if batch.num_prompt_logprobs[row] < 0:
-                continue
-            start = int(batch.num_computed_tokens[row])
-            end = min(start + so.num_scheduled_tokens[batch.req_ids[row]],
-                      int(batch.num_prompt_tokens[row]) - 1)  # fmt: skip
-            if end <= start:
-                continue
-            first = int(query_start[k])
-            indices.append(np.arange(first, first + end - start))
-            targets.append(batch.token_ids[row, start + 1 : end + 1])
-            owners.append((batch.req_ids[row], end - start, int(batch.num_prompt_logprobs[row])))
-        if not indices:
-            return None
-        index = torch.from_numpy(np.concatenate(indices)).to(hidden.device)
-        target = torch.from_numpy(np.concatenate(targets)).to(hidden.device)
-        top_n = max(n for _, _, n in owners)
-        found: list[Logprobs | None] = []
-        for lo in range(0, len(index), PROMPT_LOGPROBS_CHUNK):
-            part = slice(lo, lo + PROMPT_LOGPROBS_CHUNK)
-            logits = self.model.compute_logits(hidden[index[part]])
-            if logits is not None:
-                tensors = token_logprobs(logits, target[part], top_n)
-                found += tensors.to_logprobs([top_n] * len(target[part]))
-        if not found:  # not the driver rank
-            return None
-        result: dict[str, list[Logprobs]] = {}
-        offset = 0
-        for req_id, count, n in owners:
-            entries = found[offset : offset + count]
-            offset += count
-            result[req_id] = [
-                Logprobs(
-                    lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids[:n], lp.top_logprobs[:n]
-                )
-                for lp in entries
-                if lp is not None
-            ]
-        return result
 
     def _inputs_to_device(
         self, input_ids: np.ndarray, positions: np.ndarray, logits_indices: np.ndarray
