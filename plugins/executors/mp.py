@@ -29,12 +29,9 @@ the collective timeout.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import multiprocessing
 import os
-import signal
-import socket
 import threading
 import time
 import weakref
@@ -65,6 +62,7 @@ from plugserve_plugins.executors.heartbeat import (
     heartbeat_port,
     send_heartbeats,
 )
+from plugserve_plugins.executors.mp_processes import death_reason, free_port, stop_workers
 from plugserve_plugins.executors.mp_worker import (
     BATCH,
     ERROR,
@@ -72,7 +70,6 @@ from plugserve_plugins.executors.mp_worker import (
     READY,
     REPLY,
     SAMPLE,
-    SHUTDOWN,
     WorkerSpec,
     set_title,
     worker_main,
@@ -140,7 +137,7 @@ class MultiprocExecutor:
         self._relay = SampledTokenRelay()
         self._staged: SchedulerOutput | None = None
         local = self.world_size // engine.nnodes
-        port = engine.master_port or _free_port(engine.master_addr)
+        port = engine.master_port or free_port(engine.master_addr)
         self._heartbeats = (
             PeerHeartbeats(
                 engine.master_addr,
@@ -172,7 +169,7 @@ class MultiprocExecutor:
         # Workers stop when the executor is shut down or garbage collected.
         self._finalizer = weakref.finalize(
             self,
-            _stop_workers,
+            stop_workers,
             self._procs,
             self._conns,
             self.options.shutdown_timeout_s,
@@ -378,7 +375,7 @@ class MultiprocExecutor:
             self._failure = "; ".join(dict.fromkeys([*dead, reason]))
             logger.error("workers failed: %s", self._failure)
             self._finalizer.detach()
-            _stop_workers(self._procs, self._conns, 0.0, self._heartbeats)
+            stop_workers(self._procs, self._conns, 0.0, self._heartbeats)
         raise RuntimeError(self._failure)
 
     def _await_nodes(self) -> None:
@@ -398,55 +395,7 @@ class MultiprocExecutor:
         heartbeats.watch_silence()
 
     def _death(self, rank: int) -> str:
-        return _death(self._names[rank], self._procs[rank])
-
-
-def _death(name: str, proc: BaseProcess) -> str:
-    proc.join(timeout=1.0)  # EOF can come a moment before the exit status
-    code = proc.exitcode
-    if code is None:
-        how = "closed its pipe"
-    elif code < 0:
-        how = f"was killed by {signal.Signals(-code).name}"
-    else:
-        how = f"exited with code {code}"
-    return f"{name} (pid {proc.pid}) died unexpectedly: it {how}"
-
-
-def _stop_workers(
-    procs: list[BaseProcess],
-    conns: list[Connection],
-    timeout: float,
-    heartbeats: PeerHeartbeats | None = None,
-) -> None:
-    """Ask politely, then terminate, then kill; never blocks much past `timeout`."""
-    if heartbeats is not None:
-        heartbeats.close()
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send_bytes(SHUTDOWN)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.exitcode is None:
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=1.0)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join(timeout=1.0)
-    for conn in conns:
-        conn.close()
-
-
-def _free_port(host: str) -> int:
-    # Rank 0 binds it moments later; another process taking it in between would fail
-    # the rendezvous loudly, not silently. Set master_port to rule that out.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        return death_reason(self._names[rank], self._procs[rank])
 
 
 def _spec(config: StackConfig, rank: int, port: int, options: MultiprocOptions) -> WorkerSpec:
