@@ -211,8 +211,15 @@ def test_shapes_the_layers_cannot_shard_are_refused_with_the_reason(tmp_path) ->
 
 
 def test_every_architecture_plugserve_ships_has_a_case() -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """Here for generation, or in test_pooling_architectures_match_hf.py for pooling (the
+    encoders and the sequence classifiers)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
+    )
 
+    from correctness.test_pooling_architectures_match_hf import CASES as POOLING_CASES
     from plugserve.plugins import BUILTIN_DISTRIBUTION, get_registry
 
     shipped = {
@@ -221,4 +228,10 @@ def test_every_architecture_plugserve_ships_has_a_case() -> None:
         if impl.distribution == BUILTIN_DISTRIBUTION
     }
     proven = {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[case.config.model_type] for case in CASES}
+    by_auto_class = {
+        "AutoModel": MODEL_MAPPING_NAMES,
+        "AutoModelForSequenceClassification": MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "AutoModelForCausalLM": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    }
+    proven |= {by_auto_class[case.auto_class][case.config().model_type] for case in POOLING_CASES}
     assert sorted(shipped - proven) == []
