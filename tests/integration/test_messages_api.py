@@ -152,6 +152,10 @@ def test_a_tool_result_turn_and_text_answers(
     stopped = client.messages.create(**{**request, "stop_sequences": [stop]})
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
     assert "".join(block.text for block in stopped.content) == before
+    with client.messages.stream(**{**request, "stop_sequences": [stop]}) as stream:
+        assert stream.get_final_text() == before
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
     counted = client.messages.count_tokens(
         model=model,
         system="Answer briefly.",
