@@ -125,7 +125,9 @@ class RayExecutor:
         self._names = [f"Worker_{RankLayout(r, tp, stages).name}" for r in range(self.world_size)]
         self._started_ray = not ray.is_initialized() and options.address is None
         if not ray.is_initialized():
-            ray.init(address=options.address, log_to_driver=True)
+            # "local": a Ray of this server's own, never one that happens to run on this
+            # host (ray.init() with no address attaches to the latest local cluster).
+            ray.init(address=options.address or "local", log_to_driver=True)
         gpus = 1 if resolve_device(engine.device).type == "cuda" else 0
         bundle = {"CPU": options.num_cpus_per_worker * tp, **({"GPU": tp} if gpus else {})}
         self._placement = placement_group([bundle] * stages, strategy=options.stage_strategy)
