@@ -82,7 +82,10 @@ def test_rerank_score_and_classify_equal_transformers(cross_encoder_folder, tmp_
     got = [d["score"] for d in score["data"]]
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
     assert [r["index"] for r in rerank["results"]] == list(np.argsort(expected)[::-1])
-    assert [r["relevance_score"] for r in rerank["results"]] == sorted(got, reverse=True)
+    # The same pairs, scored in another step's batch: fp32 sums in another order.
+    np.testing.assert_allclose(
+        [r["relevance_score"] for r in rerank["results"]], sorted(got, reverse=True), atol=1e-5
+    )
     (one,) = classify["data"]
     assert one["num_classes"] == 1 and one["label"] == "LABEL_0"
     assert card["task"] == ["classify", "score"]
