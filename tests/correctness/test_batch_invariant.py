@@ -6,8 +6,9 @@ Without the mode they are not: each row-count bucket of the bf16 kernel plan may
 another kernel, and a lone decode row splits its attention over two threads, each summing
 in its own order, so batched and alone the same request's logits differ in the last bits
 and a near-tie can flip. The mode runs one kernel of kernel_plan.BATCH_INVARIANT_KERNELS
-for every row count (each in turn here, where this CPU runs it: the chooser may pick
-either) and every token through one attention kernel with one order.
+for every row count and every token through one attention kernel with one order. Parts that cannot are
+refused by name (here the attention kernel and a model with experts; the linear methods
+in tests/unit/worker/test_linear_methods.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from plugserve import LLM, SamplingParams
 from plugserve_plugins.cpu_bf16 import kernel_choice
-from plugserve_plugins.cpu_bf16.kernel_plan import BATCH_INVARIANT_KERNELS, KernelPlan
+from plugserve_plugins.cpu_bf16.kernel_plan import KernelPlan
 from plugserve_plugins.cpu_bf16.kernel_setting import KERNEL_ENV
 from tests.kernel_support import plan_setting
 
@@ -33,15 +34,17 @@ def invariant_kernels_here() -> list[str]:
         return []
 
 
-@pytest.fixture(params=[k.name for k in BATCH_INVARIANT_KERNELS])
-def invariant_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each kernel the mode may run, pinned for every row count, where this CPU runs it."""
+@pytest.fixture
+def invariant_kernel(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The first kernel the mode may run here, pinned for every row count (the suite pins
+    a mixed plan). Each kernel's rows are shown independent of the batch on their own in
+    tests/unit/cpu_bf16/test_batch_invariance.py; this test holds the whole engine to it."""
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    if request.param not in invariant_kernels_here():
-        pytest.skip(f"{request.param} does not run on this CPU")
-    kernel = next(k for k in BATCH_INVARIANT_KERNELS if k.name == request.param)
+    if not invariant_kernels_here():
+        pytest.skip("no batch-invariant bf16 kernel runs on this CPU")
+    kernel = kernel_choice.batch_invariant_candidates()[0][0]
     monkeypatch.setenv(KERNEL_ENV, plan_setting(KernelPlan.single(kernel)))
-    return request.param
+    return kernel.name
 
 
 def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -93,31 +96,17 @@ def tiny_moe(tiny_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_tiny_checkpoint(config, tmp_path_factory.mktemp("moe"), tiny_tokenizer))
 
 
-@pytest.mark.parametrize(
-    "overrides,named",
-    [
-        ({"dtype": "float32"}, "linear method 'plain'"),
-        ({"dtype": "bfloat16", "linear_method": "int8"}, "linear method 'int8'"),
-        ({"dtype": "bfloat16", "plugins.torch": {"kernel": "sdpa"}}, "kernel 'sdpa'"),
-    ],
-    ids=["fp32-plain-matmuls", "int8-matmuls", "sdpa-attention"],
-)
-def test_a_part_that_cannot_keep_one_order_is_refused_by_name(overrides, named) -> None:
-    with pytest.raises(ValueError, match=rf"engine\.batch_invariant: .*{named}"):
-        LLM(model="smollm2-135m-instruct", batch_invariant=True, **overrides)
+def test_an_attention_kernel_that_cannot_keep_one_order_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"engine\.batch_invariant: .*kernel 'sdpa'"):
+        LLM(
+            model="smollm2-135m-instruct",
+            dtype="bfloat16",
+            batch_invariant=True,
+            **{"plugins.torch": {"kernel": "sdpa"}},
+        )
 
 
-@pytest.fixture
-def first_invariant_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first kernel the mode may run here, pinned (the suite pins a mixed plan)."""
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
-    if not invariant_kernels_here():
-        pytest.skip("no batch-invariant bf16 kernel runs on this CPU")
-    kernel = kernel_choice.batch_invariant_candidates()[0][0]
-    monkeypatch.setenv(KERNEL_ENV, plan_setting(KernelPlan.single(kernel)))
-
-
-@pytest.mark.usefixtures("first_invariant_kernel")
+@pytest.mark.usefixtures("invariant_kernel")
 def test_a_mixture_of_experts_model_is_refused_by_name(tiny_moe) -> None:
     with pytest.raises(ValueError, match=r"engine\.batch_invariant: .*expert layers"):
         LLM(model=tiny_moe, dtype="bfloat16", batch_invariant=True)

@@ -166,3 +166,20 @@ def test_a_row_parallel_shard_leaves_its_bias_to_after_the_all_reduce() -> None:
     assert whole.matmul_bias is whole.bias
     assert shard.matmul_bias is None and shard.bias is not None
     assert shard.kernel() is shard
+
+
+@pytest.mark.parametrize(
+    "dtype,selected,named",
+    [(torch.float32, None, "plain"), (torch.bfloat16, "int8", "int8")],
+    ids=["fp32-plain", "int8"],
+)
+def test_batch_invariance_refuses_a_method_that_cannot_keep_one_order(
+    dtype: torch.dtype, selected: str | None, named: str
+) -> None:
+    """engine.batch_invariant: the chooser asks each method it builds to keep one reduction
+    order (capabilities.SupportsBatchInvariance); one without it is refused by name."""
+    chooser = LinearMethodChooser(
+        dtype=dtype, device=torch.device("cpu"), selected=selected, batch_invariant=True
+    )
+    with pytest.raises(ValueError, match=rf"engine\.batch_invariant: linear method '{named}'"):
+        chooser.method_for(nn.Linear(4, 4))
