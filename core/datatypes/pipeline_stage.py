@@ -82,3 +82,13 @@ class SampledTokenRelay:
     def take(self) -> dict[str, list[int]]:
         tokens, self._tokens = self._tokens, {}
         return tokens
+
+    def command(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> StageCommand:
+        """The next batch's command, carrying what was sampled since the previous one."""
+        return StageCommand(
+            scheduler_output=scheduler_output,
+            grammar_output=grammar_output,
+            sampled_since=self.take(),
+        )

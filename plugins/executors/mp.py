@@ -52,7 +52,6 @@ from plugserve.datatypes import (
     RankLayout,
     SampledTokenRelay,
     SchedulerOutput,
-    StageCommand,
     output_rank,
 )
 from plugserve.interfaces.executor import KVCacheInfo
@@ -213,11 +212,7 @@ class MultiprocExecutor:
     ) -> Future[ModelRunnerOutput]:
         """Send one batch through the stages; its Future resolves to the sampled tokens.
         Returns at once: the stages overlap on consecutive batches."""
-        command = StageCommand(
-            scheduler_output=scheduler_output,
-            grammar_output=grammar_output,
-            sampled_since=self._relay.take(),
-        )
+        command = self._relay.command(scheduler_output, grammar_output)
         message = bytearray(BATCH)
         self._encoder.encode_into(command, message, 1)
         self._broadcast(message)

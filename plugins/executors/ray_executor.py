@@ -50,7 +50,6 @@ from plugserve.datatypes import (
     RankLayout,
     SampledTokenRelay,
     SchedulerOutput,
-    StageCommand,
     output_rank,
 )
 from plugserve.interfaces.executor import KVCacheInfo
@@ -206,11 +205,7 @@ class RayExecutor:
 
         if self._failure is not None:
             raise RuntimeError(self._failure)
-        command = StageCommand(
-            scheduler_output=scheduler_output,
-            grammar_output=grammar_output,
-            sampled_since=self._relay.take(),
-        )
+        command = self._relay.command(scheduler_output, grammar_output)
         payload = ray.put(self._encoder.encode(command))  # once, for every rank
         refs = [actor.run.remote(payload) for actor in self._actors]
         for rank, ref in enumerate(refs):
