@@ -14,8 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -23,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugserve import LLM, SamplingParams
+from plugserve import LLM
 from plugserve.worker.random_model import write_random_model
+from tests.failure_support import fail_mid_request
 
 
 @pytest.fixture(scope="module")
@@ -79,31 +78,6 @@ def two_nodes(model: str) -> Iterator[tuple[LLM, subprocess.Popen]]:
 def children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(child) for child in path.read_text().split()] if path.exists() else []
-
-
-def fail_mid_request(llm: LLM, end_node) -> tuple[BaseException, float]:
-    """Start a long request, call `end_node()` once it decodes; the error it ended with
-    and the seconds from `end_node` to it."""
-    errors: list[tuple[BaseException, float]] = []
-
-    def long_generate() -> None:
-        try:
-            llm.generate("Once", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
-        except BaseException as exc:
-            errors.append((exc, time.monotonic()))
-
-    thread = threading.Thread(target=long_generate, daemon=True)  # a hang must not block exit
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not any(r.num_output_tokens > 2 for r in list(llm.engine.scheduler.running)):
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    ended = time.monotonic()
-    end_node()
-    thread.join(timeout=120)
-    assert not thread.is_alive(), "the request outlived node 1"
-    ((error, at),) = errors
-    return error, at - ended
 
 
 def test_a_node_killed_mid_request_fails_it_naming_the_node(tiny_model: str) -> None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 
 import pytest
 import torch
 
-from plugserve import LLM, SamplingParams
+from plugserve import LLM
 from plugserve.worker.random_model import write_random_model
+from tests.failure_support import fail_mid_request
 
 pytestmark = pytest.mark.ray
 
@@ -39,31 +38,6 @@ def two_stages(model: str) -> LLM:
         num_threads=1,
         **{"plugins.ray.collective_timeout_s": 3600},
     )
-
-
-def fail_mid_request(llm: LLM, end_rank) -> tuple[BaseException, float]:
-    """Start a long request, call `end_rank()` once it decodes; the error it ended with
-    and the seconds from `end_rank` to it."""
-    errors: list[tuple[BaseException, float]] = []
-
-    def long_generate() -> None:
-        try:
-            llm.generate("Once", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
-        except BaseException as exc:
-            errors.append((exc, time.monotonic()))
-
-    thread = threading.Thread(target=long_generate, daemon=True)  # a hang must not block exit
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not any(r.num_output_tokens > 2 for r in list(llm.engine.scheduler.running)):
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    ended = time.monotonic()
-    end_rank()
-    thread.join(timeout=120)
-    assert not thread.is_alive(), "the request outlived its rank"
-    ((error, at),) = errors
-    return error, at - ended
 
 
 def test_an_actor_killed_mid_request_fails_it_naming_the_rank(ray_cluster, tiny_model) -> None:
