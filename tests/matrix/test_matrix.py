@@ -513,8 +513,9 @@ def test_output_slots(
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
 
 
-def spec_proposer_cells() -> list:
-    proposers = get_registry().implementations("spec_proposer")
+def slot_cells(slot: str) -> list:
+    """A cell per registered implementation of `slot`, skipped naming why where it
+    cannot run here."""
     return [
         pytest.param(
             name,
@@ -523,11 +524,11 @@ def spec_proposer_cells() -> list:
             if (reason := _unavailable(impl.cls)) is not None
             else [],
         )
-        for name, impl in sorted(proposers.items())
+        for name, impl in sorted(get_registry().implementations(slot).items())
     ]
 
 
-@pytest.mark.parametrize("spec_proposer", spec_proposer_cells())
+@pytest.mark.parametrize("spec_proposer", slot_cells("spec_proposer"))
 def test_spec_proposer_cell_matches_hf(
     spec_proposer: str, request: pytest.FixtureRequest, servers: ServerQueue
 ) -> None:
@@ -569,20 +570,6 @@ POOLINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def pooler_cells() -> list:
-    poolers = get_registry().implementations("pooler")
-    return [
-        pytest.param(
-            name,
-            id=name,
-            marks=[pytest.mark.skip(reason=reason)]
-            if (reason := _unavailable(impl.cls)) is not None
-            else [],
-        )
-        for name, impl in sorted(poolers.items())
-    ]
-
-
 @pytest.fixture(scope="module")
 def minilm_hidden_states() -> list[torch.Tensor]:
     from transformers import AutoModel, AutoTokenizer
@@ -599,7 +586,7 @@ def minilm_hidden_states() -> list[torch.Tensor]:
         ]
 
 
-@pytest.mark.parametrize("pooler", pooler_cells())
+@pytest.mark.parametrize("pooler", slot_cells("pooler"))
 def test_pooler_cell_matches_hf(
     pooler: str, request: pytest.FixtureRequest, servers: ServerQueue
 ) -> None:
