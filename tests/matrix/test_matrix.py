@@ -528,14 +528,43 @@ def slot_cells(slot: str) -> list:
     ]
 
 
+# Prompts every bundled proposer has something to propose for: a text being copied (its
+# tail recurs earlier in the prompt) and a run of one token. The scenario's PROMPTS alone
+# may never give an n-gram a match in MAX_TOKENS tokens.
+SPECULATION_PROMPTS = [
+    "Copy: the quick brown fox jumps over the lazy dog. Copy: the quick brown fox jumps"
+    " over the lazy dog. Copy: the quick",
+    "Ha ha ha ha ha ha ha ha ha ha",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_fp32_speculation(tokenizer, hf_greedy_generate) -> list[GreedyCompletion]:
+    ids = hf_greedy_generate([tokenizer.encode(p) for p in SPECULATION_PROMPTS], MAX_TOKENS)
+    return [GreedyCompletion(tokenizer.decode(t, skip_special_tokens=True), t, []) for t in ids]
+
+
+async def _speculation_scenario(server) -> list[GreedyCompletion]:
+    async with server.async_openai_client() as client:
+        prompts = [*PROMPTS, *SPECULATION_PROMPTS]
+        answers = (
+            greedy_completion(client, p, MAX_TOKENS, stream=bool(i % 2))
+            for i, p in enumerate(prompts)
+        )
+        return list(await asyncio.gather(*answers))
+
+
 @pytest.mark.parametrize("spec_proposer", slot_cells("spec_proposer"))
 def test_spec_proposer_cell_matches_hf(
     spec_proposer: str, request: pytest.FixtureRequest, servers: ServerQueue
 ) -> None:
     with servers.serve(request.node) as server:
-        completions = asyncio.run(_scenario(server))
+        completions = asyncio.run(_speculation_scenario(server))
         idle = server.wait_idle()
-    expected = request.getfixturevalue("hf_fp32")
+    expected = [
+        *request.getfixturevalue("hf_fp32"),
+        *request.getfixturevalue("hf_fp32_speculation"),
+    ]
     assert [c.token_ids for c in completions] == [e.token_ids for e in expected]
     assert [c.text for c in completions] == [e.text for e in expected]
     assert idle["kv_cache_usage"] == 0 and idle["num_requests_running"] == 0
@@ -552,8 +581,9 @@ def test_spec_proposer_cell_matches_hf(
     )
     drafted = spec["vllm:spec_decode_num_draft_tokens_total"]
     accepted = spec["vllm:spec_decode_num_accepted_tokens_total"]
-    assert spec["vllm:spec_decode_num_drafts_total"] <= drafted
-    assert accepted <= drafted and per_pos == accepted
+    # The copied text and the run are proposed for, and the model does go on with them.
+    assert 0 < spec["vllm:spec_decode_num_drafts_total"] <= drafted
+    assert 0 < accepted <= drafted and per_pos == accepted
 
 
 # ------------------------------------------------------------------ the pooler slot
