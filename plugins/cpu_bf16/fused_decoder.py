@@ -94,9 +94,9 @@ class FusedCpuDecoderPass:
 
 def model_unsupported_reason(model: DecoderFrame) -> str | None:
     """Why the pass takes none of `model`'s layers (None where it may take some)."""
-    weight = getattr(model.final_norm, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        return "the model's final norm has no weight to tell its dtype and device by"
+    weight = _norm_weight(model)
+    if weight is None:
+        return "the model has no norm weight to tell its dtype and device by"
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         dtype = str(weight.dtype).removeprefix("torch.")
         return f"the fused layers run bf16 on a CPU, the model {dtype} on {weight.device.type}"
@@ -105,6 +105,19 @@ def model_unsupported_reason(model: DecoderFrame) -> str | None:
         return f"core's fused CPU ops (cpu_ops.cpp) are unavailable: {reason}"
     if not hasattr(torch.ops.plugserve_ops, "rms_norm_heads"):
         return "core's fused CPU ops (cpu_ops.cpp) lack rms_norm_heads"
+    return None
+
+
+def _norm_weight(model: DecoderFrame) -> torch.Tensor | None:
+    """The final norm's weight, or on a pipeline stage before the last (which holds no
+    final norm) its first layer's input norm's."""
+    for norm in (
+        model.final_norm,
+        *(getattr(layer, "input_layernorm", None) for layer in model.layers[:1]),
+    ):
+        weight = getattr(norm, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return weight
     return None
 
 
@@ -142,6 +155,8 @@ def whole_stack_unsupported_reason(
     left = [str(i) for i, why in enumerate(reasons) if why is not None]
     if left:
         return f"layers {','.join(left)} run their modules"
+    if not isinstance(getattr(model.final_norm, "weight", None), torch.Tensor):
+        return "the final norm lives on a later pipeline stage"
     if type(model.final_norm) is not RMSNorm:
         return f"the final norm is a {type(model.final_norm).__name__}"
     if plan is None:
