@@ -107,28 +107,41 @@ void amx_item(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t bl
   }
 }
 
+// Rows of x a thread takes at a time: a panel of x small enough to stay in its core's L2
+// while every column block of the thread's share reads it (read from L3 instead, as the
+// whole of a long prompt's x would be, the tiles wait on the loads).
+inline int64_t amx_panel_rows(int64_t pairs) {
+  constexpr int64_t kPanelBytes = int64_t(512) << 10;
+  return std::max<int64_t>(32, kPanelBytes / (pairs * 4) / 32 * 32);
+}
+
 // x [rows, K] bf16 (row stride x_stride) @ packed (+ bias) → out [rows, n].
 template <typename Out>
 void linear_rows_amx(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* w,
                      int64_t blocks, int64_t pairs, const float* bias, Out* out, int64_t n) {
   const int64_t block_stride = pairs * 32;
   const int64_t items = (blocks + 1) / 2;
+  const int64_t panel_rows = amx_panel_rows(pairs);
   at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
     int configured = -1;  // m0 * 64 + m1 of the tiles this thread configured
-    // Item outside, rows inside: an item's two blocks stay in L1/L2 while every row chunk
-    // reads them (rows outside would re-read them from L3 for every chunk).
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t b0 = 2 * item;
-      const int nb = b0 + 1 < blocks ? 2 : 1;
-      for (int64_t r = 0; r < rows; r += 32) {
-        const int m0 = static_cast<int>(std::min<int64_t>(16, rows - r));
-        const int m1 = static_cast<int>(std::clamp<int64_t>(rows - r - 16, 0, 16));
-        if (configured != m0 * 64 + m1) {
-          configure_tiles(m0, m1);
-          configured = m0 * 64 + m1;
+    // Panel, then item, then the panel's rows: an item's two blocks stay in L1/L2 while
+    // the panel's row chunks read them, and the panel stays in L2 while the items do.
+    // Each row's sums run over k in the same order whatever the row count.
+    for (int64_t p = 0; p < rows; p += panel_rows) {
+      const int64_t p_end = std::min(rows, p + panel_rows);
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t b0 = 2 * item;
+        const int nb = b0 + 1 < blocks ? 2 : 1;
+        for (int64_t r = p; r < p_end; r += 32) {
+          const int m0 = static_cast<int>(std::min<int64_t>(16, p_end - r));
+          const int m1 = static_cast<int>(std::clamp<int64_t>(p_end - r - 16, 0, 16));
+          if (configured != m0 * 64 + m1) {
+            configure_tiles(m0, m1);
+            configured = m0 * 64 + m1;
+          }
+          amx_item<Out>(x + r * x_stride, x_stride, w, block_stride, pairs, bias,
+                        out + r * n, n, n, b0, nb, m0, m1);
         }
-        amx_item<Out>(x + r * x_stride, x_stride, w, block_stride, pairs, bias,
-                      out + r * n, n, n, b0, nb, m0, m1);
       }
     }
     _tile_release();
