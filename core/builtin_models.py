@@ -15,6 +15,9 @@ def register_models(register):
     register("LlamaForCausalLM", "plugserve.worker.models.llama:LlamaForCausalLM")
     register("Qwen2ForCausalLM", "plugserve.worker.models.llama:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "plugserve.worker.models.qwen3:Qwen3ForCausalLM")
+    # Base models (no head: Qwen3-Embedding's layout), served for pooling by the same frame.
+    register("Qwen2Model", "plugserve.worker.models.llama:Qwen2ForCausalLM")
+    register("Qwen3Model", "plugserve.worker.models.qwen3:Qwen3ForCausalLM")
     register("Gemma2ForCausalLM", "plugserve.worker.models.gemma:Gemma2ForCausalLM")
     register("Gemma3ForCausalLM", "plugserve.worker.models.gemma:Gemma3ForCausalLM")
     register("MistralForCausalLM", "plugserve.worker.models.mistral:MistralForCausalLM")

@@ -268,6 +268,21 @@ def takes_token_type_ids(model: object) -> TypeGuard[TakesTokenTypeIds]:
 
 
 @runtime_checkable
+class BuildsWithoutLmHead(Protocol):
+    """A model class that a pooling runner builds without its LM head (`lm_head=False`):
+    the final hidden states are what it pools, so the head (vocabulary x hidden) is
+    neither held nor looked for in the checkpoint, which may have none (Qwen3-Embedding's
+    are saved from the base model). plugserve.worker.models.decoder.DecoderForCausalLM
+    offers it to every decoder family."""
+
+    builds_without_lm_head: bool
+
+
+def builds_without_lm_head(cls: object) -> TypeGuard[type[BuildsWithoutLmHead]]:
+    return isinstance(cls, BuildsWithoutLmHead) and bool(cls.builds_without_lm_head)
+
+
+@runtime_checkable
 class HasClassifier(Protocol):
     """A pooling model with a classification head (a ForSequenceClassification): the
     pooled hidden states go through it for the classify and score tasks."""

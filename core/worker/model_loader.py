@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from plugserve.capabilities import supports_pipeline_stages
+from plugserve.capabilities import builds_without_lm_head, supports_pipeline_stages
 from plugserve.interfaces.model import LayerRoute
 from plugserve.model_files import safetensors_files
 from plugserve.worker.linear_methods import (
@@ -136,13 +136,16 @@ def load_model(
     linear_methods: LinearMethodChooser | None = None,
     model_passes: Sequence[NamedPass] = (),
     stage: Any = None,
+    lm_head: bool = True,
 ) -> torch.nn.Module:
     """Build `model_cls(hf_config=..., attention=...)` on `device` in `dtype`, give its
     linear layers the methods `linear_methods` chooses (None: every layer keeps the plain
     one), load the folder's weights into it, process them and apply `model_passes`
     (finish_loading), and return it in eval mode. A tensor-parallel rank passes its
     ParallelContext, which the model class must then accept as `parallel=`; a pipeline
-    stage its PipelineStage, accepted as `stage=`."""
+    stage its PipelineStage, accepted as `stage=`. `lm_head` False (a pooling runner)
+    builds a class that can drop its head without it (capabilities.BuildsWithoutLmHead);
+    a class that cannot has none to drop (an encoder)."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(model_path))
@@ -160,6 +163,8 @@ def load_model(
                 "(capabilities.SupportsPipelineStages); use pipeline_parallel_size=1"
             )
         extra["stage"] = stage
+    if not lm_head and builds_without_lm_head(model_cls):
+        extra["lm_head"] = False
     with _no_param_init(dtype, torch.device(device)):
         model = model_cls(hf_config=hf_config, attention=attention, **extra)
         if linear_methods is not None:  # their parameters, on the device in the dtype

@@ -213,6 +213,7 @@ class ModelRunner:
             linear_methods=linear_methods,
             model_passes=model_passes_from_config(self.config, registry),
             stage=self.stage,
+            lm_head=not setup.is_pooling,
         )
         if self.config.engine.batch_invariant:
             refuse_batch_dependent_layers(self.model)

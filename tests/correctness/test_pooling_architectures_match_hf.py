@@ -4,9 +4,13 @@ mean pooling (read from the checkpoint's sentence-transformers files), BERT and
 XLM-RoBERTa cross-encoders (their classification heads, sigmoid for one label, softmax
 for several; segment ids for BERT's pairs), XLM-RoBERTa embeddings (CLS), and Qwen2 /
 Qwen3 causal checkpoints served as last-token embedders with chunked prefill and prefix
-caching on. Each holds batched and alone; BERT and Qwen3 also at tensor-parallel size 2.
+caching on, as are base-model checkpoints (transformers' Qwen2Model / Qwen3Model: no
+`model.` prefix, no head), Qwen3-Embedding's layout included (those weights under a
+config.json naming Qwen3ForCausalLM). Each holds batched and alone, and each of the six
+transformers families also at tensor-parallel size 2 (one two-rank engine per case).
 
-The reference is transformers loading the saved folder, one prompt at a time, in fp32.
+The reference is transformers loading the saved folder, one prompt at a time, in fp32,
+computed once per case for the module.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class Case:
     pooling: str  # mean | cls | last | classify
     runner: str = "auto"
     pairs: bool = False  # cross-encoder prompts: (query, document) with segment ids
+    # What config.json's architectures say, where not the saved class's name.
+    config_architecture: str | None = None
 
     @property
     def is_decoder(self) -> bool:
@@ -102,8 +108,25 @@ CASES = [
     Case(
         "qwen3-embedder", "AutoModelForCausalLM", lambda: decoder_config("qwen3"), "last", "pooling"
     ),
+    Case("qwen2-base-model", "AutoModel", lambda: decoder_config("qwen2"), "last"),
+    Case("qwen3-base-model", "AutoModel", lambda: decoder_config("qwen3"), "last"),
+    Case(
+        "qwen3-embedding-layout",
+        "AutoModel",
+        lambda: decoder_config("qwen3"),
+        "last",
+        "pooling",
+        config_architecture="Qwen3ForCausalLM",
+    ),
 ]
-TP_CASES = ("bert-cross-encoder", "qwen3-embedder")
+TP_CASES = (
+    "bert-mean",
+    "bert-cross-encoder",
+    "xlm-roberta-cls",
+    "xlm-roberta-classifier",
+    "qwen2-embedder",
+    "qwen3-embedder",
+)
 
 
 def prompts(case: Case) -> list[list[int]]:
@@ -131,6 +154,10 @@ def write_checkpoint(case: Case, folder: Path, smollm2_path: Path) -> Path:
             centre = 1.0 if ("norm" in name.lower() and name.endswith("weight")) else 0.0
             param.normal_(centre, 0.1)
     model.save_pretrained(str(folder))
+    if case.config_architecture is not None:
+        config = json.loads((folder / "config.json").read_text())
+        config["architectures"] = [case.config_architecture]
+        (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(smollm2_path / name, folder / name)
     if case.pooling == "mean":  # sentence-transformers' files name the pooling
@@ -170,7 +197,9 @@ def reference(case: Case, folder: Path, prompt_list: list[list[int]]) -> list[np
     return out
 
 
-def served(case: Case, folder: Path, prompt_list: list[list[int]], **overrides: Any):
+def served(
+    case: Case, folder: Path, prompt_list: list[list[int]], alone: bool = True, **overrides: Any
+):
     task = "classify" if case.pooling == "classify" else "embed"
     params = [
         PoolingParams(task=task, token_type_ids=segments(p) if case.pairs else None)
@@ -183,11 +212,13 @@ def served(case: Case, folder: Path, prompt_list: list[list[int]], **overrides: 
     inputs = [{"prompt_token_ids": p} for p in prompt_list]
     try:
         batched = llm.encode(inputs, params)
-        alone = [llm.encode(i, p)[0] for i, p in zip(inputs, params, strict=True)]
+        one_by_one = (
+            [llm.encode(i, p)[0] for i, p in zip(inputs, params, strict=True)] if alone else []
+        )
         stats = llm.engine.stats()
     finally:
         llm.engine.shutdown()
-    return batched, alone, stats
+    return batched, one_by_one, stats
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +230,36 @@ def checkpoints(tmp_path_factory, smollm2_path):
     return folders
 
 
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """Each case's expected outputs for its prompts, computed on first use."""
+    cache: dict[str, list[np.ndarray]] = {}
+
+    def expected(case: Case) -> list[np.ndarray]:
+        if case.name not in cache:
+            cache[case.name] = reference(case, checkpoints[case.name], prompts(case))
+        return cache[case.name]
+
+    return expected
+
+
+def weight_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_matches_transformers_batched_and_alone(case: Case, checkpoints) -> None:
+def test_matches_transformers_batched_and_alone(case: Case, checkpoints, references) -> None:
     folder = checkpoints[case.name]
     prompt_list = prompts(case)
-    expected = reference(case, folder, prompt_list)
+    expected = references(case)
+    if case.is_decoder and case.auto_class == "AutoModel":  # saved as the base model
+        names = weight_names(folder)
+        assert "norm.weight" in names and not any(
+            n.startswith(("model.", "lm_head.")) for n in names
+        )
     batched, alone, stats = served(case, folder, prompt_list)
     for got in (batched, alone):
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
@@ -214,11 +270,15 @@ def test_matches_transformers_batched_and_alone(case: Case, checkpoints) -> None
 
 
 @pytest.mark.parametrize("name", TP_CASES)
-def test_matches_transformers_at_tensor_parallel_2(name: str, checkpoints) -> None:
+def test_matches_transformers_at_tensor_parallel_2(name: str, checkpoints, references) -> None:
     case = next(c for c in CASES if c.name == name)
-    folder = checkpoints[name]
-    prompt_list = prompts(case)
-    expected = reference(case, folder, prompt_list)
-    batched, _, _ = served(case, folder, prompt_list, tensor_parallel_size=2, executor="mp")
-    for i, (g, e) in enumerate(zip(batched, expected, strict=True)):
+    batched, _, _ = served(
+        case,
+        checkpoints[name],
+        prompts(case),
+        alone=False,
+        tensor_parallel_size=2,
+        executor="mp",
+    )
+    for i, (g, e) in enumerate(zip(batched, references(case), strict=True)):
         np.testing.assert_allclose(g, e, rtol=0, atol=ATOL, err_msg=f"prompt {i}")

@@ -20,6 +20,10 @@ stage's weights load by them. `forward_stage` runs the stage: it takes the previ
 stage's `StageActivations` (hidden states and residual stream) and returns its own, or
 the final hidden states on the last stage.
 
+Built with `lm_head=False` (a decoder served for pooling: Qwen3-Embedding) the frame
+holds no head and loads none; checkpoints saved from the base model (no `model.` prefix
+on their names) load into it as they are.
+
 A subclass builds its layers in `build_layer` and overrides a hook where its family
 differs (Gemma scales the embeddings, soft-caps the logits, rotates some layers by
 another table in `run_layers`, ...).
@@ -28,7 +32,7 @@ another table in `run_layers`, ...).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -73,6 +77,17 @@ def num_kv_heads_of(hf_config: Any) -> int:
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.")
+_CAUSAL_LM_ROOTS = ("model.", "lm_head.")
+
+
+def with_model_prefix(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint names as the causal LM's: a checkpoint saved from the base model
+    (transformers' Qwen3Model, as Qwen3-Embedding's are, whatever its config.json's
+    architectures say) names its tensors without the `model.` prefix."""
+    for name, tensor in weights:
+        yield (name if name.startswith(_CAUSAL_LM_ROOTS) else f"model.{name}"), tensor
 
 
 @dataclass
@@ -110,6 +125,8 @@ class DecoderForCausalLM(nn.Module):
     """interfaces.model.CausalLM for a decoder-only family; subclasses give `build_layer`."""
 
     packed_modules_mapping: ClassVar[PackedModulesMapping] = FUSED_QKV_AND_GATE_UP
+    # capabilities.BuildsWithoutLmHead: `lm_head=False` for a pooling runner.
+    builds_without_lm_head: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -118,9 +135,13 @@ class DecoderForCausalLM(nn.Module):
         attention: AttentionBackend,
         parallel: ParallelContext | None = None,
         stage: PipelineStage | None = None,
+        lm_head: bool = True,
     ) -> None:
         super().__init__()
         self.config = hf_config
+        # False: built to pool (capabilities.BuildsWithoutLmHead), the final hidden
+        # states being the output; no head is held, tied or not.
+        self.with_lm_head = lm_head
         self.parallel = parallel or NO_PARALLEL
         num_layers = hf_config.num_hidden_layers
         self.stage = stage or WHOLE_MODEL
@@ -148,7 +169,7 @@ class DecoderForCausalLM(nn.Module):
         # Untied, the head holds the same vocabulary rows as this rank's embedding slice.
         self.lm_head: ParallelLMHead | None = (
             ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.parallel)
-            if self.stage.is_last and not self.tie_word_embeddings
+            if lm_head and self.stage.is_last and not self.tie_word_embeddings
             else None
         )
         # What forward runs per layer: the modules, or what a model pass put in their
@@ -263,12 +284,15 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] → fp32 logits [N, vocab]. With tensor parallelism each rank
         computes its vocabulary slice and rank 0 gathers them; the others get None."""
+        if not self.with_lm_head:
+            raise RuntimeError(f"{type(self).__name__} was built without its LM head, to pool")
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return self.parallel.gather_last_dim(head.logits(hidden_states), self.config.vocab_size)
 
     def tied_lm_head(self) -> VocabParallelEmbedding | None:
         """The embedding, where it is also the LM head (capabilities.HasTiedLmHead)."""
-        return self.model.embed_tokens if self.lm_head is None else None
+        tied = self.with_lm_head and self.lm_head is None
+        return self.model.embed_tokens if tied else None
 
     @property
     def kernel_plan(self) -> Any:
@@ -285,12 +309,14 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; raise on an unknown
         name, a wrong shape, and on parameters the checkpoint left unset."""
-        load_checkpoint(self, weights, self.packed_modules_mapping, self.ignored_weight)
+        load_checkpoint(
+            self, with_model_prefix(weights), self.packed_modules_mapping, self.ignored_weight
+        )
 
     def ignored_weight(self, name: str) -> bool:
         """Checkpoint tensors that are not weights of ours."""
         # RoPE's inverse frequencies are derived state in HF's own model; some tied
-        # checkpoints store the shared matrix twice.
+        # checkpoints store the shared matrix twice; a frame built to pool has no head.
         return (
             name.endswith("rotary_emb.inv_freq")
             or (self.lm_head is None and name == "lm_head.weight")

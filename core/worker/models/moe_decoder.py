@@ -15,7 +15,7 @@ import torch
 
 from plugserve.worker.layers.checkpoint import load_checkpoint
 from plugserve.worker.layers.moe import ExpertCheckpointNames
-from plugserve.worker.models.decoder import DecoderForCausalLM
+from plugserve.worker.models.decoder import DecoderForCausalLM, with_model_prefix
 
 
 class MoeDecoderForCausalLM(DecoderForCausalLM):
@@ -27,7 +27,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_checkpoint(
             self,
-            self.expert_names.unstack(weights),
+            self.expert_names.unstack(with_model_prefix(weights)),
             self.packed_modules_mapping,
             self.ignored_weight,
             route=self.expert_names.route,

@@ -4,6 +4,7 @@ asked with supports_x / has_x instead of getattr probes."""
 from __future__ import annotations
 
 from plugserve import capabilities
+from plugserve.worker.models.bert import BertModel
 from plugserve.worker.models.llama import LlamaForCausalLM
 from plugserve_plugins.executors.mp import MultiprocExecutor
 from plugserve_plugins.executors.uni import UniProcExecutor
@@ -53,3 +54,6 @@ def test_the_bundled_executors_and_model_declare_what_they_offer() -> None:
     assert not capabilities.supports_weight_read_probe(MultiprocExecutor)
 
     assert capabilities.supports_weight_buffer(LlamaForCausalLM)
+    # Decoders pool without their LM head; an encoder has none to drop.
+    assert capabilities.builds_without_lm_head(LlamaForCausalLM)
+    assert not capabilities.builds_without_lm_head(BertModel)
