@@ -26,7 +26,8 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=Tru
     dimensions: int | None = None
     # L2-normalise the vector; None: as the checkpoint says (its Normalize module).
     normalize: bool | None = None
-    # Keep only the last this many prompt tokens (the frontend cuts them before sending).
+    # Cut the prompt to at most this many tokens as its tokenizer truncates, its special
+    # tokens kept (prompt_truncation.py; the frontend cuts it before sending).
     truncate_prompt_tokens: int | None = None
     # classify/score: softmax (several labels) or sigmoid (one label) over the head's
     # logits; False: the raw logits.

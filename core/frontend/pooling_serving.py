@@ -2,7 +2,8 @@
 /rerank): the model must pool and serve the task, inputs become prompts (text, lists of
 text, token ids, lists of token ids, (query, document) pairs), every prompt is checked
 before anything is queued (empty, longer than the context or, for an encoder, than one
-step's token budget), then the prompts run as engine requests side by side and their
+step's token budget) after truncate_prompt_tokens cut it as its tokenizer truncates
+(prompt_truncation.py), then the prompts run as engine requests side by side and their
 pooled outputs come back as arrays."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from plugserve.frontend.errors import InvalidRequest
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.pooling_params import PoolingParams
+from plugserve.prompt_truncation import PromptTruncation
 
 # An input as OpenAI's embeddings take it: text, texts, token ids, lists of token ids.
 PoolingInput = str | list[str] | list[int] | list[list[int]]
@@ -43,6 +45,7 @@ class PoolingServing:
         self.serving = serving
         self.setup = serving.pooling
         self.tokenizer = serving.tokenizer
+        self.truncation = serving.prompt_truncation or PromptTruncation()
 
     def check(self, model: str | None, task: str, endpoint: str) -> None:
         """404 for another model; 400 where this model does not pool or serve `task`."""
@@ -83,10 +86,22 @@ class PoolingServing:
             raise InvalidRequest(f"{param}: token ids must be in [0, {vocab})", param)
         return prompts
 
-    def pair(self, query: str, document: str) -> tuple[list[int], list[int] | None]:
+    def pair(
+        self, query: str, document: str, truncate_prompt_tokens: int | None = None
+    ) -> tuple[list[int], list[int] | None]:
         """A cross-encoder's prompt of one (query, document) pair, with the segment ids
-        where the tokenizer gives them (BERT: 0 for the query, 1 for the document)."""
-        encoded = self.tokenizer(query, document)
+        where the tokenizer gives them (BERT: 0 for the query, 1 for the document), cut
+        by the tokenizer (longest text first) to `truncate_prompt_tokens` where given."""
+        if truncate_prompt_tokens is None:
+            encoded = self.tokenizer(query, document)
+        else:
+            try:
+                self.truncation.check_pair(truncate_prompt_tokens)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), "truncate_prompt_tokens") from None
+            encoded = self.tokenizer(
+                query, document, truncation=True, max_length=truncate_prompt_tokens
+            )
         segments = encoded.get("token_type_ids")
         if segments is not None and not any(segments):
             segments = None
@@ -111,7 +126,10 @@ class PoolingServing:
                         f"this model's maximum context length ({limit})",
                         "truncate_prompt_tokens",
                     )
-                ids = ids[-p.truncate_prompt_tokens :]
+                try:
+                    ids = self.truncation.truncate(ids, p.truncate_prompt_tokens)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), "truncate_prompt_tokens") from None
             if len(ids) > limit:
                 raise InvalidRequest(
                     f"This model's maximum context length is {limit} tokens; a prompt of "

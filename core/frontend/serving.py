@@ -29,6 +29,7 @@ from plugserve.interfaces.frontend import Renderer, ToolParser
 from plugserve.interfaces.reasoning import ReasoningParser
 from plugserve.interfaces.structured_output import StructuredOutputBackend
 from plugserve.pooling_setup import PoolingSetup
+from plugserve.prompt_truncation import PromptTruncation
 from plugserve.sampling_params import ReasoningParams, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,10 @@ class OpenAIServing:
         self.logprobs = LogprobsFormatter(renderer.tokenizer)
         self.pooling = pooling or PoolingSetup(runner="generate", architecture="")
         self.max_num_batched_tokens = max_num_batched_tokens
+        # How truncate_prompt_tokens cuts a pooling prompt: read from the tokenizer once.
+        self.prompt_truncation = (
+            PromptTruncation.of_tokenizer(self.tokenizer) if self.pooling.is_pooling else None
+        )
 
     @property
     def max_model_len(self) -> int:

@@ -1,7 +1,8 @@
 """A cross-encoder served: a tiny random BertForSequenceClassification with one label,
 paired with the embedded MiniLM's BERT tokenizer, behind /score, /rerank and /classify.
 Each (query, document) pair runs as one prompt with the tokenizer's segment ids, and its
-score is the head's sigmoid, as transformers computes it for the same pair."""
+score is the head's sigmoid, as transformers computes it for the same pair, also where
+truncate_prompt_tokens cuts the pair as the tokenizer truncates it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 from .conftest import NUM_THREADS, assert_openai_error, running_server
 
 QUERY = "how do plants make sugar"
+# Shorter than every pair: each keeps [CLS] query [SEP] document [SEP] in this many.
+TRUNCATE = 9
 DOCUMENTS = [
     "Photosynthesis turns light into chemical energy.",
     "The printing press spread across Europe.",
@@ -55,20 +58,23 @@ def settings(folder) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def reference_scores(folder) -> list[float]:
+def reference_scores(folder, max_length: int | None = None) -> list[float]:
+    """transformers' sigmoid of each pair, truncated by the tokenizer to `max_length`."""
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = BertForSequenceClassification.from_pretrained(folder).eval()
+    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
     with torch.inference_mode():
         return [
-            float(model(**tokenizer(QUERY, d, return_tensors="pt")).logits[0, 0].sigmoid())
+            float(model(**tokenizer(QUERY, d, return_tensors="pt", **cut)).logits[0, 0].sigmoid())
             for d in DOCUMENTS
         ]
 
 
 def test_rerank_score_and_classify_equal_transformers(cross_encoder_folder, tmp_path):
     expected = reference_scores(cross_encoder_folder)
+    truncated = reference_scores(cross_encoder_folder, max_length=TRUNCATE)
     with running_server("zmq", tmp_path, settings=settings(cross_encoder_folder)) as server:
         rerank = httpx.post(
             server.url("/v1/rerank"), json={"query": QUERY, "documents": DOCUMENTS}, timeout=60
@@ -76,6 +82,11 @@ def test_rerank_score_and_classify_equal_transformers(cross_encoder_folder, tmp_
         score = httpx.post(
             server.url("/score"), json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60
         ).json()
+        cut = {"text_1": QUERY, "text_2": DOCUMENTS, "truncate_prompt_tokens": TRUNCATE}
+        cut_score = httpx.post(server.url("/score"), json=cut, timeout=60).json()
+        too_short = httpx.post(
+            server.url("/score"), json={**cut, "truncate_prompt_tokens": 4}, timeout=60
+        )
         classify = httpx.post(server.url("/classify"), json={"input": QUERY}, timeout=60).json()
         embed = httpx.post(server.url("/v1/embeddings"), json={"input": QUERY}, timeout=60)
         card = httpx.get(server.url("/v1/models"), timeout=30).json()["data"][0]
@@ -86,6 +97,13 @@ def test_rerank_score_and_classify_equal_transformers(cross_encoder_folder, tmp_
     np.testing.assert_allclose(
         [r["relevance_score"] for r in rerank["results"]], sorted(got, reverse=True), atol=1e-5
     )
+    # truncate_prompt_tokens: the pair cut by the tokenizer, longest text first.
+    np.testing.assert_allclose(
+        [d["score"] for d in cut_score["data"]], truncated, rtol=0, atol=1e-5
+    )
+    assert not np.allclose(truncated, expected, rtol=0, atol=1e-3)
+    error = assert_openai_error(too_short, 400)
+    assert error["param"] == "truncate_prompt_tokens" and "at least 5" in error["message"]
     (one,) = classify["data"]
     assert one["num_classes"] == 1 and one["label"] == "LABEL_0"
     assert card["task"] == ["classify", "score"]

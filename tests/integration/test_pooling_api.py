@@ -1,8 +1,8 @@
 """The pooling endpoints on a live server serving the embedded all-MiniLM-L6-v2:
 /v1/embeddings through the official openai SDK (float and base64) and plain HTTP (every
-input shape OpenAI takes, Matryoshka `dimensions`, usage); /pooling, /score, and a
-Cohere/Jina-shaped rerank on /rerank, /v1/rerank and /v2/rerank over httpx; /v1/models
-saying the task. Bad input is a 400 in OpenAI's shape while requests in flight beside it
+input shape OpenAI takes, Matryoshka `dimensions`, usage, truncate_prompt_tokens cutting
+as the tokenizer truncates); /pooling, /score, and a Cohere/Jina-shaped rerank on
+/rerank, /v1/rerank and /v2/rerank over httpx; /v1/models saying the task. Bad input is a 400 in OpenAI's shape while requests in flight beside it
 finish unharmed; generating on a pooling model, or classifying with an embedder, is a
 400 naming why.
 
@@ -96,6 +96,29 @@ def test_token_ids_and_dimensions(minilm_server):
     np.testing.assert_allclose(short, full[:32] / np.linalg.norm(full[:32]), rtol=0, atol=1e-5)
 
 
+def test_truncate_prompt_tokens_cuts_as_the_tokenizer_truncates(
+    minilm_server, sentence_transformer
+):
+    url = minilm_server.url("/v1/embeddings")
+    texts = ["A man is riding a white horse on an enclosed ground.", "hello world"]
+    answer = httpx.post(url, json={"input": texts, "truncate_prompt_tokens": 5}, timeout=60)
+    got = np.array([d["embedding"] for d in answer.json()["data"]])
+    saved = sentence_transformer.max_seq_length
+    sentence_transformer.max_seq_length = 5  # [CLS] a man is [SEP]
+    try:
+        expected = sentence_transformer.encode(texts, convert_to_numpy=True)
+    finally:
+        sentence_transformer.max_seq_length = saved
+    # The long text is cut, the short one ([CLS] hello world [SEP]) left whole.
+    assert min_cosine(got, expected) >= MIN_COSINE
+    assert answer.json()["usage"]["prompt_tokens"] == 5 + 4
+    # Token ids that start and end with the tokenizer's specials keep them: [CLS] hello [SEP].
+    body = {"input": [101, 7592, 2088, 102], "truncate_prompt_tokens": 3}
+    cut = httpx.post(url, json=body, timeout=60).json()["data"][0]["embedding"]
+    hello = httpx.post(url, json={"input": "hello"}, timeout=60).json()["data"][0]["embedding"]
+    np.testing.assert_allclose(cut, hello, rtol=0, atol=2e-6)
+
+
 BAD_BODIES = [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
@@ -106,6 +129,11 @@ BAD_BODIES = [
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "hi", "user": "someone"}, "user"),  # a field it does not implement
     ({"input": [1, 99_999_999]}, "input"),  # not in the vocabulary
+    # Room for [CLS] and [SEP] only.
+    ({"input": "hello world", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    # Nothing is sampled: a constraint on the output has no meaning here.
+    ({"input": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"input": "hi", "structured_outputs": {"json_object": True}}, "structured_outputs"),
 ]
 
 

@@ -17,7 +17,7 @@ class EmbeddingRequest(StrictModel):
     encoding_format: Literal["float", "base64"] = "float"
     # Matryoshka truncation (renormalised where the model normalises).
     dimensions: int | None = None
-    # vLLM's extras: keep the last N tokens of each prompt; normalise or not (default:
-    # as the checkpoint says).
+    # vLLM's extras: cut each prompt to N tokens as its tokenizer truncates (special
+    # tokens kept); normalise or not (default: as the checkpoint says).
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     normalize: bool | None = None

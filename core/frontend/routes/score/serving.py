@@ -48,7 +48,7 @@ def prepare_pairs(
             )
         prompts, params = [], []
         for query, document in zip(queries, documents, strict=True):
-            ids, segments = pooler.pair(query, document)
+            ids, segments = pooler.pair(query, document, truncate_prompt_tokens)
             prompts.append(ids)
             params.append(
                 PoolingParams(
