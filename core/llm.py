@@ -6,6 +6,7 @@ renderer and detokenizer the API server would use.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from plugserve.model_files import resolve_supported_model
 from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
 from plugserve.pooling_params import PoolingParams
+from plugserve.pooling_setup import check_pooling_stack
+from plugserve.prompt_truncation import PromptTruncation
 from plugserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -107,10 +110,12 @@ class LLM:
         self.config = load_config(config, overrides, check_plugins=False)
         self.config.check_plugins(OFFLINE_SLOTS)
         registry = get_registry(self.config.disabled_plugins)
-        # Before the engine: a checkpoint no plugin can run fails here, in one line.
+        # Before the engine: a checkpoint no plugin can run, or a stack that cannot serve
+        # it, fails here in one line.
         model_path = str(
             resolve_supported_model(self.config.model, registry.implementations("model"))
         )
+        check_pooling_stack(model_path, self.config)
         self.engine = EngineCore(self.config)
         stack = self.config.stack
         self.renderer: Renderer = registry.build(
@@ -185,7 +190,7 @@ class LLM:
             for request_id, prompt, param in zip(ids, prompts, params_list, strict=True):
                 tokens = self._tokenize(prompt)
                 if param.truncate_prompt_tokens is not None:
-                    tokens = tokens[-param.truncate_prompt_tokens :]
+                    tokens = self._prompt_truncation.truncate(tokens, param.truncate_prompt_tokens)
                 self.engine.add_request(
                     EngineCoreRequest(
                         request_id=request_id,
@@ -205,6 +210,10 @@ class LLM:
             if unfinished:
                 self.engine.abort_requests(unfinished)
         return [results[i] for i in ids]
+
+    @functools.cached_property
+    def _prompt_truncation(self) -> PromptTruncation:
+        return PromptTruncation.of_tokenizer(self.tokenizer)
 
     def _tokenize(self, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, str):

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from plugserve.config import StackConfig
 
 # Encoders: every token attends to every other (bidirectional), so a prompt runs in one
 # forward pass (never chunked) and shares no prefix-cached blocks.
@@ -145,3 +148,48 @@ def pooling_setup(
         max_seq_length=bert_config.get("max_seq_length"),
         hidden_size=int(config.get("hidden_size") or 0),
     )
+
+
+def check_pooling_stack(model_path: str | Path, config: StackConfig) -> PoolingSetup:
+    """How `config` serves the model at `model_path`; ValueError (one line, naming both
+    settings) where the stack selects what the runner cannot use: speculative decoding,
+    pipeline stages, a reasoning parser or CUDA graphs with a pooling model, which runs
+    each prompt once and generates nothing; a pooler with a generating one. Called before
+    any process starts (serve, LLM)."""
+    stack, engine = config.stack, config.engine
+    setup = pooling_setup(model_path, engine.runner, stack.pooler)
+    served = f"engine.runner {engine.runner} serves {setup.architecture}"
+    if not setup.is_pooling:
+        if stack.pooler is not None:
+            raise ValueError(
+                f"stack.pooler ({stack.pooler}) is set, but {served} to generate: set "
+                "engine.runner pooling, or unset stack.pooler"
+            )
+        return setup
+    pooling = f"{served} for pooling, which runs each prompt once and generates nothing"
+    refusals = (
+        (
+            stack.speculative is not None,
+            f"stack.speculative ({stack.speculative.proposer if stack.speculative else ''})",
+            "unset stack.speculative",
+        ),
+        (
+            engine.pipeline_parallel_size > 1,
+            f"engine.pipeline_parallel_size ({engine.pipeline_parallel_size})",
+            "a pooling model runs whole in each rank: set pipeline_parallel_size to 1",
+        ),
+        (
+            stack.reasoning_parser is not None,
+            f"stack.reasoning_parser ({stack.reasoning_parser})",
+            "unset stack.reasoning_parser",
+        ),
+        (
+            bool(engine.cuda_graphs),
+            "engine.cuda_graphs (true)",
+            "they capture decode steps only: unset engine.cuda_graphs",
+        ),
+    )
+    for refused, setting, remedy in refusals:
+        if refused:
+            raise ValueError(f"{setting} cannot be used: {pooling}; {remedy}")
+    return setup

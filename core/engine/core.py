@@ -175,6 +175,19 @@ class EngineCore:
                 f"this {setup.architecture} model serves {', '.join(setup.tasks)}, "
                 f"not {params.task}"
             )
+        sampling = req.sampling_params
+        for name, asked in (
+            ("structured_outputs", sampling.structured_outputs is not None),
+            ("logprobs", sampling.logprobs is not None),
+            ("prompt_logprobs", sampling.prompt_logprobs is not None),
+            ("reasoning", sampling.reasoning is not None),
+            ("n", sampling.n != 1),
+        ):
+            if asked:
+                raise ValueError(
+                    f"sampling_params.{name} does not apply to a pooling request, which "
+                    "samples nothing"
+                )
         num_prompt = len(req.prompt_token_ids)
         if num_prompt > self.max_model_len:
             raise ValueError(

@@ -14,20 +14,22 @@ from plugserve.frontend.engines import SpawnedEngines, transport_addresses
 from plugserve.frontend.multi_api_server import LAUNCHER_NAME, serve_with_api_servers
 from plugserve.model_files import resolve_supported_model
 from plugserve.plugins import get_registry
+from plugserve.pooling_setup import check_pooling_stack
 
 SINGLE_API_SERVER_NAME = "ApiServer"
 
 
 def serve(config: StackConfig) -> int:
     """Serve `config` until stopped; the process's exit code. A model that cannot be
-    resolved, or whose architecture no plugin registers, raises ValueError (one line)
-    before any process starts."""
+    resolved, whose architecture no plugin registers, or that the stack cannot serve
+    (check_pooling_stack) raises ValueError (one line) before any process starts."""
     several = config.server.api_server_count > 1
     name_process(LAUNCHER_NAME if several else SINGLE_API_SERVER_NAME)
     # A GGUF is converted here, once, before any child needs it.
-    resolve_supported_model(
+    model_path = resolve_supported_model(
         config.model, get_registry(config.disabled_plugins).implementations("model")
     )
+    check_pooling_stack(model_path, config)
     if several:
         return serve_with_api_servers(config)
     addresses = transport_addresses(config)

@@ -50,11 +50,13 @@ def profile_kv_budget(
     block_size: int,
     device: torch.device,
     utilization: float,
+    computes_logits: bool = True,
 ) -> int:
     """Bytes the KV pool may take: `utilization` of the device's memory, less everything
     in use on it now (weights, CUDA context, workspaces, other processes), less the
     activation peak of one forward pass over a full step of fresh prefills (the largest
-    step the scheduler can form) and its logits.
+    step the scheduler can form) and its logits, where it `computes_logits` (a pooling
+    model has no head).
 
     Leaves a throwaway KV pool allocated, sized for the dummy step; it is counted as in
     use, so the real pool fits beside it until it replaces it."""
@@ -68,8 +70,9 @@ def profile_kv_budget(
         torch.zeros(num_tokens, dtype=torch.int64, device=device),
         torch.from_numpy(positions).to(device),
     )
-    index = torch.from_numpy(batch.query_start_loc[1:].astype(np.int64) - 1).to(device)
-    model.compute_logits(hidden[index])
+    if computes_logits:
+        index = torch.from_numpy(batch.query_start_loc[1:].astype(np.int64) - 1).to(device)
+        model.compute_logits(hidden[index])
     del hidden
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

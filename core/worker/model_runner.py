@@ -233,6 +233,7 @@ class ModelRunner:
                 self.model,
                 self.device,
                 self.max_model_len,
+                setup,
             )
         )
         self.attention.allocate_kv_cache(num_blocks)

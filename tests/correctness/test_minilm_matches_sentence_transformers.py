@@ -4,7 +4,10 @@ Normalize module, read from the checkpoint's own files.
 
 fp32 is held to a cosine of 0.99999 with every reference vector (what differs is
 summation order: fused q/k/v, SDPA over unpadded prompts); bf16 rounds every matmul's
-inputs and is held to 0.9995.
+inputs and is held to 0.9995. truncate_prompt_tokens cuts a prompt as the tokenizer
+truncates at sentence-transformers' max_seq_length: [CLS] and [SEP] kept, the text cut
+at its end. An encoder's KV pool holds one step of whole prompts, not a generation's
+worth of sequences.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import numpy as np
 import pytest
 
 from plugserve import LLM
+from plugserve.messages import EngineCoreRequest
+from plugserve.pooling_params import PoolingParams
+from plugserve.prompt_truncation import PromptTruncation
+from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 SENTENCES = [
     "A man is eating food.",
@@ -41,11 +48,23 @@ def minilm_path():
 
 
 @pytest.fixture(scope="module")
-def reference(minilm_path) -> np.ndarray:
+def sentence_transformer(minilm_path):
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(minilm_path), device="cpu")
-    return model.encode(SENTENCES, convert_to_numpy=True, batch_size=len(SENTENCES))
+    return SentenceTransformer(str(minilm_path), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(sentence_transformer) -> np.ndarray:
+    return sentence_transformer.encode(SENTENCES, convert_to_numpy=True, batch_size=len(SENTENCES))
+
+
+@pytest.fixture(scope="module")
+def fp32_llm():
+    # kv_cache_memory left at its default (1 GiB): the encoder's pool is sized by its steps.
+    llm = LLM("all-minilm-l6-v2", dtype="float32")
+    yield llm
+    llm.engine.shutdown()
 
 
 def cosines(got: list[np.ndarray], expected: np.ndarray) -> np.ndarray:
@@ -55,8 +74,8 @@ def cosines(got: list[np.ndarray], expected: np.ndarray) -> np.ndarray:
     return dots / np.linalg.norm(got_matrix, axis=1) / np.linalg.norm(expected, axis=1)
 
 
-def test_fp32_equals_sentence_transformers(reference):
-    llm = LLM("all-minilm-l6-v2", dtype="float32", kv_cache_memory="16MiB")
+def test_fp32_equals_sentence_transformers(fp32_llm, reference):
+    llm = fp32_llm
     batched = llm.encode(SENTENCES)  # every sentence in one step
     alone = [llm.encode(s)[0] for s in SENTENCES[:3]]
     assert all(v.shape == (384,) and v.dtype == np.float32 for v in batched)
@@ -70,3 +89,52 @@ def test_bf16_agrees_with_sentence_transformers(reference):
     llm = LLM("all-minilm-l6-v2", dtype="bfloat16", kv_cache_memory="16MiB")
     worst = cosines(llm.encode(SENTENCES), reference).min()
     assert worst >= BF16_MIN_COSINE, f"min cosine {worst:.6f}"
+
+
+def test_truncated_prompts_equal_sentence_transformers_at_that_max_seq_length(
+    fp32_llm, sentence_transformer
+):
+    max_tokens = 6
+    tokenizer = sentence_transformer.tokenizer
+    texts = [s for s in SENTENCES if len(tokenizer(s)["input_ids"]) > max_tokens]
+    saved = sentence_transformer.max_seq_length
+    sentence_transformer.max_seq_length = max_tokens
+    try:
+        expected = sentence_transformer.encode(texts, convert_to_numpy=True)
+    finally:
+        sentence_transformer.max_seq_length = saved
+    got = fp32_llm.encode(texts, PoolingParams(truncate_prompt_tokens=max_tokens))
+    assert len(texts) >= 8 and cosines(got, expected).min() >= FP32_MIN_COSINE
+    # [CLS] and [SEP] stay, the text is cut at its end: the tokenizer's own truncation.
+    truncation = PromptTruncation.of_tokenizer(tokenizer)
+    for text in texts:
+        cut = tokenizer(text, truncation=True, max_length=max_tokens)["input_ids"]
+        assert truncation.truncate(tokenizer(text)["input_ids"], max_tokens) == cut
+        assert cut[0] == tokenizer.cls_token_id and cut[-1] == tokenizer.sep_token_id
+
+
+def test_an_encoders_kv_pool_holds_one_step_of_whole_prompts(fp32_llm):
+    engine = fp32_llm.config.engine
+    # One-token prompts, max_num_seqs of them, the rest of the step's budget in full blocks.
+    one_step = (
+        engine.max_num_seqs
+        + (engine.max_num_batched_tokens - engine.max_num_seqs) // engine.block_size
+    )
+    info = fp32_llm.engine.kv_cache_info
+    assert info.num_blocks == one_step
+    # What 1 GiB would hold, and every sequence at full length would use: far more.
+    per_sequence = -(-info.max_model_len // engine.block_size)
+    assert info.num_blocks < engine.max_num_seqs * per_sequence / 4
+
+
+def test_a_pooling_request_asking_to_sample_is_refused_by_name(fp32_llm):
+    request = EngineCoreRequest(
+        request_id="constrained",
+        prompt_token_ids=[101, 7592, 102],
+        sampling_params=SamplingParams(
+            max_tokens=1, structured_outputs=StructuredOutputsParams(json_object=True)
+        ),
+        pooling_params=PoolingParams(),
+    )
+    with pytest.raises(ValueError, match=r"sampling_params\.structured_outputs does not apply"):
+        fp32_llm.engine.add_request(request)

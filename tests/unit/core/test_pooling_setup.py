@@ -1,14 +1,22 @@
-"""How a checkpoint is served for pooling, from its files alone (pooling_setup.py), and
-PoolingParams' validation."""
+"""How a checkpoint is served for pooling, from its files alone (pooling_setup.py), what a
+stack may not select with it (refused before any process starts), and PoolingParams'
+validation."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from plugserve import LLM
+from plugserve.config import load_config
 from plugserve.pooling_params import PoolingParams
-from plugserve.pooling_setup import pooling_setup
+from plugserve.pooling_setup import check_pooling_stack, pooling_setup
+
+PLUGSERVE = str(Path(sys.executable).parent / "plugserve")
 
 
 def folder(tmp_path, architecture: str, **files) -> object:
@@ -79,3 +87,45 @@ def test_an_encoder_cannot_be_asked_to_generate(tmp_path):
 def test_pooling_params_refuse_what_cannot_be(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PoolingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"speculative": {"proposer": "ngram"}}, "stack.speculative (ngram)"),
+        ({"pipeline_parallel_size": 2, "executor": "mp"}, "engine.pipeline_parallel_size (2)"),
+        ({"reasoning_parser": "qwen3"}, "stack.reasoning_parser (qwen3)"),
+        ({"cuda_graphs": True}, "engine.cuda_graphs (true)"),
+    ],
+)
+def test_a_pooling_model_refuses_what_only_generation_uses(tmp_path, settings, named):
+    path = folder(tmp_path, "BertModel")
+    config = load_config(None, {"model": str(path), **settings}, check_plugins=False)
+    with pytest.raises(ValueError) as refused:
+        check_pooling_stack(path, config)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(named)
+    assert "serves BertModel for pooling" in message
+
+
+def test_a_pooler_for_a_generating_model_is_refused(tmp_path):
+    path = folder(tmp_path, "Qwen3ForCausalLM")
+    config = load_config(None, {"model": str(path), "pooler": "mean"}, check_plugins=False)
+    with pytest.raises(ValueError, match=r"stack\.pooler \(mean\) is set, but .* to generate"):
+        check_pooling_stack(path, config)
+    plain = load_config(None, {"model": str(path)}, check_plugins=False)
+    assert check_pooling_stack(path, plain).runner == "generate"
+
+
+def test_llm_and_serve_refuse_speculation_on_a_pooling_model_before_loading():
+    with pytest.raises(ValueError, match=r"^stack\.speculative \(ngram\) cannot be used: "):
+        LLM("all-minilm-l6-v2", speculative={"proposer": "ngram"})
+    result = subprocess.run(
+        [PLUGSERVE, "serve", "--model", "all-minilm-l6-v2", "--port", "0",
+         "--stack.speculative.proposer", "ngram"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "stack.speculative (ngram) cannot be used" in result.stderr
+    assert "serves BertModel for pooling" in result.stderr
