@@ -5,7 +5,8 @@ callers use instead of probing attributes with getattr, so every optional method
 declared and documented here, once (as vLLM's models/interfaces.py):
 
 - any registered class: ReportsUnavailability (`reports_unavailability`);
-- executors: HasTensorParallelLimit, SupportsWeightReadProbe, RunsBatchesConcurrently;
+- executors: HasTensorParallelLimit, SupportsWeightReadProbe, RunsBatchesConcurrently,
+  CountsMessages;
 - attention backends: SupportsCudaGraphs, SupportsFusedCpuLayer, HasDtypes,
   HonoursLayerAttention, SupportsBatchInvariance;
 - models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead, TakesTokenTypeIds,
@@ -26,7 +27,12 @@ if TYPE_CHECKING:
 
     import torch
 
-    from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+    from plugserve.datatypes import (
+        GrammarOutput,
+        MessageCounts,
+        ModelRunnerOutput,
+        SchedulerOutput,
+    )
     from plugserve.interfaces.model import AttentionBatch, LayerAttention, TiedLmHead
 
 
@@ -99,6 +105,21 @@ class RunsBatchesConcurrently(Protocol):
 
 def runs_batches_concurrently(executor: object) -> TypeGuard[RunsBatchesConcurrently]:
     return isinstance(executor, RunsBatchesConcurrently)
+
+
+@runtime_checkable
+class CountsMessages(Protocol):
+    """An executor that counts the messages crossing process boundaries on its behalf:
+    between the engine and its ranks, and among the ranks (datatypes.MessageCounts)."""
+
+    def message_counts(self) -> MessageCounts:
+        """Totals since start, over every rank it reaches; asked between steps, with no
+        batch in flight."""
+        ...
+
+
+def counts_messages(executor: object) -> TypeGuard[CountsMessages]:
+    return isinstance(executor, CountsMessages)
 
 
 # --------------------------------------------------------------------------- attention backends

@@ -144,6 +144,9 @@ class EngineConfig(_Section):
     pp_layer_partition: list[int] | None = None
     # Engine-core processes behind the one API server, each a full replica of the model.
     data_parallel_size: int = Field(1, ge=1)
+    # Which of those engines this is: the server sets it in each engine's process. An
+    # executor that places ranks on a cluster spreads the engines over its nodes by it.
+    data_parallel_rank: int = Field(0, ge=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # What the engine serves: generate (sample tokens), pooling (embeddings, scores,
     # classes: the runner returns pooled outputs). auto: pooling for encoder and
@@ -174,6 +177,15 @@ class EngineConfig(_Section):
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}): every running request decodes a token "
                 "per step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _rank_among_engines(self) -> EngineConfig:
+        if self.data_parallel_rank >= self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank ({self.data_parallel_rank}) must be below "
+                f"data_parallel_size ({self.data_parallel_size})"
             )
         return self
 

@@ -13,6 +13,8 @@ phases the modules name are docs/request-path.md's.
   server (datatypes/pooled_tensor.py).
 - `RequestDelta`: what the API server's engine client yields for one request, to the
   endpoints and to an endpoint plugin (datatypes/request_delta.py).
+- `MessageCounts`: the messages and bytes an executor and its ranks exchanged, by
+  route (datatypes/message_counts.py).
 - `StageCommand`, `RankLayout`, `SampledTokenRelay`, `output_rank`: a batch as every
   rank of every pipeline stage receives it, where a rank sits, and the relay of sampled
   tokens to the earlier stages (datatypes/pipeline_stage.py).
@@ -27,6 +29,7 @@ so).
 from __future__ import annotations
 
 from plugserve.datatypes.grammar_output import GrammarOutput
+from plugserve.datatypes.message_counts import MessageCounts
 from plugserve.datatypes.pipeline_stage import (
     RankLayout,
     SampledTokenRelay,
@@ -47,6 +50,7 @@ __all__ = [
     "CachedRequestData",
     "GrammarOutput",
     "Logprobs",
+    "MessageCounts",
     "ModelRunnerOutput",
     "NewRequestData",
     "PooledTensor",

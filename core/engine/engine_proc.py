@@ -88,6 +88,7 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     """What a spawned engine-core process runs (one per data-parallel rank), called by
     its spawn target, plugserve.engine.entrypoint.run_engine_core."""
     config = StackConfig.model_validate_json(config_json)
+    config.engine.data_parallel_rank = engine_index
     dp_size = config.engine.data_parallel_size
     name = engine_process_name(engine_index, dp_size)
     configure_process_logging(name)

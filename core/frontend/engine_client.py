@@ -7,6 +7,10 @@ outputs are detokenized in chunks (yielding to the event loop between chunks), s
 strings are checked here and sent back as aborts, and each request's deltas land on
 that request's own queue. A request's state is registered before the request is sent,
 so no output can arrive for an unknown request.
+
+With data parallelism an engine that dies takes only its own requests along: they fail
+with its error (503), no new request goes to it, /health says the server is degraded,
+and the other engines serve on. The server is dead once every engine is.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from plugserve.config import StackConfig
 from plugserve.datatypes import PooledTensor, RequestDelta
+from plugserve.engine.entrypoint import engine_process_name
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.metrics import FrontendMetrics
 from plugserve.frontend.request_state import EngineDeadError, RequestError, RequestState
@@ -86,8 +91,9 @@ class AsyncEngineClient:
         # In-flight requests per engine: new requests go to the least loaded one.
         self._load = [0] * self.num_engines
         self.requests_per_engine = [0] * self.num_engines  # ever assigned, for /metrics
-        self._pongs: dict[int, asyncio.Future[None]] = {}
-        self._weight_reads: dict[int, asyncio.Future[WeightRead]] = {}
+        # Answers awaited, by nonce: (the engine asked, its future).
+        self._pongs: dict[int, tuple[int, asyncio.Future[None]]] = {}
+        self._weight_reads: dict[int, tuple[int, asyncio.Future[WeightRead]]] = {}
         self._nonces = itertools.count()
         self._channel: ClientChannel | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -99,6 +105,11 @@ class AsyncEngineClient:
         # max_model_len (the token histograms' buckets go up to it).
         self.metrics: FrontendMetrics | None = None
         self.dead_reason: str | None = None
+        # Engines that exited or failed, with why: none is sent anything more. `_leaving`
+        # takes one at once (its exit seen), `_retired` once its requests have failed.
+        self._leaving: dict[int, str] = {}
+        self._retired: dict[int, str] = {}
+        self._last_words: list[asyncio.Event] = []  # set by each engine's DEAD
         self._shut_down = False
 
     # ------------------------------------------------------------------ life cycle
@@ -113,8 +124,9 @@ class AsyncEngineClient:
         raise EngineDeadError with an engine's own error if one dies while starting."""
         self._channel = self._transport.client(self._addresses, self.client_index)
         self._engines_gone = asyncio.get_running_loop().create_future()
+        self._last_words = [asyncio.Event() for _ in range(self.num_engines)]
         self._engines.start()
-        self._engines.watch(self._on_engines_gone)
+        self._engines.watch(self._on_engine_gone)
         try:
             for _ in range(self.num_engines):
                 self.readies.append(await self._next_handshake(timeout))
@@ -142,27 +154,71 @@ class AsyncEngineClient:
             )
         return self.readies[0]
 
-    def _on_engines_gone(self, reason: str) -> None:
+    def _on_engine_gone(self, engine: int, reason: str) -> None:
         assert self._engines_gone is not None
-        if not self._engines_gone.done():
-            self._engines_gone.set_result(reason)
-        if len(self.readies) == self.num_engines:  # started: requests may be in flight
-            self._tasks.append(asyncio.ensure_future(self._mark_dead_after_last_words(reason)))
+        if len(self.readies) < self.num_engines:  # still starting: the start fails
+            if not self._engines_gone.done():
+                self._engines_gone.set_result(reason)
+            return
+        if engine not in self._leaving:
+            self._leaving[engine] = reason
+            retire = self._retire_after_last_words(engine, reason)
+            self._tasks.append(asyncio.ensure_future(retire))
 
-    async def _mark_dead_after_last_words(self, reason: str) -> None:
+    async def _retire_after_last_words(self, engine: int, reason: str) -> None:
         """An engine that fails sends why (DEAD) and then exits, and its exit can reach us
-        first: the requests in flight wait a moment for those last words, which name the
-        cause (the output handler ends on them); new requests are refused meanwhile."""
-        output_handler = self._tasks[0]
-        await asyncio.wait([output_handler], timeout=LAST_WORDS_TIMEOUT_S)
-        self._mark_dead(reason)
+        first: its requests in flight wait a moment for those last words, which name the
+        cause; nothing new is sent to it meanwhile."""
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._last_words[engine].wait(), LAST_WORDS_TIMEOUT_S)
+        self._retire(engine, reason)
+
+    def _retire(self, engine: int, reason: str) -> None:
+        """Engine `engine` is out of service: its requests fail with `reason`; the others
+        serve on, and when it was the last, the whole client is dead."""
+        if engine in self._retired or self.dead_reason is not None:
+            return
+        self._leaving[engine] = reason  # its last words, where they came first
+        self._retired[engine] = reason
+        if len(self._retired) == self.num_engines:
+            self._mark_dead(reason)
+            return
+        serving = self.num_engines - len(self._retired)
+        logger.error("%s; %d of %d engines serve on", reason, serving, self.num_engines)
+        error = EngineDeadError(reason)
+        for state in [s for s in self._states.values() if s.engine == engine]:
+            self._forget(state, "error")
+            state.queue.put_nowait(error)
+        for waiting in (self._pongs, self._weight_reads):
+            for asked, future in waiting.values():
+                if asked == engine and not future.done():
+                    future.set_exception(error)
+        # Its last figures no longer describe anything that runs.
+        stats = self._stats[engine]
+        stats.num_running = stats.num_waiting = 0
+        stats.num_kv_blocks = stats.num_free_kv_blocks = 0
+        if self.metrics is not None:
+            self.metrics.record_scheduler_stats(engine, SchedulerStats())
 
     @property
     def _refusal(self) -> str | None:
-        """Why nothing more can be sent: the engines are dead, or one has exited."""
-        if self.dead_reason is None and self._engines_gone is not None:
-            return self._engines_gone.result() if self._engines_gone.done() else None
-        return self.dead_reason
+        """Why nothing more can be sent: the engines are dead, or the last one serving
+        has exited."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        if len(self._leaving) == self.num_engines:
+            return next(reversed(self._leaving.values()))
+        return None
+
+    @property
+    def engines_out_of_service(self) -> dict[int, str]:
+        """The engines that exited or failed, with why (empty while all serve)."""
+        return dict(self._leaving)
+
+    def _pick_engine(self) -> int:
+        """The serving engine with the fewest requests in flight."""
+        serving = (i for i in range(self.num_engines) if i not in self._leaving)
+        return min(serving, key=self._load.__getitem__)
 
     async def _next_handshake(self, timeout: float) -> EngineReady:
         assert self._channel is not None and self._engines_gone is not None
@@ -219,7 +275,8 @@ class AsyncEngineClient:
         owns = self._engines.owns_engines
         asked = owns and self.dead_reason is None and self._channel is not None
         if asked:
-            for index in sorted(ready.engine_index for ready in self.readies):
+            serving = [r.engine_index for r in self.readies if r.engine_index not in self._leaving]
+            for index in sorted(serving):
                 with contextlib.suppress(Exception):  # it is going away either way
                     await asyncio.wait_for(self._send([RequestType.SHUTDOWN, b""], index), 2)
         await self._engines.stop(asked=asked)
@@ -241,7 +298,7 @@ class AsyncEngineClient:
             if self.metrics is not None:
                 self.metrics.request_finished(state.request_id, "error")
         self._states.clear()
-        for future in [*self._pongs.values(), *self._weight_reads.values()]:
+        for _, future in [*self._pongs.values(), *self._weight_reads.values()]:
             if not future.done():
                 future.set_exception(error)
         if self.on_engine_dead is not None:
@@ -264,7 +321,7 @@ class AsyncEngineClient:
             raise EngineDeadError(refusal)
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        engine = min(range(self.num_engines), key=self._load.__getitem__)
+        engine = self._pick_engine()
         arrival_time = arrival_time or time.time()
         state = RequestState(
             request_id=request_id,
@@ -311,7 +368,7 @@ class AsyncEngineClient:
             raise EngineDeadError(refusal)
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        engine = min(range(self.num_engines), key=self._load.__getitem__)
+        engine = self._pick_engine()
         arrival_time = time.time()
         state = RequestState(
             request_id=request_id,
@@ -369,24 +426,37 @@ class AsyncEngineClient:
                 self._forget(state, reason)
                 by_engine.setdefault(state.engine, []).append(request_id)
         for engine, ids in by_engine.items():
-            await self._send([RequestType.ABORT, encoder.encode(ids)], engine)
+            if engine not in self._leaving:  # a gone engine has nothing left to free
+                await self._send([RequestType.ABORT, encoder.encode(ids)], engine)
 
-    async def check_health(self, timeout: float) -> None:
-        """A round trip through the transport to the engine's busy loop. Raises
-        EngineDeadError if the engine is gone, TimeoutError if it does not answer."""
+    async def check_health(self, timeout: float) -> dict[int, str]:
+        """A round trip through the transport to every serving engine's busy loop.
+        Returns the engines out of service, with why (empty while all serve). Raises
+        EngineDeadError if none serves, TimeoutError if one does not answer."""
         if (refusal := self._refusal) is not None:
             raise EngineDeadError(refusal)
         loop = asyncio.get_running_loop()
-        nonces = [next(self._nonces) for _ in range(self.num_engines)]
-        futures = [loop.create_future() for _ in nonces]
-        self._pongs.update(zip(nonces, futures, strict=True))
+        asked = {
+            next(self._nonces): engine
+            for engine in range(self.num_engines)
+            if engine not in self._leaving
+        }
+        futures: dict[int, asyncio.Future[None]] = {n: loop.create_future() for n in asked}
+        self._pongs.update({n: (asked[n], futures[n]) for n in asked})
         try:
-            for engine, nonce in enumerate(nonces):
+            for nonce, engine in asked.items():
                 await self._send([RequestType.PING, encoder.encode(nonce)], engine)
-            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+            answers = asyncio.gather(*futures.values(), return_exceptions=True)
+            for answer in await asyncio.wait_for(answers, timeout):
+                # An engine that died meanwhile is out of service now, not a failure.
+                if isinstance(answer, BaseException) and not isinstance(answer, EngineDeadError):
+                    raise answer
         finally:
-            for nonce in nonces:
+            for nonce in asked:
                 self._pongs.pop(nonce, None)
+        if (refusal := self._refusal) is not None:
+            raise EngineDeadError(refusal)
+        return self.engines_out_of_service
 
     async def measure_weight_read(
         self, seconds: float, timeout: float, engine: int = 0
@@ -398,9 +468,11 @@ class AsyncEngineClient:
             raise EngineDeadError(refusal)
         if not 0 <= engine < self.num_engines:
             raise ValueError(f"no engine {engine}: there are {self.num_engines}")
+        if engine in self._leaving:
+            raise EngineDeadError(self._leaving[engine])
         nonce = next(self._nonces)
         future: asyncio.Future[WeightRead] = asyncio.get_running_loop().create_future()
-        self._weight_reads[nonce] = future
+        self._weight_reads[nonce] = (engine, future)
         try:
             probe = encoder.encode(ReadWeights(nonce, seconds))
             await self._send([RequestType.READ_WEIGHTS, probe], engine)
@@ -411,6 +483,8 @@ class AsyncEngineClient:
     async def _send(self, frames: list[bytes], engine: int = 0) -> None:
         assert self._channel is not None, "start() the client first"
         await self._channel.send(frames, engine)
+        if self.metrics is not None:
+            self.metrics.record_message(engine, "to_engine", sum(len(f) for f in frames))
 
     # ------------------------------------------------------------------ outputs
 
@@ -420,30 +494,46 @@ class AsyncEngineClient:
             while True:
                 kind, payload = await self._channel.recv()
                 kind = bytes(kind)
+                nbytes = len(kind) + memoryview(payload).nbytes
                 if kind == OutputType.OUTPUTS:
                     batch = outputs_decoder.decode(payload)
+                    self._received(batch.engine_index, nbytes)
                     if batch.scheduler_stats is not None:
                         self._record_stats(batch.engine_index, batch.scheduler_stats)
                     await self._process_outputs(batch.outputs)
                 elif kind == OutputType.PONG:
                     pong = pong_decoder.decode(payload)
+                    self._received(pong.engine_index, nbytes)
                     self._record_stats(pong.engine_index, pong.stats)
-                    future = self._pongs.get(pong.nonce)
+                    _, future = self._pongs.get(pong.nonce, (None, None))
                     if future is not None and not future.done():
                         future.set_result(None)
                 elif kind == OutputType.WEIGHT_READ:
                     read = weight_read_decoder.decode(payload)
-                    waiter = self._weight_reads.get(read.nonce)
+                    self._received(read.engine_index, nbytes)
+                    _, waiter = self._weight_reads.get(read.nonce, (None, None))
                     if waiter is not None and not waiter.done():
                         waiter.set_result(read)
                 elif kind == OutputType.DEAD:
-                    self._mark_dead(f"the engine core failed: {dead_decoder.decode(payload).error}")
-                    return
+                    dead = dead_decoder.decode(payload)
+                    self._last_words[dead.engine_index].set()
+                    self._retire(dead.engine_index, self._failed(dead.engine_index, dead.error))
+                    if self.dead_reason is not None:
+                        return
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.exception("output handler failed")
             self._mark_dead(f"lost the engine's outputs: {exc}")
+
+    def _received(self, engine: int, nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.record_message(engine, "from_engine", nbytes)
+
+    def _failed(self, engine: int, error: str) -> str:
+        if self.num_engines == 1:
+            return f"the engine core failed: {error}"
+        return f"the engine core {engine_process_name(engine, self.num_engines)} failed: {error}"
 
     def _record_stats(self, engine: int, stats: SchedulerStats) -> None:
         add_stats(self._stats[engine], stats)

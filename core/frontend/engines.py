@@ -4,8 +4,9 @@ With one API server, that server spawns the engines itself (`SpawnedEngines`) an
 watches their process sentinels. With several, the launcher spawns them
 (`EngineProcesses`, used synchronously) and tells every API server over its control
 pipe when one exits (`LauncherEngines`); an API server cannot watch a sibling's children
-itself. Either way the client learns "the engines are gone, because ..." through one
-callback, and a client that owns no engines never shuts them down.
+itself. Either way the client learns "engine i is gone, because ..." through one
+callback, once per engine: with data parallelism the others may go on serving. A client
+that owns no engines never shuts them down.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from plugserve.ops.process_env import engine_environment
 from plugserve.plugins import get_registry
 
 ENGINE_STOP_TIMEOUT_S = 5.0  # per step: asked (SHUTDOWN or SIGTERM), terminated, killed
-ENGINE_GONE = "engine-gone"  # control message, launcher → API server: (ENGINE_GONE, reason)
+# Control message, launcher → API server: (ENGINE_GONE, (engine index, reason)).
+ENGINE_GONE = "engine-gone"
 
-OnEnginesGone = Callable[[str], None]
+# on_gone(engine index, reason): that engine is unusable.
+OnEngineGone = Callable[[int, str], None]
 
 
 def transport_addresses(config: StackConfig) -> dict[str, str]:
@@ -85,13 +88,13 @@ class EngineProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes if p.pid is not None]
 
-    def exit_reason(self) -> str | None:
-        """Why the engines are unusable, if one of them has exited; None while all run."""
-        for index, process in enumerate(self.processes):
-            if process.exitcode is not None:
-                name = engine_process_name(index, self.num_engines)
-                return f"the engine core {name} exited unexpectedly (exit code {process.exitcode})"
-        return None
+    def exited(self) -> dict[int, str]:
+        """Why each engine that has exited is unusable, by engine index."""
+        return {
+            index: exit_reason(engine_process_name(index, self.num_engines), process.exitcode)
+            for index, process in enumerate(self.processes)
+            if process.exitcode is not None
+        }
 
     def stop(self, asked: bool) -> None:
         """Stop every engine, blocking: give those `asked` to shut down (a SHUTDOWN
@@ -108,6 +111,10 @@ class EngineProcesses:
             join_all(alive, ENGINE_STOP_TIMEOUT_S)
 
 
+def exit_reason(name: str, exit_code: int) -> str:
+    return f"the engine core {name} exited unexpectedly (exit code {exit_code})"
+
+
 def join_all(processes: list[multiprocessing.process.BaseProcess], timeout: float) -> None:
     """Join every process, `timeout` seconds at most in all."""
     deadline = time.monotonic() + timeout
@@ -122,8 +129,9 @@ class EngineSupervision(Protocol):
 
     def start(self) -> None: ...
 
-    def watch(self, on_gone: OnEnginesGone) -> None:
-        """Call `on_gone(reason)` (in the running loop) once the engines are unusable."""
+    def watch(self, on_gone: OnEngineGone) -> None:
+        """Call `on_gone(index, reason)` (in the running loop) once for each engine that
+        becomes unusable."""
         ...
 
     async def stop(self, asked: bool) -> None: ...
@@ -137,27 +145,31 @@ class SpawnedEngines:
     def __init__(self, config: StackConfig, addresses: dict[str, str]) -> None:
         self.processes = EngineProcesses(config, addresses)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched: set[int] = set()
 
     def start(self) -> None:
         self.processes.start()
 
-    def watch(self, on_gone: OnEnginesGone) -> None:
+    def watch(self, on_gone: OnEngineGone) -> None:
         self._loop = asyncio.get_running_loop()
+        self._watched = set(range(self.processes.num_engines))
 
-        def exited() -> None:
-            reason = self.processes.exit_reason()
-            if reason is not None:
-                self._unwatch()
-                on_gone(reason)
+        def exited(index: int) -> None:
+            reason = self.processes.exited().get(index)
+            if reason is not None and index in self._watched:
+                self._unwatch(index)
+                on_gone(index, reason)
 
-        for sentinel in self.processes.sentinels:
-            self._loop.add_reader(sentinel, exited)
+        for index, sentinel in enumerate(self.processes.sentinels):
+            self._loop.add_reader(sentinel, exited, index)
 
-    def _unwatch(self) -> None:
-        if self._loop is not None:
-            for sentinel in self.processes.sentinels:
-                self._loop.remove_reader(sentinel)
-            self._loop = None
+    def _unwatch(self, *indexes: int) -> None:
+        if self._loop is None:
+            return
+        sentinels = self.processes.sentinels
+        for index in indexes or sorted(self._watched):
+            self._watched.discard(index)
+            self._loop.remove_reader(sentinels[index])
 
     async def stop(self, asked: bool) -> None:
         self._unwatch()
@@ -165,30 +177,34 @@ class SpawnedEngines:
 
 
 class LauncherEngines:
-    """Engines that the launcher owns: it sends (ENGINE_GONE, reason) over this API
-    server's control pipe when one exits. The pipe closing means the launcher is gone,
-    which leaves this API server nothing to serve with either."""
+    """Engines that the launcher owns: it sends (ENGINE_GONE, (index, reason)) over this
+    API server's control pipe when one exits. The pipe closing means the launcher is
+    gone, which leaves this API server nothing to serve with either."""
 
     owns_engines = False
 
-    def __init__(self, control: multiprocessing.connection.Connection) -> None:
+    def __init__(self, control: multiprocessing.connection.Connection, num_engines: int) -> None:
         self.control = control
+        self.num_engines = num_engines
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         """Nothing to start: the launcher started the engines."""
 
-    def watch(self, on_gone: OnEnginesGone) -> None:
+    def watch(self, on_gone: OnEngineGone) -> None:
         self._loop = asyncio.get_running_loop()
 
         def readable() -> None:
             try:
-                kind, reason = self.control.recv()
+                kind, payload = self.control.recv()
             except (EOFError, OSError):
-                kind, reason = ENGINE_GONE, "the launcher is gone"
-            if kind == ENGINE_GONE:
                 self._unwatch()
-                on_gone(reason)
+                for index in range(self.num_engines):
+                    on_gone(index, "the launcher is gone")
+                return
+            if kind == ENGINE_GONE:
+                index, reason = payload
+                on_gone(index, reason)
 
         self._loop.add_reader(self.control.fileno(), readable)
 

@@ -189,6 +189,10 @@ class PluginMetricsRegistry(CollectorRegistry):
         self.collectors.remove(collector)
 
 
+# Which way a message between the API server and an engine went.
+MESSAGE_DIRECTIONS = ("to_engine", "from_engine")
+
+
 class FrontendMetrics:
     """One API server's metrics: fed by its engine client, served by /metrics."""
 
@@ -331,10 +335,36 @@ class FrontendMetrics:
             registry=r,
         )
         self._assigned = [assigned.labels(str(e)) for e in range(num_engines)]
+        messages = Counter(
+            "plugserve_engine_messages",
+            "Messages between this API server and each engine, by direction.",
+            ["engine", "direction"],
+            registry=r,
+        )
+        message_bytes = Counter(
+            "plugserve_engine_message_bytes",
+            "Bytes of the messages between this API server and each engine, by direction.",
+            ["engine", "direction"],
+            registry=r,
+        )
+        self._messages = {
+            (e, direction): (
+                messages.labels(str(e), direction),
+                message_bytes.labels(str(e), direction),
+            )
+            for e in range(num_engines)
+            for direction in MESSAGE_DIRECTIONS
+        }
         self._scrape_registry = CollectorRegistry(auto_describe=False)
         self._scrape_registry.register(_Exposition(self))
 
     # ------------------------------------------------------------------ the engines' figures
+
+    def record_message(self, engine: int, direction: str, nbytes: int) -> None:
+        """One message to or from `engine` (`direction`: one of MESSAGE_DIRECTIONS)."""
+        count, size = self._messages[engine, direction]
+        count.inc()
+        size.inc(nbytes)
 
     def record_scheduler_stats(self, engine: int, stats: SchedulerStats) -> None:
         """One stats message of `engine`: gauges as they are, counters as increments."""

@@ -8,8 +8,10 @@ ApiServer_{N-1}) and the engine cores, and then only supervises: every API serve
 own transport channel to every engine (client number i), and a control pipe to the
 launcher. Failures are the server's failures:
 
-- an engine exits: the launcher tells every API server (which fail their in-flight
-  requests with 503 and exit 1), stops the rest and exits 1;
+- an engine exits: the launcher tells every API server, which fail its in-flight
+  requests with 503; with data parallelism they serve on with the other engines, and
+  once none is left (always, with one) they exit 1 and the launcher stops the rest
+  and exits 1;
 - an API server exits without being asked: the launcher stops everything and exits 1,
   rather than leave a server that answers only some connections;
 - SIGINT or SIGTERM: the API servers get SIGTERM (uvicorn's graceful shutdown), then the
@@ -142,7 +144,7 @@ def run_api_server_process(
         name=name,
         client_index=index,
         addresses=addresses,
-        engines=LauncherEngines(control),
+        engines=LauncherEngines(control, config.engine.data_parallel_size),
         sockets=sockets,
         stop_signals=(signal.SIGTERM,),
         on_serving=lambda: control.send((SERVING, None)),
@@ -215,10 +217,17 @@ class Launcher:
     def _supervise(self) -> str | None:
         """Watch until a stop signal (None) or a failure (what failed)."""
         open_controls = list(self.controls)
+        told: set[int] = set()  # the engines the API servers know to be gone
+        last_gone = ""
         while True:
+            live_engines = [
+                sentinel
+                for index, sentinel in enumerate(self.engines.sentinels)
+                if index not in told
+            ]
             watched = [
                 self._wakeup_read,
-                *self.engines.sentinels,
+                *live_engines,
                 *(p.sentinel for p in self.api_servers),
                 *open_controls,
             ]
@@ -226,11 +235,17 @@ class Launcher:
             if self._signals:
                 logger.info("%s: stopping", signal.Signals(self._signals[0]).name)
                 return None
-            engine_gone = self.engines.exit_reason()
-            if engine_gone is not None:
+            for index, reason in self.engines.exited().items():
+                if index not in told:
+                    told.add(index)
+                    last_gone = reason
+                    if len(told) < self.engines.num_engines:
+                        logger.error("%s: the other engines serve on", reason)
+                    self._tell_api_servers(index, reason)
+            if len(told) == self.engines.num_engines:
+                # With data parallelism the others served on until now.
                 self._engine_failed = True
-                self._tell_api_servers(engine_gone)
-                return engine_gone
+                return last_gone
             for index, process in enumerate(self.api_servers):
                 if process.exitcode is not None:
                     name = api_server_name(index)
@@ -259,10 +274,10 @@ class Launcher:
                 )
         return True
 
-    def _tell_api_servers(self, reason: str) -> None:
+    def _tell_api_servers(self, engine: int, reason: str) -> None:
         for control in self.controls:
             with contextlib.suppress(OSError):  # that API server is gone already
-                control.send((ENGINE_GONE, reason))
+                control.send((ENGINE_GONE, (engine, reason)))
 
     # ------------------------------------------------------------------ stop
 

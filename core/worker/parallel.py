@@ -10,6 +10,9 @@ A model built without a ParallelContext (or with `NO_PARALLEL`) runs every colle
 a no-op and never touches torch.distributed, so the single-process path costs nothing.
 The shard helpers are pure functions of the sizes: every rank computes the same table
 and picks its own row, so no rank has to tell another where its slice is.
+
+Every collective and every send to the next stage is counted in this process
+(`rank_message_counts`), for the executors' CountsMessages.
 """
 
 from __future__ import annotations
@@ -21,11 +24,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plugserve.datatypes import RankLayout
+from plugserve.datatypes import MessageCounts, RankLayout
 
 # A gloo collective whose peer died blocks until this timeout; the executor notices the
 # death much sooner through process sentinels, so this is only a backstop.
 DEFAULT_TIMEOUT_S = 60.0
+
+# What this process (one rank) has exchanged with the other ranks since it started.
+_counts = MessageCounts()
+
+
+def rank_message_counts() -> MessageCounts:
+    """This rank's collectives and stage sends since it started (a copy)."""
+    return _counts + MessageCounts()
+
+
+def count_collective(tensor: torch.Tensor) -> None:
+    """One collective call of this rank over `tensor`."""
+    _counts.collectives += 1
+    _counts.collective_bytes += tensor.numel() * tensor.element_size()
+
+
+def _count_stage_send(tensor: torch.Tensor) -> None:
+    _counts.stage_sends += 1
+    _counts.stage_send_bytes += tensor.numel() * tensor.element_size()
 
 
 def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
@@ -114,6 +136,7 @@ class ParallelContext:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
         if self.world_size > 1:
+            count_collective(tensor)
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
@@ -122,6 +145,7 @@ class ParallelContext:
         if self.world_size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        count_collective(tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
@@ -138,6 +162,7 @@ class ParallelContext:
             tensor = torch.nn.functional.pad(tensor, (0, pad))
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in ranges] if self.is_driver else None
+        count_collective(tensor)
         dist.gather(tensor, parts, dst=self._global_rank(0), group=self.group)
         if parts is None:
             return None
@@ -148,6 +173,7 @@ class ParallelContext:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """The driver's (or `src`'s) tensor on every rank, in place."""
         if self.world_size > 1:
+            count_collective(tensor)
             dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
         return tensor
 
@@ -304,6 +330,7 @@ class PipelineLink:
         message = torch.stack([hidden, residual])
         seconds = torch.tensor(busy, dtype=torch.float64, device=self.device)
         for tensor in (message, seconds):
+            _count_stage_send(tensor)
             self._sending.append((dist.isend(tensor, dst=self.next_rank), tensor))
 
     def wait_sent(self) -> None:

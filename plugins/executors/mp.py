@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
-import os
 import threading
 import time
 import weakref
@@ -42,12 +41,12 @@ from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
 import msgspec
-from pydantic import BaseModel, Field
 
 from plugserve import hookimpl
 from plugserve.config import StackConfig, load_config
 from plugserve.datatypes import (
     GrammarOutput,
+    MessageCounts,
     ModelRunnerOutput,
     RankLayout,
     SampledTokenRelay,
@@ -61,15 +60,21 @@ from plugserve_plugins.executors.heartbeat import (
     heartbeat_port,
     send_heartbeats,
 )
-from plugserve_plugins.executors.mp_processes import death_reason, free_port, stop_workers
+from plugserve_plugins.executors.mp_processes import (
+    MultiprocOptions,
+    death_reason,
+    free_port,
+    stop_workers,
+    worker_spec,
+)
 from plugserve_plugins.executors.mp_worker import (
     BATCH,
+    COUNTS,
     ERROR,
     EXECUTE,
     READY,
     REPLY,
     SAMPLE,
-    WorkerSpec,
     set_title,
     worker_main,
 )
@@ -77,20 +82,6 @@ from plugserve_plugins.executors.mp_worker import (
 logger = logging.getLogger(__name__)
 
 _Output = ModelRunnerOutput | None
-
-
-class MultiprocOptions(BaseModel):
-    """`plugins: {mp: {...}}` in stack.yaml."""
-
-    # Backstop for a collective whose peer died or a rendezvous a node never joins; the
-    # executor notices a local death through sentinels long before.
-    collective_timeout_s: float = Field(60.0, gt=0)
-    # How long shutdown waits for workers to exit before terminating them.
-    shutdown_timeout_s: float = Field(5.0, ge=0)
-    # Across nodes: how often each other node sends node 0 a heartbeat, and after how
-    # long without one node 0 declares it gone.
-    heartbeat_interval_s: float = Field(0.1, gt=0)
-    heartbeat_timeout_s: float = Field(1.0, gt=0)
 
 
 class _Reply(Future):  # type: ignore[type-arg]
@@ -151,7 +142,7 @@ class MultiprocExecutor:
         self._conns: list[Connection] = []
         ctx = multiprocessing.get_context("spawn")
         for rank in range(local):
-            spec = _spec(config, rank, port, self.options)
+            spec = worker_spec(config, rank, port, self.options)
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(spec, child_end), name=spec.name)
             proc.daemon = True  # multiprocessing's atexit reaps them if all else fails
@@ -163,6 +154,7 @@ class MultiprocExecutor:
         self._command_conns = self._conns if engine.nnodes == 1 else self._conns[:1]
         self._failure: str | None = None
         self._pending: deque[_Reply] = deque()
+        self._counts = MessageCounts()  # the engine's side: batches, commands, replies
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(_Output)
         # Workers stop when the executor is shut down or garbage collected.
@@ -215,6 +207,7 @@ class MultiprocExecutor:
         command = self._relay.command(scheduler_output, grammar_output)
         message = bytearray(BATCH)
         self._encoder.encode_into(command, message, 1)
+        self._counts.batches += 1
         self._broadcast(message)
         future = _Reply(self)
         self._pending.append(future)
@@ -233,6 +226,7 @@ class MultiprocExecutor:
             return staged
         message = bytearray(EXECUTE)
         self._encoder.encode_into(scheduler_output, message, 1)
+        self._counts.batches += 1
         self._broadcast(message)
         future = _Reply(self)
         self._pending.append(future)
@@ -264,6 +258,22 @@ class MultiprocExecutor:
             if not proc.is_alive():
                 self._fail(self._death(rank))
 
+    def message_counts(self) -> MessageCounts:
+        """capabilities.CountsMessages: the engine's side and every local rank's."""
+        if self._pending:
+            raise RuntimeError("message_counts with a batch in flight")
+        self._broadcast(COUNTS, counted=False)
+        counts = self._counts + MessageCounts()
+        # Every local rank answers, whether the command reached it by pipe or by relay.
+        waiting = set(range(len(self._conns)))
+        while waiting:
+            rank, message = self._receive(waiting)
+            if message[:1] != COUNTS:
+                self._fail(f"{self._names[rank]} sent {message[:1]!r} instead of its counts")
+            counts += msgspec.msgpack.decode(memoryview(message)[1:], type=MessageCounts)
+            waiting.discard(rank)
+        return counts
+
     def shutdown(self) -> None:
         self._finalizer()
         if self._failure is None:
@@ -271,9 +281,12 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _broadcast(self, message: bytes | bytearray) -> None:
+    def _broadcast(self, message: bytes | bytearray, counted: bool = True) -> None:
         if self._failure is not None:
             raise RuntimeError(self._failure)
+        if counted:
+            self._counts.commands += len(self._command_conns)
+            self._counts.command_bytes += len(message) * len(self._command_conns)
         for rank, conn in enumerate(self._command_conns):
             try:
                 conn.send_bytes(message)
@@ -311,6 +324,8 @@ class MultiprocExecutor:
         if message[:1] != REPLY:
             name = self._names[self._output_rank]
             self._fail(f"{name} sent {message[:1]!r} instead of a reply")
+        self._counts.replies += 1
+        self._counts.reply_bytes += len(message)
         return message
 
     def _receive(self, ranks: set[int], timeout: float | None = None) -> tuple[int, bytes]:
@@ -393,25 +408,6 @@ class MultiprocExecutor:
         return death_reason(self._names[rank], self._procs[rank])
 
 
-def _spec(config: StackConfig, rank: int, port: int, options: MultiprocOptions) -> WorkerSpec:
-    engine = config.engine
-    world_size = engine.tensor_parallel_size * engine.pipeline_parallel_size
-    local = world_size // engine.nnodes
-    return WorkerSpec(
-        config_json=config.model_dump_json(),
-        rank=rank,
-        local_rank=rank % local,
-        world_size=world_size,
-        tensor_parallel_size=engine.tensor_parallel_size,
-        local_world_size=local,
-        master_addr=engine.master_addr,
-        master_port=port,
-        relay=engine.nnodes > 1,
-        parent_pid=os.getpid(),
-        timeout_s=options.collective_timeout_s,
-    )
-
-
 # --------------------------------------------------------------------------- other nodes
 
 
@@ -427,7 +423,7 @@ def run_node(config: StackConfig) -> int:
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in range(engine.node_rank * local, (engine.node_rank + 1) * local):
-        spec = _spec(config, rank, engine.master_port, options)
+        spec = worker_spec(config, rank, engine.master_port, options)
         proc = ctx.Process(target=worker_main, args=(spec, None), name=spec.name)
         proc.start()
         procs.append(proc)

@@ -1,17 +1,56 @@
-"""The mp executor's worker processes from the outside: how one died, stopping them all,
-and a free port for their rendezvous (mp.py starts them, mp_worker.py runs inside one)."""
+"""The mp executor's worker processes from the outside: its options and what each worker
+is given, how one died, stopping them all, and a free port for their rendezvous (mp.py
+starts them, mp_worker.py runs inside one)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from pydantic import BaseModel, Field
+
+from plugserve.config import StackConfig
 from plugserve_plugins.executors.heartbeat import PeerHeartbeats
-from plugserve_plugins.executors.mp_worker import SHUTDOWN
+from plugserve_plugins.executors.mp_worker import SHUTDOWN, WorkerSpec
+
+
+class MultiprocOptions(BaseModel):
+    """`plugins: {mp: {...}}` in stack.yaml."""
+
+    # Backstop for a collective whose peer died or a rendezvous a node never joins; the
+    # executor notices a local death through sentinels long before.
+    collective_timeout_s: float = Field(60.0, gt=0)
+    # How long shutdown waits for workers to exit before terminating them.
+    shutdown_timeout_s: float = Field(5.0, ge=0)
+    # Across nodes: how often each other node sends node 0 a heartbeat, and after how
+    # long without one node 0 declares it gone.
+    heartbeat_interval_s: float = Field(0.1, gt=0)
+    heartbeat_timeout_s: float = Field(1.0, gt=0)
+
+
+def worker_spec(config: StackConfig, rank: int, port: int, options: MultiprocOptions) -> WorkerSpec:
+    """What the worker of global rank `rank` is started with."""
+    engine = config.engine
+    world_size = engine.tensor_parallel_size * engine.pipeline_parallel_size
+    local = world_size // engine.nnodes
+    return WorkerSpec(
+        config_json=config.model_dump_json(),
+        rank=rank,
+        local_rank=rank % local,
+        world_size=world_size,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        local_world_size=local,
+        master_addr=engine.master_addr,
+        master_port=port,
+        relay=engine.nnodes > 1,
+        parent_pid=os.getpid(),
+        timeout_s=options.collective_timeout_s,
+    )
 
 
 def death_reason(name: str, proc: BaseProcess) -> str:

@@ -7,9 +7,11 @@ is ready with its KV capacity, then serves commands until told to stop:
     executor → worker   b"E" + msgpack(SchedulerOutput)   execute_model
                         b"S" + msgpack(grammar output)    sample_tokens
                         b"B" + msgpack(StageCommand)      one batch through the stages
+                        b"C"                              message counts (between batches)
                         b"Q"                              shut down
     worker → executor   b"I" + msgpack(KVCacheInfo)       ready (every rank)
                         b"R" + msgpack(output or None)    a reply (the output rank only)
+                        b"C" + msgpack(MessageCounts)     this rank's counts (every rank)
                         b"X" + utf-8 error line           failed; the worker exits
 
 The output rank is rank 0 without pipeline parallelism, else the last stage's first
@@ -42,7 +44,7 @@ from plugserve.logging_utils import configure_process_logging
 
 logger = logging.getLogger(__name__)
 
-EXECUTE, SAMPLE, BATCH, SHUTDOWN = b"E", b"S", b"B", b"Q"
+EXECUTE, SAMPLE, BATCH, COUNTS, SHUTDOWN = b"E", b"S", b"B", b"C", b"Q"
 READY, REPLY, ERROR = b"I", b"R", b"X"
 
 _PR_SET_PDEATHSIG = 1
@@ -130,7 +132,7 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
 
     from plugserve.device import resolve_device
     from plugserve.worker.model_runner import ModelRunner
-    from plugserve.worker.parallel import init_parallel, join_groups
+    from plugserve.worker.parallel import init_parallel, join_groups, rank_message_counts
     from plugserve.worker.pipeline import run_stage_command
 
     config = StackConfig.model_validate_json(spec.config_json)
@@ -179,6 +181,10 @@ def _run(spec: WorkerSpec, conn: Connection | None) -> None:
                 out = runner.sample_tokens(grammar)
             elif kind == BATCH:
                 out = run_stage_command(runner, batch_decoder.decode(memoryview(message)[1:]))
+            elif kind == COUNTS:
+                if conn is not None:  # the ranks of other nodes count for themselves
+                    conn.send_bytes(COUNTS + encoder.encode(rank_message_counts()))
+                continue
             elif kind == SHUTDOWN:
                 logger.info("shutting down")
                 return
@@ -216,12 +222,16 @@ def broadcast_bytes(data: bytes | None, group: Any) -> bytes:
     import torch
     import torch.distributed as dist
 
+    from plugserve.worker.parallel import count_collective
+
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64)
+    count_collective(size)
     dist.broadcast(size, src=0, group=group)
     if data is None:
         buffer = torch.empty(int(size.item()), dtype=torch.uint8)
     else:
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    count_collective(buffer)
     dist.broadcast(buffer, src=0, group=group)
     return buffer.numpy().tobytes()
 

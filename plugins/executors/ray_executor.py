@@ -12,6 +12,15 @@ spread over the nodes (`stage_strategy`, SPREAD by default: the engine then uses
 node it can). The actors (`ray_worker.RankActor`) join one torch.distributed group
 through a rendezvous on rank 0's node and run the model runner unchanged.
 
+**Data parallelism.** Each engine core is a Ray driver of its own and places its ranks
+in a placement group of its own, which lives and dies with it: an engine that fails
+takes its actors and their placement along and leaves the other engines' alone. So
+that the engines land on different nodes, every engine lists the cluster's nodes that
+can hold a stage's bundle, in the same order (by node id), and pins stage s of engine
+`data_parallel_rank` d to node (d x stages + s) modulo their count, through the
+placement group's per-bundle label selector on `ray.io/node-id`: with as many nodes as
+engines x stages, no two bundles share a node.
+
 **A step** is one batched round trip: the engine's two calls (execute, then sample
 under the grammar bitmask) become one `StageCommand` put once in Ray's object store and
 handed to every actor in one `run` call each; only the output rank (the last stage's
@@ -25,14 +34,15 @@ connection and fails the requests in flight at once; a frozen node fails them af
 `heartbeat_timeout_s`. A call that raised in an actor (a collective broken by a dead
 peer) fails them too, naming the rank. Ray's own detection of a dead node waits for its
 health checks (tens of seconds by default); this does not. The engine then reports
-the failure like any executor's, and the server exits; with data parallelism the
-engines are separate clients of the cluster, each with its own actors.
+the failure like any executor's: the server exits, or with data parallelism only this
+engine goes out of service.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -46,6 +56,7 @@ from plugserve import hookimpl
 from plugserve.config import StackConfig
 from plugserve.datatypes import (
     GrammarOutput,
+    MessageCounts,
     ModelRunnerOutput,
     RankLayout,
     SampledTokenRelay,
@@ -60,6 +71,8 @@ logger = logging.getLogger(__name__)
 # How long one wait for a batch sleeps before looking at the heartbeats again; a reply
 # wakes it at once.
 _POLL_S = 0.05
+# Every node's own label: a bundle selecting it is placed on that node.
+_NODE_ID_LABEL = "ray.io/node-id"
 
 
 class RayOptions(BaseModel):
@@ -129,7 +142,19 @@ class RayExecutor:
             ray.init(address=options.address or "local", log_to_driver=True)
         gpus = 1 if resolve_device(engine.device).type == "cuda" else 0
         bundle = {"CPU": options.num_cpus_per_worker * tp, **({"GPU": tp} if gpus else {})}
-        self._placement = placement_group([bundle] * stages, strategy=options.stage_strategy)
+        self.stage_nodes = _engine_nodes(
+            bundle, stages, engine.data_parallel_size, engine.data_parallel_rank
+        )
+        self._placement = placement_group(
+            [bundle] * stages,
+            strategy=options.stage_strategy,
+            name=f"plugserve-dp{engine.data_parallel_rank}-{os.getpid()}",
+            bundle_label_selector=(
+                None
+                if self.stage_nodes is None
+                else [{_NODE_ID_LABEL: node} for node in self.stage_nodes]
+            ),
+        )
         try:
             ray.get(self._placement.ready(), timeout=options.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -161,6 +186,7 @@ class RayExecutor:
         self._open: dict[Any, int] = {}  # calls of non-output ranks not yet returned
         self._relay = SampledTokenRelay()
         self._staged: SchedulerOutput | None = None
+        self._counts = MessageCounts()  # the engine's side: batches, calls, returns
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ModelRunnerOutput | None)
         logger.info(
@@ -168,7 +194,7 @@ class RayExecutor:
             self.world_size,
             tp,
             stages,
-            options.stage_strategy,
+            options.stage_strategy if self.stage_nodes is None else f"stages on {self.stage_nodes}",
         )
 
     # ------------------------------------------------------------------ executor API
@@ -206,8 +232,12 @@ class RayExecutor:
         if self._failure is not None:
             raise RuntimeError(self._failure)
         command = self._relay.command(scheduler_output, grammar_output)
-        payload = ray.put(self._encoder.encode(command))  # once, for every rank
+        encoded = self._encoder.encode(command)
+        payload = ray.put(encoded)  # once, for every rank
         refs = [actor.run.remote(payload) for actor in self._actors]
+        self._counts.batches += 1
+        self._counts.commands += len(refs)
+        self._counts.command_bytes += len(encoded) * len(refs)
         for rank, ref in enumerate(refs):
             if rank != self._output_rank:
                 self._open[ref] = rank
@@ -237,6 +267,20 @@ class RayExecutor:
             raise RuntimeError(self._failure)
         self._check_heartbeats(0.0)
 
+    def message_counts(self) -> MessageCounts:
+        """capabilities.CountsMessages: the engine's side and every rank's."""
+        if self._pending:
+            raise RuntimeError("message_counts with a batch in flight")
+        for ref, rank in list(self._open.items()):  # every call's return, counted
+            self._get(ref, rank)
+            self._count_reply(None)
+            del self._open[ref]
+        calls = [actor.message_counts.remote() for actor in self._actors]
+        counts = self._counts + MessageCounts()
+        for raw in self._gather(calls):
+            counts += msgspec.msgpack.decode(raw, type=MessageCounts)
+        return counts
+
     def shutdown(self) -> None:
         if self._failure is None:
             self._failure = "the ray executor is shut down"
@@ -257,10 +301,13 @@ class RayExecutor:
                     if ref is not output_ref:
                         rank = self._open.pop(ref)
                         self._get(ref, rank)  # raises what the rank's call raised
+                        self._count_reply(None)
                 if output_ref in ready:
                     break
                 self._check_heartbeats(0.0)
-            output = self._decoder.decode(self._get(output_ref, self._output_rank))
+            raw = self._get(output_ref, self._output_rank)
+            self._count_reply(raw)
+            output = self._decoder.decode(raw)
         except BaseException as exc:
             for pending in self._pending:
                 pending.set_exception(exc)
@@ -270,6 +317,10 @@ class RayExecutor:
         if output is not None:
             self._relay.record(output)
         batch.set_result(output)
+
+    def _count_reply(self, raw: bytes | None) -> None:
+        self._counts.replies += 1
+        self._counts.reply_bytes += 0 if raw is None else len(raw)
 
     def _get(self, ref: Any, rank: int) -> Any:
         import ray
@@ -338,6 +389,27 @@ class RayExecutor:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def _engine_nodes(
+    bundle: dict[str, float], stages: int, num_engines: int, engine: int
+) -> list[str] | None:
+    """The node of each stage of data-parallel engine `engine`, round robin over the
+    nodes that can hold a stage's `bundle` (in node-id order, which every engine sees
+    alike); None with one engine (its stages follow `stage_strategy`) or where no node
+    fits (the placement's timeout then says what the cluster has)."""
+    import ray
+
+    if num_engines == 1:
+        return None
+    nodes = sorted(
+        node["NodeID"]
+        for node in ray.nodes()
+        if node["Alive"] and all(node["Resources"].get(k, 0) >= v for k, v in bundle.items())
+    )
+    if not nodes:
+        return None
+    return [nodes[(engine * stages + stage) % len(nodes)] for stage in range(stages)]
 
 
 def _first_line(error: BaseException) -> str:

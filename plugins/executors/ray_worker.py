@@ -104,6 +104,12 @@ class RankActor:
             )
         return None if output is None else self._encoder.encode(output)
 
+    def message_counts(self) -> bytes:
+        """msgpack(MessageCounts): this rank's collectives and stage sends."""
+        from plugserve.worker.parallel import rank_message_counts
+
+        return self._encoder.encode(rank_message_counts())
+
     def ping(self) -> str:
         return self.name
 

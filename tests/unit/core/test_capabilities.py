@@ -52,6 +52,8 @@ def test_the_bundled_executors_and_model_declare_what_they_offer() -> None:
     assert capabilities.supports_weight_read_probe(UniProcExecutor)
     assert not capabilities.has_tensor_parallel_limit(MultiprocExecutor)
     assert not capabilities.supports_weight_read_probe(MultiprocExecutor)
+    assert capabilities.counts_messages(MultiprocExecutor)
+    assert not capabilities.counts_messages(UniProcExecutor)  # it has no messages to count
 
     assert capabilities.supports_weight_buffer(LlamaForCausalLM)
     # Decoders pool without their LM head; an encoder has none to drop.

@@ -1,7 +1,10 @@
 """The `mp` executor: worker processes per tensor-parallel rank over gloo, on SmolLM2.
 
 Greedy tokens at TP=2 (uneven head shards: 6+3 query heads, 2+1 KV heads) and through
-one worker at TP=1 equal the in-process executor's, and so does a structured-output
+one worker at TP=1 equal the in-process executor's, with the messages of each TP=2 step
+counted (two commands per rank and two replies over the pipes; per rank, an all-reduce
+after the embedding and after each layer's two row-parallel projections, a logits
+gather and a token broadcast), and so does a structured-output
 request at TP=2 (its grammar bitmask sent to the workers with sample_tokens, applied on
 the driver rank); a worker that raises or is killed
 surfaces as a clear error naming it and how it ended; shutdown stops every worker.
@@ -26,7 +29,7 @@ from correctness.agreement import NEAR_TIE
 
 from plugserve import LLM, SamplingParams
 from plugserve.config import load_config
-from plugserve.datatypes import CachedRequestData, SchedulerOutput
+from plugserve.datatypes import CachedRequestData, MessageCounts, SchedulerOutput
 from plugserve.sampling_params import StructuredOutputsParams
 from plugserve_plugins.executors.mp import MultiprocExecutor
 
@@ -97,9 +100,24 @@ def test_tp2_matches_uni_and_shuts_down(uni_tokens: list[list[int]]) -> None:
         # KV blocks are sized per rank; rank 0 holds 2 of the 3 KV heads, so the fewest
         # blocks: 32 MiB / (2 K/V × 30 layers × 16 tokens × 2 heads × 64 dims × 4 bytes).
         assert llm.engine.kv_cache_info.num_blocks == (32 << 20) // (2 * 30 * 16 * 2 * 64 * 4)
+        executor = llm.engine.executor
+        before = executor.message_counts()
         started = time.perf_counter()
         assert generate(llm) == uni_tokens
         print(f"TP=2 generate: {time.perf_counter() - started:.1f} s")
+        counts = executor.message_counts() - before
+        # The prompts prefill in one step, then decode together to MAX_TOKENS.
+        assert counts.batches == MAX_TOKENS
+        layers = 30
+        assert counts == MessageCounts(
+            batches=MAX_TOKENS,
+            commands=2 * 2 * MAX_TOKENS,
+            command_bytes=counts.command_bytes,
+            replies=2 * MAX_TOKENS,
+            reply_bytes=counts.reply_bytes,
+            collectives=2 * (1 + 2 * layers + 2) * MAX_TOKENS,
+            collective_bytes=counts.collective_bytes,
+        )
         [constrained] = llm.generate(PROMPTS[2], CONSTRAINED)
         json.loads(constrained.outputs[0].text)
         assert constrained.outputs[0].finish_reason == "stop"
