@@ -13,7 +13,9 @@ declared and documented here, once (as vLLM's models/interfaces.py):
   HasClassifier, HasContextLimit, SupportsPipelineStages;
 - linear methods: DescribesLinears, HasKernelPlan (with its KernelMeasurement),
   SupportsWeightBuffer, SupportsBatchInvariance;
-- structured-output grammars: SupportsGrammarRollback.
+- KV allocators: FreesBlocksPastTokens;
+- structured-output grammars: SupportsGrammarRollback;
+- speculative proposers: ProposesInWorker.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ if TYPE_CHECKING:
         GrammarOutput,
         MessageCounts,
         ModelRunnerOutput,
+        Request,
         SchedulerOutput,
     )
     from plugserve.interfaces.model import AttentionBatch, LayerAttention, TiedLmHead
+    from plugserve.interfaces.speculative import ProposerModel, WorkerDraftRequests
 
 
 # --------------------------------------------------------------------------- any registered class
@@ -385,6 +389,26 @@ def has_kernel_plan(method: object) -> TypeGuard[HasKernelPlan]:
     return isinstance(method, HasKernelPlan)
 
 
+# --------------------------------------------------------------------------- KV allocators
+
+
+@runtime_checkable
+class FreesBlocksPastTokens(Protocol):
+    """A KV allocator that can give back a request's last blocks while it runs:
+    speculative decoding frees, right after verification, the blocks that held only
+    rejected draft tokens (and a worker-side proposer's scratch entries). Without it a
+    request keeps them until it ends."""
+
+    def free_blocks_past(self, request: Request, num_tokens: int) -> int:
+        """Release the request's blocks past those its first `num_tokens` tokens need
+        (none of them holds a token it keeps); returns how many were released."""
+        ...
+
+
+def frees_blocks_past_tokens(kv: object) -> TypeGuard[FreesBlocksPastTokens]:
+    return isinstance(kv, FreesBlocksPastTokens)
+
+
 # --------------------------------------------------------------------------- structured output
 
 
@@ -401,3 +425,35 @@ class SupportsGrammarRollback(Protocol):
 
 def supports_grammar_rollback(grammar: object) -> TypeGuard[SupportsGrammarRollback]:
     return isinstance(grammar, SupportsGrammarRollback)
+
+
+# --------------------------------------------------------------------------- speculative proposers
+
+
+@runtime_checkable
+class ProposesInWorker(Protocol):
+    """A spec proposer class (built like a SpecProposer, with `num_tokens`, `vocab_size`
+    and its options) that proposes in the model runner instead of the engine core: the
+    runner builds it on every rank, loads the model it names beside the target with a
+    KV cache of its own (interfaces.speculative.ProposerModel), and after each step's
+    sampling asks it for the next drafts, which return with the step's output. The
+    engine gives every request it schedules to the end of its tokens room for the
+    proposer's writes: `num_tokens` KV slots past them. It needs no `propose` or
+    `request_finished`: the engine core never builds it."""
+
+    def proposer_model(self) -> str:
+        """The model to load for it: a built-in name, a Hugging Face folder or a GGUF
+        file, with the served model's vocabulary."""
+        ...
+
+    def propose_in_worker(
+        self, model: ProposerModel, requests: WorkerDraftRequests
+    ) -> list[list[int]]:
+        """One proposal per request, in order, at most its `max_num_tokens` tokens (maybe
+        none). Called on every rank with the same requests; every rank must return the
+        same proposals (`model.share` gives each rank the driver's tokens)."""
+        ...
+
+
+def proposes_in_worker(cls: object) -> TypeGuard[type[ProposesInWorker]]:
+    return isinstance(cls, ProposesInWorker)

@@ -31,6 +31,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # A pooling model's step: the requests whose last prompt chunk ran, with their pooled
     # output (returned by execute_model itself; nothing is sampled).
     pooled: dict[str, PooledTensor] = msgspec.field(default_factory=dict)
+    # Speculative decoding with a proposer that runs in the worker: req_id -> the tokens
+    # it guesses follow the one this step sampled (to be verified at the next step).
+    draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Under pipeline parallelism: each stage's seconds of work so far (its first rank's),
     # carried from stage to stage with the activations; the engine's counters keep them.
     stage_busy_seconds: list[float] | None = None

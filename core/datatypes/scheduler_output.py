@@ -31,6 +31,10 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     req_ids: list[str] = msgspec.field(default_factory=list)
     new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    # With speculative decoding: how many of its blocks each request keeps before
+    # new_block_ids are appended (blocks past its tokens may have been freed); empty
+    # without: every block is kept.
+    num_kept_blocks: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

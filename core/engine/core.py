@@ -77,21 +77,11 @@ class EngineCore:
             )
         # Builds its backend on the first constrained request only.
         self.structured_output = StructuredOutputManager(config, registry=registry)
-        speculative = stack.speculative
-        self.speculation = (
-            Speculation(
-                registry.build(
-                    "spec_proposer",
-                    speculative.proposer,
-                    config.plugin_options(speculative.proposer),
-                    num_tokens=speculative.num_tokens,
-                    vocab_size=model_vocab_size(config),
-                ),
-                num_tokens=speculative.num_tokens,
-                max_model_len=info.max_model_len,
-            )
-            if speculative is not None
-            else None
+        self.speculation = Speculation.from_config(
+            config,
+            registry,
+            vocab_size=model_vocab_size(config) if stack.speculative else 0,
+            max_model_len=info.max_model_len,
         )
         self._batch_runner: RunsBatchesConcurrently | None = (
             self.executor
@@ -319,6 +309,8 @@ class EngineCore:
         self.timer.forward_returned()
         if model_output is None:
             model_output = self.executor.sample_tokens(grammar_output)
+        if self.speculation is not None:
+            self.speculation.received(model_output)
         return model_output
 
     def _notify_step(

@@ -249,7 +249,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = proposed.get(request.request_id, [])[: budget - num_new]
-            new_blocks = self.kv.allocate_slots(request, num_new + len(draft)) if draft else None
+            end = request.num_computed_tokens + num_new + len(draft)
+            extra = self.speculation.lookahead(request, end) if self.speculation else 0
+            new_blocks = None
+            if draft or extra:
+                new_blocks = self.kv.allocate_slots(request, num_new + len(draft) + extra)
             if new_blocks is None:  # without drafts: speculation never preempts anyone
                 draft = []
                 new_blocks = self._allocate_or_preempt(request, num_new, index)
@@ -260,6 +264,9 @@ class Scheduler:
                 num_new += len(draft)
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
+            if self.speculation is not None:  # its table may have shrunk since (freed blocks)
+                kept = len(self.kv.block_ids(request.request_id)) - len(new_blocks)
+                cached.num_kept_blocks.append(kept)
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -284,7 +291,16 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if self.pooling and not self.pooling.fits(request, num_new):
                 break  # a bidirectional prompt runs whole: it waits for a step with room
-            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, num_hit)
+            extra = (
+                self.speculation.lookahead(request, num_hit + num_new) if self.speculation else 0
+            )
+            new_blocks = None
+            if extra:
+                new_blocks = self.kv.allocate_slots(
+                    request, num_new + extra, computed_blocks, num_hit
+                )
+            if new_blocks is None:
+                new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks, num_hit)
             if new_blocks is None:
                 break  # head-of-line waits for blocks; admission order is the policy's
             self.policy.pop()
@@ -386,6 +402,8 @@ class Scheduler:
                         request, draft, len(sampled)
                     )
                 new_token_ids = self._append_until_stop(request, sampled)
+                if self.speculation is not None and not request.is_finished:
+                    self.speculation.free_unused_blocks(request, self.kv)
                 self.num_generated_tokens += len(new_token_ids)
             any_finished |= request.is_finished
             outputs.append(self._make_output(request, new_token_ids, runner_output))

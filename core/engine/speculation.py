@@ -5,7 +5,15 @@ Only a request that is decoding (one known token left to compute) is speculated 
 its drafts are scheduled right after that token, so one pass verifies them all. What the
 runner returns is the accepted drafts plus one token of the target's own; the rejected
 drafts' KV slots are given back by moving `num_computed_tokens` back over them (their
-cache entries are then overwritten by the next pass).
+cache entries are then overwritten by the next pass), and the blocks that held only
+rejected positions go back to the pool at once, where the allocator can free a
+request's last blocks (capabilities.FreesBlocksPastTokens).
+
+A proposer that runs in the worker (capabilities.ProposesInWorker) is never built here:
+its drafts come back with each step's runner output, and `ReturnedDrafts` hands them to
+the next `schedule()` as an engine-side proposer would. Each request scheduled to the end
+of its tokens is then given `num_tokens` KV slots more than it computes (`lookahead`),
+where the worker's proposer writes its guesses' entries right after sampling.
 """
 
 from __future__ import annotations
@@ -13,11 +21,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from plugserve.capabilities import supports_grammar_rollback
-from plugserve.datatypes import Request
+from plugserve.capabilities import (
+    frees_blocks_past_tokens,
+    proposes_in_worker,
+    supports_grammar_rollback,
+)
+from plugserve.config import StackConfig
+from plugserve.datatypes import ModelRunnerOutput, Request
+from plugserve.interfaces.kv_cache import KVAllocator
 from plugserve.interfaces.speculative import DraftRequest, SpecProposer
 from plugserve.interfaces.structured_output import Grammar
 from plugserve.messages import SchedulerStats
+from plugserve.plugins import PluginRegistry
 
 
 @dataclass
@@ -42,12 +57,75 @@ class SpecDecodeStats:
             per_pos[position] += 1
 
 
+class ReturnedDrafts:
+    """The engine's SpecProposer for a proposer that runs in the worker: the drafts the
+    last step's runner output carried, by request."""
+
+    def __init__(self) -> None:
+        self._drafts: dict[str, list[int]] = {}
+
+    def received(self, drafts: dict[str, list[int]]) -> None:
+        # Only the last step's: a request that sampled nothing in it has none now.
+        self._drafts = drafts
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [self._drafts.get(r.request_id, [])[: r.max_num_tokens] for r in requests]
+
+    def request_finished(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)
+
+
 class Speculation:
-    def __init__(self, proposer: SpecProposer, num_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        proposer: SpecProposer,
+        num_tokens: int,
+        max_model_len: int,
+        *,
+        returned: ReturnedDrafts | None = None,
+    ) -> None:
+        """`returned`: the proposer runs in the worker and `proposer` is this, which
+        receives its drafts."""
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
+        self._returned = returned
+
+    @classmethod
+    def from_config(
+        cls, config: StackConfig, registry: PluginRegistry, *, vocab_size: int, max_model_len: int
+    ) -> Speculation | None:
+        """The stack's speculation, None while `stack.speculative` is unset."""
+        speculative = config.stack.speculative
+        if speculative is None:
+            return None
+        name = speculative.proposer
+        if proposes_in_worker(registry.get("spec_proposer", name)):
+            returned = ReturnedDrafts()
+            return cls(returned, speculative.num_tokens, max_model_len, returned=returned)
+        proposer = registry.build(
+            "spec_proposer",
+            name,
+            config.plugin_options(name),
+            num_tokens=speculative.num_tokens,
+            vocab_size=vocab_size,
+        )
+        return cls(proposer, speculative.num_tokens, max_model_len)
+
+    def received(self, runner_output: ModelRunnerOutput) -> None:
+        """A step's output is in: the drafts a worker-side proposer sent with it."""
+        if self._returned is not None:
+            self._returned.received(runner_output.draft_token_ids)
+
+    def lookahead(self, request: Request, end: int) -> int:
+        """KV slots to allocate past a request's scheduled tokens (which end at position
+        `end`) for a worker-side proposer's writes: `num_tokens` when the step reaches the
+        end of the request's tokens (it samples, then the proposer guesses), none past
+        the context's end."""
+        if self._returned is None or end < request.num_tokens:
+            return 0
+        return max(0, min(self.num_tokens, self.max_model_len - end))
 
     def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
         """Drafts for the decoding requests among `requests`, each cut to what the request
@@ -112,6 +190,12 @@ class Speculation:
         num_accepted = num_sampled - 1
         self.stats.record(len(draft), num_accepted)
         return len(draft) - num_accepted
+
+    def free_unused_blocks(self, request: Request, kv: KVAllocator) -> None:
+        """After a step: the request's blocks past its tokens held only rejected drafts or
+        a worker-side proposer's scratch entries; they go back to the pool."""
+        if frees_blocks_past_tokens(kv):
+            kv.free_blocks_past(request, request.num_tokens)
 
     def request_finished(self, request_id: str) -> None:
         self.proposer.request_finished(request_id)

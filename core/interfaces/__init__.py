@@ -22,7 +22,8 @@ frontend module. Each name has one home, its module here:
 - kv_cache: KVAllocator, KVCacheStats
 - executor: Executor, KVCacheInfo
 - structured_output: StructuredOutputBackend, Grammar
-- speculative: SpecProposer (with DraftRequest)
+- speculative: SpecProposer (with DraftRequest), and for a proposer that runs in the
+  worker (capabilities.ProposesInWorker) ProposerModel and WorkerDraftRequests
 - model: AttentionBackend (with LayerAttention, FULL_ATTENTION, AttentionSpec,
   AttentionBatch), LinearMethod (with LinearLayer, LinearCompute, TiedLmHead), CausalLM,
   ModelPass (with DecoderFrame, WholeStack, LayerRoute)

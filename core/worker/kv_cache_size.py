@@ -19,15 +19,18 @@ def num_kv_blocks(
     device: torch.device,
     max_model_len: int,
     pooling: PoolingSetup,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """How many KV blocks the pool holds: engine.num_kv_blocks where set, else what
     engine.kv_cache_memory (CPU) or the memory a profiling pass leaves under
     engine.gpu_memory_utilization (CUDA) fits, but no more than every sequence at full
     length can use, or, for an encoder (`pooling`), than one step can
-    (whole_prompt_blocks); a ValueError naming the setting where fewer than 2 fit."""
+    (whole_prompt_blocks); a ValueError naming the setting where fewer than 2 fit.
+    `extra_bytes_per_block`: what another cache addressed by the same block ids takes per
+    block (a worker-side speculative proposer's model)."""
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
-    per_block = attention.kv_cache_bytes_per_block()
+    per_block = attention.kv_cache_bytes_per_block() + extra_bytes_per_block
     if device.type == "cuda":
         budget = profile_kv_budget(
             model,

@@ -72,6 +72,7 @@ from plugserve.worker.parallel import (
 )
 from plugserve.worker.pooled_outputs import PooledOutputs
 from plugserve.worker.prompt_logprobs import prompt_logprobs_of_step
+from plugserve.worker.proposer_model import WorkerProposal, load_worker_proposal
 from plugserve.worker.sampler import (
     LogprobsTensors,
     Sampler,
@@ -138,6 +139,8 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None
         # A pooling model's outputs (engine.runner): execute_model returns them itself.
         self.pooling: PooledOutputs | None = None
+        # A speculative proposer that runs here, with its own model (proposer_model.py).
+        self.proposal: WorkerProposal | None = None
 
     # ------------------------------------------------------------------ start-up
 
@@ -221,6 +224,18 @@ class ModelRunner:
         if setup.is_pooling:
             self.pooling = PooledOutputs.build(self.model, setup, self.config, registry)
         logger.info("%s", self._describe_kernels())
+        self.proposal = load_worker_proposal(
+            self.config,
+            registry,
+            target_vocab_size=hf_config.vocab_size,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            parallel=self.parallel,
+            block_size=self.block_size,
+            is_pooling=setup.is_pooling,
+            is_pipeline_stage=self.placement is not None,
+        )
 
         # Ranks hold different numbers of KV heads (uneven shards), and stages different
         # numbers of layers, hence fit different numbers of blocks; block ids are shared,
@@ -234,9 +249,14 @@ class ModelRunner:
                 self.device,
                 self.max_model_len,
                 setup,
+                extra_bytes_per_block=self.proposal.kv_cache_bytes_per_block()
+                if self.proposal
+                else 0,
             )
         )
         self.attention.allocate_kv_cache(num_blocks)
+        if self.proposal is not None:
+            self.proposal.allocate_kv_cache(num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         # Decode graphs capture the whole model's forward; a stage's is split by sends.
         if (
@@ -264,6 +284,8 @@ class ModelRunner:
             max_blocks_per_req=max_blocks_per_req,
             device=self.device,
         )
+        if self.proposal is not None:
+            self.proposal.bind(self.input_batch)
         self._step_inputs = StepInputBuilder(
             self.config.engine.max_num_batched_tokens,
             self.config.engine.max_num_seqs,
@@ -323,10 +345,12 @@ class ModelRunner:
         if self.pooling is not None:
             self.pooling.add(so.scheduled_new_reqs)
         cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        for i, (req_id, new_blocks, num_computed) in enumerate(
+            zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
         ):
             row = batch.req_id_to_row[req_id]
+            if cached.num_kept_blocks:
+                batch.num_blocks[row] = cached.num_kept_blocks[i]
             batch.append_blocks(row, new_blocks)
             batch.num_computed_tokens[row] = num_computed
         for new in so.scheduled_new_reqs:
@@ -362,6 +386,8 @@ class ModelRunner:
         if self.pooling is not None:  # nothing to sample: the pooled outputs, now
             pooled = self.pooling.pool(batch, so, attn_batch.query_start_loc, hidden)
             return ModelRunnerOutput(sampled_token_ids={}, pooled=pooled)
+        if self.proposal is not None:
+            self.proposal.catch_up(attn_batch, ids_t, positions_t)
         prompt_logprobs = (
             prompt_logprobs_of_step(
                 so, self.input_batch, step.attention.query_start_loc, hidden, self.model
@@ -452,6 +478,8 @@ class ModelRunner:
             result.logprobs = self._logprobs_lists(parked, out.logprobs)
         if parked.prompt_logprobs:
             result.prompt_logprobs = parked.prompt_logprobs
+        if self.proposal is not None:
+            result.draft_token_ids = self.proposal.propose(parked.rows, parked.req_ids)
         if self.stage is not None:
             self.busy_seconds += time.perf_counter() - self._sampling_started
             self._stage_busy[self.stage.index] = self.busy_seconds
@@ -477,6 +505,8 @@ class ModelRunner:
         )
         if parked.prompt_logprobs:
             result.prompt_logprobs = parked.prompt_logprobs
+        if self.proposal is not None:
+            result.draft_token_ids = self.proposal.propose(parked.rows, parked.req_ids)
         if self.stage is not None:
             self.busy_seconds += time.perf_counter() - self._sampling_started
             self._stage_busy[self.stage.index] = self.busy_seconds

@@ -166,6 +166,25 @@ class PagedKVAllocator:
             if self._ref_cnt[block_id] == 0:
                 self._free[block_id] = None
 
+    def free_blocks_past(self, request: Request, num_tokens: int) -> int:
+        """capabilities.FreesBlocksPastTokens. The blocks released hold no token the
+        request keeps, hence no hash: they go to the front of the free queue, to be taken
+        again before any block the prefix cache can still hit."""
+        req_id = request.request_id
+        table = self._tables.get(req_id)
+        keep = -(-num_tokens // self.block_size)
+        if not table or len(table) <= keep:
+            return 0
+        released = table[keep:]
+        del table[keep:]
+        for block_id in released:
+            self._ref_cnt[block_id] -= 1
+            if self._ref_cnt[block_id] == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        self._num_registered[req_id] = min(self._num_registered.get(req_id, 0), keep)
+        return len(released)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)

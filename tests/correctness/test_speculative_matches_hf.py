@@ -5,6 +5,11 @@ step's budget is CHUNK_TOKENS) and preemptions forced; with `ngram`, also over T
 tensor-parallel workers, and the logprobs of the accepted tokens equal those of the same
 engine without speculation.
 
+`draft_model` drafts with the checkpoint itself (every draft accepted, several tokens a
+pass) and with a different model of its vocabulary (the checkpoint with one layer fewer
+and its weights disturbed: some drafts accepted, some not), which keeps a KV cache of
+another shape beside the target's.
+
 The tiny checkpoint's random weights make its greedy continuations fall into repeating
 runs, which the n-gram proposer predicts: drafts are accepted in full, in part and not
 at all, so every path of the verification runs (the tests check the counters say so).
@@ -16,6 +21,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from correctness.tiny_checkpoints import (
@@ -90,6 +96,76 @@ def test_tensor_parallel_workers_match_transformers(llama_run: TinyRun) -> None:
     with llama_run.tensor_parallel_llm(**SPECULATIVE) as llm:
         llama_run.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
         assert_every_kind_of_verdict(llm)
+
+
+# ---------------------------------------------------------------- draft_model
+
+
+def drafting_with(model: str) -> dict:
+    return {
+        "speculative": {"proposer": "draft_model", "num_tokens": 3},
+        "plugins.draft_model": {"model": model},
+    }
+
+
+# The disturbance added to the draft's weights: the target's own weights are drawn with a
+# standard deviation of 0.1.
+DRAFT_NOISE_STD = 0.03
+
+
+@pytest.fixture(scope="module")
+def other_draft(llama_run: TinyRun, tmp_path_factory) -> str:
+    """The checkpoint with its last layer dropped and noise added to every weight: a
+    different model of the same vocabulary, which often guesses the target's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        llama_run.model, dtype=torch.float32, num_hidden_layers=1
+    )
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * DRAFT_NOISE_STD)
+    folder = tmp_path_factory.mktemp("draft")
+    model.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_the_target_drafting_for_itself_has_every_draft_accepted(llama_run: TinyRun) -> None:
+    with llama_run.llm(num_kv_blocks=12, **drafting_with(llama_run.model)) as llm:
+        llama_run.check(llm, batched=True)
+        assert llm.engine.scheduler.num_preemptions > 0
+        stats = llm.engine.speculation.stats
+        assert 0 < stats.num_drafts < stats.num_draft_tokens == stats.num_accepted_tokens
+        kv = llm.engine.scheduler.kv
+        assert kv.stats().num_free_blocks == kv.stats().num_blocks
+        assert kv.reset_prefix_cache()
+        before = llm.engine.timer.num_steps
+        llama_run.check(llm, batched=False)
+        steps = llm.engine.timer.num_steps - before
+    # One request at a time, a pass without speculation lands one token: NEW_TOKENS
+    # passes a request at least. Here a decoding pass lands its token and three drafts.
+    assert steps < len(llama_run.prompts) * NEW_TOKENS / 2
+
+
+def test_another_draft_model_changes_no_token(llama_run: TinyRun, other_draft: str) -> None:
+    with llama_run.llm(num_kv_blocks=12, **drafting_with(other_draft)) as llm:
+        llama_run.check(llm, batched=True)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_every_kind_of_verdict(llm)
+        kv = llm.engine.scheduler.kv
+        assert kv.stats().num_free_blocks == kv.stats().num_blocks
+        assert kv.reset_prefix_cache()
+        llama_run.check(llm, batched=False)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(llama_run: TinyRun, tmp_path_factory) -> None:
+    # Refused by its config alone, before any weight is read.
+    folder = tmp_path_factory.mktemp("vocab")
+    LlamaConfig(**tiny(vocab_size=1000)).save_pretrained(str(folder))
+    refusal = "vocabulary of 1000 tokens, the served model 49152"
+    with pytest.raises(ValueError, match=refusal), llama_run.llm(**drafting_with(str(folder))):
+        pass
 
 
 def continuations(llm: LLM, run: TinyRun) -> Iterator[tuple[list[int], list[float]]]:
