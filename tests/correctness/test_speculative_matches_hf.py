@@ -1,8 +1,8 @@
 """Speculative decoding changes how many tokens a pass lands, never which: greedy
 continuations with each bundled proposer equal transformers' token for token (fp32, a
 tiny Llama checkpoint), batched and one request at a time, with chunked prefill (the
-step's budget is CHUNK_TOKENS) and preemptions forced; with `ngram`, also over TP_SIZE
-tensor-parallel workers, and the logprobs of the accepted tokens equal those of the same
+step's budget is CHUNK_TOKENS) and preemptions forced; with `ngram` and `draft_model`,
+also over TP_SIZE tensor-parallel workers, and the logprobs of the accepted tokens equal those of the same
 engine without speculation.
 
 `draft_model` drafts with the checkpoint itself (every draft accepted, several tokens a
@@ -146,6 +146,15 @@ def test_the_target_drafting_for_itself_has_every_draft_accepted(llama_run: Tiny
     # One request at a time, a pass without speculation lands one token: NEW_TOKENS
     # passes a request at least. Here a decoding pass lands its token and three drafts.
     assert steps < len(llama_run.prompts) * NEW_TOKENS / 2
+
+
+def test_every_tensor_parallel_rank_runs_the_draft(llama_run: TinyRun) -> None:
+    """Each rank holds its shard of the draft and of its KV cache; the driver's guesses
+    are shared, so every rank feeds the draft's next pass the same tokens."""
+    with llama_run.tensor_parallel_llm(**drafting_with(llama_run.model)) as llm:
+        llama_run.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
+        stats = llm.engine.speculation.stats
+        assert 0 < stats.num_drafts < stats.num_draft_tokens == stats.num_accepted_tokens
 
 
 def test_another_draft_model_changes_no_token(llama_run: TinyRun, other_draft: str) -> None:
