@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +57,9 @@ def decode_counts(engine: dict[str, Any], args: argparse.Namespace) -> MessageCo
     try:
         executor = llm.engine.executor
         assert counts_messages(executor), f"{type(executor).__name__} counts no messages"
-        prompts = [
-            {"prompt_token_ids": list(range(1000 + i, 1000 + i + args.input_len))}
-            for i in range(args.concurrency)
-        ]
         runs = []
-        for new_tokens in (2, 2 + args.decode_steps):
+        for run, new_tokens in enumerate((2, 2 + args.decode_steps)):
+            prompts = [{"prompt_token_ids": prompt(args, run, i)} for i in range(args.concurrency)]
             before = executor.message_counts()
             params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
             llm.generate(prompts, params)
@@ -91,9 +87,9 @@ def served_counts(settings: list[str], args: argparse.Namespace) -> dict[str, fl
         )  # fmt: skip
         with server.running():
             runs = []
-            for new_tokens in (2, 2 + args.decode_steps):
+            for run, new_tokens in enumerate((2, 2 + args.decode_steps)):
                 before = server.wait_idle()
-                asyncio.run(_complete(server, args, new_tokens))
+                asyncio.run(_complete(server, args, run, new_tokens))
                 after = server.wait_idle()
                 runs.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
     decode = {k: runs[1][k] - runs[0].get(k, 0.0) for k in runs[1]}
@@ -108,13 +104,22 @@ def served_counts(settings: list[str], args: argparse.Namespace) -> dict[str, fl
     return figures
 
 
-async def _complete(server: PlugserveServer, args: argparse.Namespace, new_tokens: int) -> None:
+def prompt(args: argparse.Namespace, run: int, index: int) -> list[int]:
+    """Request `index`'s prompt in run `run`: no two share a prefix, so that the prefix
+    cache leaves both runs the same prefill."""
+    first = 1000 + (run * args.concurrency + index) * args.input_len
+    return list(range(first, first + args.input_len))
+
+
+async def _complete(
+    server: PlugserveServer, args: argparse.Namespace, run: int, new_tokens: int
+) -> None:
     async with server.async_openai_client() as client:
         await asyncio.gather(
             *(
                 client.completions.create(
                     model="smollm2-135m-instruct",
-                    prompt=[1000 + i + j for j in range(args.input_len)],
+                    prompt=prompt(args, run, i),
                     max_tokens=new_tokens,
                     temperature=0,
                     extra_body={"ignore_eos": True},
@@ -125,7 +130,7 @@ async def _complete(server: PlugserveServer, args: argparse.Namespace, new_token
 
 
 def row(name: str, counts: MessageCounts) -> str:
-    per = [getattr(counts, f.name) / counts.batches for f in fields(MessageCounts)[1:]]
+    per = [getattr(counts, f) / counts.batches for f in MessageCounts.__struct_fields__[1:]]
     return f"| {name} | " + " | ".join(f"{v:,.1f}" for v in per) + " |"
 
 
@@ -153,7 +158,7 @@ def main() -> None:
         f"SmolLM2-135M fp32, {args.concurrency} requests, per decode batch "
         f"(mean over {args.decode_steps} decode steps' batches)"
     )
-    names = [f.name.replace("_", " ") for f in fields(MessageCounts)[1:]]
+    names = [f.replace("_", " ") for f in MessageCounts.__struct_fields__[1:]]
     print("| | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     try:

@@ -117,8 +117,8 @@ class CountsMessages(Protocol):
     between the engine and its ranks, and among the ranks (datatypes.MessageCounts)."""
 
     def message_counts(self) -> MessageCounts:
-        """Totals since start, over every rank it reaches; asked between steps, with no
-        batch in flight."""
+        """Totals since start, over every rank it reaches; asked between steps (batches
+        in flight are waited for first)."""
         ...
 
 

@@ -260,8 +260,7 @@ class MultiprocExecutor:
 
     def message_counts(self) -> MessageCounts:
         """capabilities.CountsMessages: the engine's side and every local rank's."""
-        if self._pending:
-            raise RuntimeError("message_counts with a batch in flight")
+        self._resolve_pending(None)  # the batches in flight keep their results for the engine
         self._broadcast(COUNTS, counted=False)
         counts = self._counts + MessageCounts()
         # Every local rank answers, whether the command reached it by pipe or by relay.
