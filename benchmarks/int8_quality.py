@@ -1,14 +1,16 @@
-"""int8 weight-only against bf16 on SmolLM2-135M: perplexity on a fixed text and greedy
-agreement (docs/benchmarks.md, "int8 weight-only").
+"""An int8 linear method (default int8, W8A8; or int8_weight_only) against bf16 on
+SmolLM2-135M: perplexity on a fixed text and greedy agreement (docs/benchmarks.md,
+"int8 (W8A8)").
 
 - perplexity: exp of the mean negative logprob of every token of
   benchmarks/data/pride_and_prejudice_ch1.txt (public domain) given the tokens before
   it, through prompt_logprobs;
-- greedy agreement: 8 fixed prompts x 64 new tokens (EOS ignored) under int8 against
+- greedy agreement: 8 fixed prompts x 64 new tokens (EOS ignored) quantized against
   bf16: the fraction of positions holding the same token, and how many tokens each
   continuation keeps before its first difference.
 
-    .venv/bin/python benchmarks/int8_quality.py [--model smollm2-135m-instruct] [--json out]
+    .venv/bin/python benchmarks/int8_quality.py [--model smollm2-135m-instruct]
+        [--linear-method int8 | int8_weight_only] [--json out]
 """
 
 from __future__ import annotations

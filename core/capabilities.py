@@ -12,7 +12,8 @@ declared and documented here, once (as vLLM's models/interfaces.py):
 - models: SupportsWeightBuffer, HasLayerAttention, HasTiedLmHead, TakesTokenTypeIds,
   HasClassifier, HasContextLimit, SupportsPipelineStages;
 - linear methods: DescribesLinears, HasKernelPlan (with its KernelMeasurement),
-  SupportsWeightBuffer, SupportsBatchInvariance;
+  SupportsWeightBuffer, SupportsBatchInvariance; what they install in a layer:
+  SupportsCpuLinearCall;
 - KV allocators: FreesBlocksPastTokens;
 - structured-output grammars: SupportsGrammarRollback;
 - speculative proposers: ProposesInWorker.
@@ -347,6 +348,22 @@ class DescribesLinears(Protocol):
 
 def describes_linears(method: object) -> TypeGuard[DescribesLinears]:
     return isinstance(method, DescribesLinears)
+
+
+@runtime_checkable
+class SupportsCpuLinearCall(Protocol):
+    """A layer's installed matmul (interfaces.model.LinearCompute) whose kernel is C++ and
+    can be called from C++: the fused bf16 CPU decoder then runs the whole layer stack in
+    one op over it, as over its own packed weights."""
+
+    def cpu_linear_call(self) -> tuple[int, int]:
+        """Two addresses: a `plugserve::LinearCallFn` (plugserve/ops/include/
+        layer_linear.h) and the context it takes, valid while this object lives."""
+        ...
+
+
+def supports_cpu_linear_call(compute: object) -> TypeGuard[SupportsCpuLinearCall]:
+    return isinstance(compute, SupportsCpuLinearCall)
 
 
 # Set to 1 in a process, a linear method with HasKernelPlan measures its plan again rather

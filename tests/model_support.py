@@ -92,11 +92,15 @@ def make_backend(
 
 
 def bf16_model(
-    model_cls: type, config: Any, num_blocks: int, parallel: Any = None
+    model_cls: type,
+    config: Any,
+    num_blocks: int,
+    parallel: Any = None,
+    linear_method: str | None = None,
 ) -> tuple[Any, TorchPagedAttention]:
     """A bf16 `model_cls` (random weights) over its own bf16 backend, weights as built, its
-    linears given the methods an engine gives them on this CPU (processed by
-    finish_loading)."""
+    linears given the methods an engine gives them on this CPU, or `linear_method` where
+    named (processed by finish_loading)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -104,7 +108,9 @@ def bf16_model(
         backend = make_backend(config, num_blocks, torch.bfloat16, attention)
         extra = {} if parallel is None else {"parallel": parallel}
         model = model_cls(hf_config=config, attention=backend, **extra)
-        chooser = LinearMethodChooser(dtype=torch.bfloat16, device=torch.device("cpu"))
+        chooser = LinearMethodChooser(
+            dtype=torch.bfloat16, device=torch.device("cpu"), selected=linear_method
+        )
         give_linear_methods(model, chooser)
     finally:
         torch.set_default_dtype(previous)

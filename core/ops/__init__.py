@@ -28,6 +28,10 @@ The public C++ ABI is the headers in `include_dir()`, included with quotes
 - layer_attention.h: `LayerAttentionFn`, one layer's attention as a plain C++ call; an
   attention backend that offers one (AttentionBackend.cpu_layer_call) hands its address
   and context to a fused CPU decoder, which calls it for every layer.
+- layer_linear.h: `LinearCallFn`, one linear layer's matmul as a plain C++ call; a
+  layer's installed matmul that offers one (capabilities.SupportsCpuLinearCall, the int8
+  W8A8 method's) hands its address and context to a fused CPU decoder, which calls it in
+  place of its own packed matmul.
 - row_pool.h (Linux, x86-64): `RowPool`, the batch-1 work split over the caller and one
   helper thread, and `lookup_row_pool()`, which finds the process's one pool through
   torch's dispatcher, so that every plugin's kernel (the bf16 and int8 matmuls, the CPU

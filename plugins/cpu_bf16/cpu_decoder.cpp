@@ -17,6 +17,9 @@
 // decode_layers runs the whole stack in one op: a batch-1 step then makes one call from
 // Python instead of sixty, and no Python runs while the weights stream.
 //
+// A layer's linears may instead be another library's C++ calls (layer_linear.h: a quantized
+// linear method's kernels), called in the same places; the rest of the stretch is the same.
+//
 // Registered as torch.ops.plugserve_decoder.decode_stretch and decode_layers, with
 // torch.classes.plugserve_decoder.LayerStack; built and loaded by cpu_features.py for
 // fused_stack.py. Only where cpu_gemm.h builds (AVX512_BF16), since it takes the weights
@@ -24,11 +27,13 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <array>
 #include <vector>
 
 #include "cpu_gemm.h"
 #include "cpu_ops.h"
 #include "layer_attention.h"
+#include "layer_linear.h"
 
 #ifdef PLUGSERVE_HAS_BF16_GEMM
 
@@ -39,7 +44,9 @@ using BF16 = c10::BFloat16;
 // Every layer's weights, built once at load; the *_coded ones are the matmuls' exponent-coded
 // copies (cpu_gemm.h) where the model has them, which a one-row step reads instead. The
 // next_* fields are what the next layer does to its qkv before attention: its q/k norm
-// weights (none without one) and whether it rotates.
+// weights (none without one) and whether it rotates. A layer whose linears another library
+// computes (a quantized linear method's, layer_linear.h) holds their calls instead of
+// packed weights (set_linear_calls), in the order o, gate_up, down, next qkv.
 struct LayerStack : torch::CustomClassHolder {
   struct Layer {
     int64_t attention_layer;
@@ -57,6 +64,8 @@ struct LayerStack : torch::CustomClassHolder {
     c10::optional<at::Tensor> next_q_norm, next_k_norm;
     double next_qk_norm_eps;
     bool next_rotates;
+    int64_t intermediate;  // the MLP's width (down's input features), from its packed weight
+    std::array<int64_t, 4> call_fn{}, call_context{};  // 0: the packed weight
   };
 
   LayerStack(at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
@@ -80,6 +89,8 @@ struct LayerStack : torch::CustomClassHolder {
                 "the last layer added has no next qkv_proj: the stack is complete");
     TORCH_CHECK(next_q_norm.has_value() == next_k_norm.has_value(),
                 "a q/k norm needs both the q and the k weights");
+    // Read before the list below moves down_proj; 0 for a layer of linear calls.
+    const int64_t intermediate = down_proj.dim() == 4 ? 2 * down_proj.size(1) : 0;
     layers.push_back({attention_layer, std::move(o_proj), std::move(o_bias),
                       std::move(post_attention_norm), std::move(gate_up_proj),
                       std::move(gate_up_bias), std::move(down_proj), std::move(down_bias),
@@ -87,7 +98,23 @@ struct LayerStack : torch::CustomClassHolder {
                       std::move(next_qkv_bias), qkv_features, std::move(o_coded),
                       std::move(gate_up_coded), std::move(down_coded),
                       std::move(next_qkv_coded), std::move(next_q_norm),
-                      std::move(next_k_norm), next_qk_norm_eps, next_rotates});
+                      std::move(next_k_norm), next_qk_norm_eps, next_rotates, intermediate});
+  }
+
+  // Layer `index`'s linears as LinearCallFn calls (fns[i] with contexts[i]) instead of its
+  // packed weights (added as empty tensors): o, gate_up, down, next qkv (the last layer's
+  // fourth is 0: it has none).
+  void set_linear_calls(int64_t index, std::vector<int64_t> fns, std::vector<int64_t> contexts) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers.size()), "layer ", index,
+                " is not in the stack");
+    TORCH_CHECK(fns.size() == 4 && contexts.size() == 4, "four calls: o, gate_up, down, qkv");
+    Layer& layer = layers[index];
+    for (int i = 0; i < 4; ++i) {
+      const bool needed = i < 3 || layer.next_qkv_proj.has_value();
+      TORCH_CHECK(!needed || (fns[i] != 0 && contexts[i] != 0), "linear call ", i, " missing");
+      layer.call_fn[i] = fns[i];
+      layer.call_context[i] = contexts[i];
+    }
   }
 
   std::vector<Layer> layers;
@@ -112,6 +139,20 @@ int64_t mode_for(const at::Tensor& packed, int64_t one_row_mode) {
              : one_row_mode;
 }
 
+// One of a layer's linears (slot: o, gate_up, down, next qkv): its call where another
+// library computes it, else cpu_gemm's packed weight.
+at::Tensor matmul(const LayerStack::Layer& layer, int slot, const at::Tensor& x,
+                  const at::Tensor& packed, int64_t out_features,
+                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& coded,
+                  int64_t mode) {
+  if (layer.call_fn[slot] != 0) {
+    const auto call = reinterpret_cast<plugserve::LinearCallFn>(layer.call_fn[slot]);
+    return call(reinterpret_cast<const void*>(layer.call_context[slot]), x);
+  }
+  return plugserve::linear_bf16(x, packed, out_features, bias, c10::nullopt, coded,
+                                mode_for(packed, mode));
+}
+
 // Layer `layer`'s stretch: its attention output [T, q heads * D] → the next layer's rotated
 // qkv, or after the last layer the final-normed hidden states.
 at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
@@ -122,31 +163,24 @@ at::Tensor stretch(const LayerStack& stack, const LayerStack::Layer& layer,
                   residual.size(0) == attention_out.size(0),
               "residual must be contiguous bfloat16 [tokens, hidden]");
   const int64_t hidden = residual.size(1);
-  const int64_t intermediate = 2 * layer.down_proj.size(1);  // down's input, in k-pairs
   const double eps = layer.eps;
   plugserve::check_norm_weight(layer.post_attention_norm, residual);
   plugserve::check_norm_weight(layer.next_norm, residual);
 
-  at::Tensor h = plugserve::linear_bf16(attention_out, layer.o_proj, hidden, layer.o_bias,
-                                        c10::nullopt, layer.o_coded,
-                                        mode_for(layer.o_proj, mode));
+  at::Tensor h = matmul(layer, 0, attention_out, layer.o_proj, hidden, layer.o_bias,
+                        layer.o_coded, mode);
   plugserve::fused_add_rms_norm_impl<BF16>(h, residual, layer.post_attention_norm, eps);
-  at::Tensor gate_up = plugserve::linear_bf16(h, layer.gate_up_proj, 2 * intermediate,
-                                              layer.gate_up_bias, c10::nullopt,
-                                              layer.gate_up_coded,
-                                              mode_for(layer.gate_up_proj, mode));
-  at::Tensor activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
+  at::Tensor gate_up = matmul(layer, 1, h, layer.gate_up_proj, 2 * layer.intermediate,
+                              layer.gate_up_bias, layer.gate_up_coded, mode);
+  at::Tensor activated = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   plugserve::silu_and_mul_impl<BF16>(activated, gate_up);
-  at::Tensor m = plugserve::linear_bf16(activated, layer.down_proj, hidden, layer.down_bias,
-                                        c10::nullopt, layer.down_coded,
-                                        mode_for(layer.down_proj, mode));
+  at::Tensor m = matmul(layer, 2, activated, layer.down_proj, hidden, layer.down_bias,
+                        layer.down_coded, mode);
   plugserve::fused_add_rms_norm_impl<BF16>(m, residual, layer.next_norm, eps);
   if (!layer.next_qkv_proj.has_value()) return m;  // the last layer: m is the model's output
 
-  at::Tensor qkv = plugserve::linear_bf16(m, *layer.next_qkv_proj, layer.qkv_features,
-                                          layer.next_qkv_bias, c10::nullopt,
-                                          layer.next_qkv_coded,
-                                          mode_for(*layer.next_qkv_proj, mode));
+  at::Tensor qkv = matmul(layer, 3, m, *layer.next_qkv_proj, layer.qkv_features,
+                          layer.next_qkv_bias, layer.next_qkv_coded, mode);
   const int64_t heads = stack.num_heads, kv_heads = stack.num_kv_heads, d = stack.head_dim;
   if (layer.next_q_norm.has_value()) {
     plugserve::check_norm_heads(qkv, *layer.next_q_norm, 0, heads, d);
@@ -202,7 +236,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor
 TORCH_LIBRARY(plugserve_decoder, m) {
   m.class_<LayerStack>("LayerStack")
       .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
-      .def("add_layer", &LayerStack::add_layer);
+      .def("add_layer", &LayerStack::add_layer)
+      .def("set_linear_calls", &LayerStack::set_linear_calls);
   m.def(
       "decode_stretch(__torch__.torch.classes.plugserve_decoder.LayerStack stack, int index, "
       "Tensor attention_out, Tensor(a!) residual, Tensor positions, int mode) -> Tensor");

@@ -2,7 +2,8 @@
 decoder layer whose structure it can run becomes a FusedCpuDecoderLayer (fused_layer.py),
 and where it took every layer of a single-rank model whose linears cpu_gemm.cpp packed,
 the whole stack runs as one C++ op for the row counts the plan gives cpu_gemm
-(fused_stack.py). It declines, with the reason, each layer it cannot run; those keep the
+(fused_stack.py); where every linear is instead another method's C++ call (the int8 W8A8
+method's), the whole stack runs over those calls at every row count. It declines, with the reason, each layer it cannot run; those keep the
 modules the model file built.
 
 It takes a PreNormDecoderLayer of the shared layers: plain RMSNorms (x / rms(x) * w) on
@@ -74,11 +75,10 @@ class FusedCpuDecoderPass:
         for i, layer in fused.items():
             model.layer_fns[i] = layer
 
-        stack_reason = whole_stack_unsupported_reason(model, reasons, plan)
+        stack_reason = whole_stack_unsupported_reason(model, reasons)
         if stack_reason is None:
             stack_reason = FusedCpuDecoder.unsupported_reason(list(fused.values()))
         if stack_reason is None:
-            assert plan is not None
             stack = FusedCpuDecoder(list(fused.values()), norm.weight, plan, rotary.cos_sin)
             model.install_stack(stack)
             why = _stack_rows(stack.runs_bucket)
@@ -147,7 +147,7 @@ def layer_unsupported_reason(layer: nn.Module) -> str | None:
 
 
 def whole_stack_unsupported_reason(
-    model: DecoderFrame, reasons: Sequence[str | None], plan: KernelPlan | None
+    model: DecoderFrame, reasons: Sequence[str | None]
 ) -> str | None:
     """Why the stack cannot run as one op, before looking at the linears (None: it may)."""
     if model.world_size > 1:
@@ -159,8 +159,6 @@ def whole_stack_unsupported_reason(
         return "the final norm lives on a later pipeline stage"
     if type(model.final_norm) is not RMSNorm:
         return f"the final norm is a {type(model.final_norm).__name__}"
-    if plan is None:
-        return "the linears have no kernel plan (the cpu_bf16 linear method packs none)"
     return None
 
 

@@ -1,7 +1,9 @@
 """The whole layer stack of a single-rank bf16 model as one C++ op (cpu_decoder.cpp), over
-the layers the fused_cpu_decoder pass built (fused_layer.py) and the weights cpu_gemm.cpp
-packed: what the decoder frame calls instead of its layer loop and final norm
-(interfaces.model.WholeStack) for the steps whose row count the plan gives cpu_gemm."""
+the layers the fused_cpu_decoder pass built (fused_layer.py) and either the weights
+cpu_gemm.cpp packed or every linear's own C++ call (capabilities.SupportsCpuLinearCall: a
+quantized linear method's kernels): what the decoder frame calls instead of its layer loop
+and final norm (interfaces.model.WholeStack) for the steps whose row count the plan gives
+cpu_gemm, or, over linear calls, for every step (each call runs its own kernel plan)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,15 @@ from typing import Any
 
 import torch
 
-from plugserve.capabilities import supports_fused_cpu_layer
+from plugserve.capabilities import supports_cpu_linear_call, supports_fused_cpu_layer
 from plugserve_plugins.cpu_bf16.cpu_features import decoder_unavailable_reason
 from plugserve_plugins.cpu_bf16.fused_layer import FusedCpuDecoderLayer, Matmul
-from plugserve_plugins.cpu_bf16.kernel_plan import KernelPlan, bucket_index
+from plugserve_plugins.cpu_bf16.kernel_plan import (
+    ROW_BUCKETS,
+    STREAM_NON_TEMPORAL,
+    KernelPlan,
+    bucket_index,
+)
 from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
 
 
@@ -31,7 +38,8 @@ class FusedCpuDecoder:
     def unsupported_reason(layers: list[FusedCpuDecoderLayer]) -> str | None:
         """Why these layers cannot run as one op (None where they can): every linear needs
         a cpu_gemm-packed weight on one rank (a row-parallel shard's all-reduce needs the
-        module), every layer the same heads, and the op must build."""
+        module), or every linear a C++ call, every layer the same heads, and the op must
+        build."""
         if not layers:
             return "no layers"
         linears = [
@@ -39,8 +47,9 @@ class FusedCpuDecoder:
             for layer in layers
             for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
-        if not all(isinstance(m, PackedLinear) and m.own_kernel for m in linears):
-            return "not every linear has cpu_gemm.cpp's packed weight"
+        packed = all(isinstance(m, PackedLinear) and m.own_kernel for m in linears)
+        if not packed and not all(supports_cpu_linear_call(m) for m in linears):
+            return "not every linear has cpu_gemm.cpp's packed weight or a C++ call"
         shapes = {(layer.heads, layer.head_dim) for layer in layers}
         if len(shapes) > 1:
             return "the layers differ in their heads"
@@ -50,15 +59,26 @@ class FusedCpuDecoder:
         self,
         layers: list[FusedCpuDecoderLayer],
         final_norm: torch.Tensor,
-        plan: KernelPlan,
+        plan: KernelPlan | None,
         cos_sin: torch.Tensor,
     ) -> None:
+        """`plan`: the bf16 kernel plan of cpu_gemm-packed linears; None where every linear
+        is a C++ call."""
         self.layers = layers
         first = layers[0]
         # Every stretch's weights, held in C++ once (decode_stretch, decode_layers).
         self.stack = torch.classes.plugserve_decoder.LayerStack(
             cos_sin, first.heads[0], first.heads[1], first.head_dim
         )
+        self.attention = first.attention
+        # Asked once: a Protocol check costs microseconds, too many for every step.
+        self.offers_layer_call = supports_fused_cpu_layer(self.attention)
+        if plan is None:
+            # Over linear calls, every step: each call picks its kernel by its row count.
+            self.runs_bucket = tuple(True for _ in ROW_BUCKETS)
+            self.mode_by_bucket = tuple(STREAM_NON_TEMPORAL for _ in ROW_BUCKETS)
+            self._add_called_layers(final_norm)
+            return
         # The steps it runs: those whose row count the plan gives cpu_gemm, each in its
         # bucket's mode (a one-row stream, the vector tiles, AMX tiles); the others run
         # layer by layer, each linear through its plan's kernel.
@@ -91,9 +111,32 @@ class FusedCpuDecoder:
                 0.0 if following is None else following.qk_norm_eps,
                 following is not None and following.cos_sin is not None,
             )
-        self.attention = first.attention
-        # Asked once: a Protocol check costs microseconds, too many for every step.
-        self.offers_layer_call = supports_fused_cpu_layer(self.attention)
+
+    def _add_called_layers(self, final_norm: torch.Tensor) -> None:
+        """Every layer with its linears as C++ calls (no packed weights, no biases: each
+        call adds its own)."""
+        empty = torch.empty(0, dtype=final_norm.dtype)
+        for index, (layer, following) in enumerate(
+            zip(self.layers, [*self.layers[1:], None], strict=True)
+        ):
+            self.stack.add_layer(
+                layer.layer_idx, empty, None, layer.post_attention_norm, empty, None,
+                empty, None, final_norm if following is None else following.input_norm,
+                layer.eps, None if following is None else empty, None,
+                0,
+                None, None, None, None,
+                None if following is None else following.q_norm,
+                None if following is None else following.k_norm,
+                0.0 if following is None else following.qk_norm_eps,
+                following is not None and following.cos_sin is not None,
+            )  # fmt: skip
+            linears = [layer.o_proj, layer.gate_up_proj, layer.down_proj]
+            if following is not None:
+                linears.append(following.qkv_proj)
+            calls = [_linear_call(linear) for linear in linears] + [(0, 0)] * (4 - len(linears))
+            self.stack.set_linear_calls(
+                index, [fn for fn, _ in calls], [context for _, context in calls]
+            )
 
     def runs(self, rows: int) -> bool:
         """Whether a step of `rows` tokens runs here (its kernel is cpu_gemm's)."""
@@ -118,6 +161,11 @@ class FusedCpuDecoder:
                 self.stack, index, layer.attend(qkv), residual, positions, mode
             )
         return qkv  # after the last layer, the final-normed hidden states
+
+
+def _linear_call(linear: Matmul) -> tuple[int, int]:
+    assert supports_cpu_linear_call(linear)
+    return linear.cpu_linear_call()
 
 
 def _packed(linear: Matmul) -> PackedLinear:

@@ -1,7 +1,9 @@
 """The bundled linear methods (interfaces.model.LinearMethod) other than the bf16 CPU fast
 path's (plugserve_plugins.cpu_bf16), one file each:
 
-- int8: int8 weight-only quantization for AVX-512 CPUs.
+- int8: int8 weights with int8 activations quantized per token (W8A8), for AVX512-VNNI
+  CPUs (int8_w8a8.py);
+- int8_weight_only: int8 weights, bf16 activations, for AVX-512 CPUs (int8_weight_only.py).
 
 Registered by "module:Class" reference: the API-server process loads this module with
 every plugin, and must not import the worker code the methods are written against.
@@ -15,4 +17,5 @@ from plugserve.hookspecs import Register
 
 @hookimpl
 def register_linear_methods(register: Register) -> None:
-    register("int8", "plugserve_plugins.linear_methods.int8_weight_only:Int8WeightOnly")
+    register("int8", "plugserve_plugins.linear_methods.int8_w8a8:Int8W8A8")
+    register("int8_weight_only", "plugserve_plugins.linear_methods.int8_weight_only:Int8WeightOnly")

@@ -1,4 +1,4 @@
-"""int8 weight-only quantization for AVX-512 CPUs (stack.linear_method: int8).
+"""int8 weight-only quantization for AVX-512 CPUs (stack.linear_method: int8_weight_only).
 
 Every linear weight [N, K] becomes int8 with one fp32 scale per output row, symmetric and
 rounded to nearest: scale = absmax(row) / 127, q = round(w / scale). Activations stay

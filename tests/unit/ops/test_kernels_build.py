@@ -12,7 +12,7 @@ import pytest
 from plugserve.worker import cpu_ops
 from plugserve_plugins.cpu_bf16 import cpu_features
 from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
-from plugserve_plugins.linear_methods import int8_weight_only
+from plugserve_plugins.linear_methods import int8_w8a8, int8_weight_only
 from tests.kernel_support import require_kernel
 
 
@@ -45,6 +45,11 @@ KERNELS = (
         "int8_weight_only.cpp",
         int8_weight_only.REQUIRED_CPU_FLAGS,
         int8_weight_only.Int8WeightOnly.unavailable_reason,
+    ),
+    CompiledKernel(
+        "int8_w8a8.cpp",
+        int8_w8a8.REQUIRED_CPU_FLAGS,
+        int8_w8a8.Int8W8A8.unavailable_reason,
     ),
 )
 

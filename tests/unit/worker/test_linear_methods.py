@@ -28,7 +28,7 @@ from plugserve.worker.linear_methods import (
 from plugserve.worker.models.llama import LlamaForCausalLM
 from plugserve.worker.parallel import ParallelContext
 from plugserve_plugins.cpu_bf16.linear_method import PackedCpuBf16
-from plugserve_plugins.linear_methods.int8_weight_only import Int8WeightOnly
+from plugserve_plugins.linear_methods.int8_w8a8 import Int8W8A8
 
 CPU = torch.device("cpu")
 
@@ -103,7 +103,7 @@ def test_left_unset_the_dtype_and_device_choose_the_method(
 
 def test_a_named_method_runs_every_layer_whatever_the_dtype() -> None:
     chooser = LinearMethodChooser(dtype=torch.float32, device=CPU, selected="int8")
-    assert isinstance(chooser.method_for(Linear(8, 4, bias=False)), Int8WeightOnly)
+    assert isinstance(chooser.method_for(Linear(8, 4, bias=False)), Int8W8A8)
 
 
 def test_a_methods_options_come_from_its_block() -> None:
