@@ -61,9 +61,15 @@ ANSWER = SamplingParams(
 )
 
 
-def generate(run: TinyRun, logprobs: int, constrained: list | None = None, **engine) -> list:
+def generate(
+    run: TinyRun,
+    logprobs: int,
+    constrained: list | None = None,
+    counts: list | None = None,
+    **engine,
+) -> list:
     """Every prompt's greedy continuation; with `constrained`, also each prompt under
-    ANSWER, appended to it."""
+    ANSWER, appended to it; with `counts`, the executor's MessageCounts at the end."""
     params = SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs
     )
@@ -72,15 +78,23 @@ def generate(run: TinyRun, logprobs: int, constrained: list | None = None, **eng
         outputs = llm.generate(requests, params)
         if constrained is not None:
             constrained += [o.outputs[0] for o in llm.generate(requests, ANSWER)]
+        if counts is not None:
+            counts.append(llm.engine.executor.message_counts())
         return [o.outputs[0] for o in outputs]
 
 
 def test_two_stages_of_two_tensor_parallel_ranks_match_one_process(three_layers, uni_fp32) -> None:
+    """Each batch, prefill chunks included, is one command to each of the four ranks and
+    one reply from the last stage's first, and in each batch that computes, each of
+    stage 0's two ranks sends its activations and its busy seconds to its peer of
+    stage 1."""
     answers: list = []
+    counted: list = []
     tp_pp = generate(
         three_layers,
         0,
         answers,
+        counted,
         executor="mp",
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
@@ -88,6 +102,12 @@ def test_two_stages_of_two_tensor_parallel_ranks_match_one_process(three_layers,
         num_threads=1,
     )
     assert_same(tp_pp, uni_fp32)
+    [counts] = counted
+    assert counts.batches > 0
+    assert (counts.commands, counts.replies) == (4 * counts.batches, counts.batches)
+    # A batch that schedules no token (it only frees finished requests) sends nothing.
+    assert counts.stage_sends % 4 == 0
+    assert 0 < counts.stage_sends <= 4 * counts.batches
     for answer in answers:
         assert json.loads(answer.text) in ("yes", "no") and answer.finish_reason == "stop"
 
