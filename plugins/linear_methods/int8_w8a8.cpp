@@ -57,7 +57,7 @@ namespace {
 constexpr int64_t kQuadBytes = 64;  // one quad of k for one 16-column block
 constexpr int64_t kRowTile = 8;  // rows sharing a weight vector in registers
 constexpr int64_t kBlockTile = 3;  // 16-column blocks per register tile
-constexpr int kKernelVnni = 0, kKernelAmx = 1, kKernelIntMm = 2;
+constexpr int kKernelVnni = 0, kKernelAmx = 1, kKernelIntMm = 2, kKernelVnniTiled = 3;
 
 struct Args {
   const uint8_t* xq;  // [M, Kp]
@@ -185,10 +185,12 @@ TileFn<Out> tile_for(int64_t rows, int64_t nb) {
   }
 }
 
+// `stream`: one row as a stream of blocks (row_item), else through the register tiles as
+// more rows run (which CPU reads which faster is measured: w8a8_plan.py).
 template <typename Out>
 void vnni_rows(const Args& a, int64_t rows, int64_t blocks, Out* out,
-               const std::array<at::Tensor, 4>& inputs) {
-  if (rows == 1) {
+               const std::array<at::Tensor, 4>& inputs, bool stream) {
+  if (rows == 1 && stream) {
     plugserve::RowPool* pool = at::get_num_threads() > 1 ? plugserve::lookup_row_pool() : nullptr;
     if (pool != nullptr && pool->enabled()) {
       const int64_t last = a.n - (blocks - 1) * 16;
@@ -460,10 +462,11 @@ struct W8A8Weight : torch::CustomClassHolder {
   }
 
   void check_kernel(int64_t kernel) const {
-    TORCH_CHECK(kernel == kKernelVnni || (kernel == kKernelAmx && amx_available()) ||
+    TORCH_CHECK(kernel == kKernelVnni || kernel == kKernelVnniTiled ||
+                    (kernel == kKernelAmx && amx_available()) ||
                     (kernel == kKernelIntMm && plain.has_value()),
-                "kernel must be 0 (VNNI), 1 (AMX, where AMX-INT8 tiles run) or 2 "
-                "(torch._int_mm, where the plain weight is kept)");
+                "kernel must be 0 (VNNI), 3 (VNNI, one row as tiles), 1 (AMX, where AMX-INT8 "
+                "tiles run) or 2 (torch._int_mm, where the plain weight is kept)");
   }
 
   int64_t kernel_for(int64_t rows) const {
@@ -514,7 +517,7 @@ struct W8A8Weight : torch::CustomClassHolder {
         return;
       }
 #endif
-      vnni_rows(a, M, blocks, op, inputs);
+      vnni_rows(a, M, blocks, op, inputs, kernel != kKernelVnniTiled);
     };
     if (out_dtype == at::kFloat) {
       run(out.data_ptr<float>());

@@ -5,13 +5,13 @@ The candidates compute the same int32 sums, each exact, and dequantize them alik
 they give the same bits and the choice changes only the speed:
 
 - `vnni`: int8_w8a8.cpp's AVX512-VNNI kernel (a weight stream at one row, register tiles
-  of up to 8 rows);
+  of up to 8 rows); `vnni/tiled`: one row through the register tiles too;
 - `amx`: int8_w8a8.cpp's AMX-INT8 tiles, where the CPU and the build have them;
 - `int_mm`: torch._int_mm (ATen's s8 x s8 matmul on CPU) over the weight as quantized,
   the activation codes shifted to int8 and the shift compensated like the zero point.
 
-One row runs `vnni` unmeasured (the other two compute 16 rows to use one). The other
-buckets are timed on the leading layers of the model (every candidate once a round, the
+One row chooses between `vnni` and `vnni/tiled` (the other two compute 16 rows to use
+one). The other buckets are timed on the leading layers of the model (every candidate once a round, the
 median of the rounds), and the plan kept per machine and model shape under the plugserve
 cache dir; PLUGSERVE_REMEASURE_KERNELS=1 measures again. Unlike the bf16 method's plan,
 it is kept even where other processes were busy while it was timed: a plan only changes
@@ -41,8 +41,8 @@ from plugserve.user_cache import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_w8a8.cpp")
-VNNI, AMX, INT_MM = "vnni", "amx", "int_mm"
-KERNEL_IDS = {VNNI: 0, AMX: 1, INT_MM: 2}  # int8_w8a8.cpp's `kernel` argument
+VNNI, VNNI_TILED, AMX, INT_MM = "vnni", "vnni/tiled", "amx", "int_mm"
+KERNEL_IDS = {VNNI: 0, AMX: 1, INT_MM: 2, VNNI_TILED: 3}  # int8_w8a8.cpp's `kernel` argument
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class W8A8Plan:
 
     def table(self) -> str:
         """A markdown table of the times: buckets down, candidates across, * chosen."""
-        names = [k for k in (VNNI, AMX, INT_MM) if any(k in t for t in self.times_ms)]
+        names = [k for k in (VNNI, VNNI_TILED, AMX, INT_MM) if any(k in t for t in self.times_ms)]
         lines = ["| rows | chosen | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for bucket, chosen, times in zip(ROW_BUCKETS, self.by_bucket, self.times_ms, strict=True):
             cells = [
@@ -132,7 +132,7 @@ def candidates_here() -> list[list[str]]:
         more.append(AMX)
     if int_mm_available():
         more.append(INT_MM)
-    return [[VNNI]] + [list(more) for _ in ROW_BUCKETS[1:]]
+    return [[VNNI, VNNI_TILED]] + [list(more) for _ in ROW_BUCKETS[1:]]
 
 
 Run = Callable[[str, torch.Tensor], torch.Tensor]

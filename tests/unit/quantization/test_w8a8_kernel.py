@@ -1,9 +1,9 @@
 """The W8A8 int8 kernels (plugins/linear_methods/int8_w8a8.cpp) against integer arithmetic.
 
 Activations are quantized per row to uint8 codes with a scale and a zero point, each value
-within half a step of its code. Every kernel this machine offers (VNNI, AMX-INT8 tiles,
-torch._int_mm) sums the codes times the int8 weights exactly, and dequantizes the sums
-alike: every kernel gives the same bits, and its fp32 output is the exact integer sum
+within half a step of its code. Every kernel this machine offers (VNNI's one-row stream
+and register tiles, AMX-INT8 tiles, torch._int_mm) sums the codes times the int8 weights
+exactly, and dequantizes the sums alike: every kernel gives the same bits, and its fp32 output is the exact integer sum
 (computed here in int64) less the zero point times the weight row's sum, times the two
 scales, within the rounding of those two products (an integer off by one would be off by
 the product of the scales, some thousand times more).
@@ -25,7 +25,7 @@ MISSING = missing_cpu_flags(int8_w8a8.REQUIRED_CPU_FLAGS)
 pytestmark = pytest.mark.skipif(
     bool(MISSING), reason=f"the W8A8 kernel needs a CPU with {' and '.join(MISSING)}"
 )
-KERNELS = (w8a8_plan.VNNI, w8a8_plan.AMX, w8a8_plan.INT_MM)
+KERNELS = (w8a8_plan.VNNI, w8a8_plan.VNNI_TILED, w8a8_plan.AMX, w8a8_plan.INT_MM)
 
 
 def quantize(x: torch.Tensor, padded_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,7 +67,7 @@ def exact_reference(linear: W8A8Linear, weight: torch.Tensor, x: torch.Tensor) -
 @pytest.mark.parametrize("in_features", [576, 100])
 @pytest.mark.parametrize("rows", [1, 3, 8, 33, 300])
 def test_each_kernel_sums_exactly_in_int32(kernel: str, rows: int, in_features: int) -> None:
-    if kernel not in w8a8_plan.candidates_here()[-1]:
+    if kernel not in {k for bucket in w8a8_plan.candidates_here() for k in bucket}:
         pytest.skip(f"{kernel} does not run here")
     torch.manual_seed(rows * in_features)
     out_features = 197  # not a multiple of the kernels' 16-column blocks
@@ -86,7 +86,7 @@ def test_each_kernel_sums_exactly_in_int32(kernel: str, rows: int, in_features: 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_the_bias_is_added_to_the_dequantized_sums(kernel: str) -> None:
-    if kernel not in w8a8_plan.candidates_here()[-1]:
+    if kernel not in {k for bucket in w8a8_plan.candidates_here() for k in bucket}:
         pytest.skip(f"{kernel} does not run here")
     torch.manual_seed(1)
     weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()

@@ -1,5 +1,5 @@
 """The W8A8 kernel plan: each row bucket runs the candidate that timed fastest at the
-bucket's row count (one row always the VNNI stream), and a plan measured once is read back
+bucket's row count, and a plan measured once is read back
 from the plugserve cache on the next start instead of timed again."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from plugserve_plugins.linear_methods.w8a8_plan import (
     INT_MM,
     ROW_BUCKETS,
     VNNI,
+    VNNI_TILED,
     MeasuredMatmul,
     W8A8Plan,
     measure,
@@ -21,6 +22,7 @@ from plugserve_plugins.linear_methods.w8a8_plan import (
 # Each kernel's cost (in seconds of the fake clock) at a row count.
 COSTS = {
     VNNI: lambda rows: rows,
+    VNNI_TILED: lambda rows: rows + 1,
     AMX: lambda rows: 5 + rows / 4,
     INT_MM: lambda rows: 10 + rows / 8,
 }
@@ -42,12 +44,12 @@ class FakeClock:
 def test_each_bucket_takes_the_candidate_fastest_at_its_row_count() -> None:
     clock = FakeClock()
     matmuls = [MeasuredMatmul(clock.run, in_features=64, out_features=32)]
-    candidates = [[VNNI]] + [[VNNI, AMX, INT_MM] for _ in ROW_BUCKETS[1:]]
+    candidates = [[VNNI, VNNI_TILED]] + [[VNNI, AMX, INT_MM] for _ in ROW_BUCKETS[1:]]
     plan = measure(matmuls, candidates, clock=lambda: clock.now)
-    # 8 rows: 8 / 7 / 11; 32: 32 / 13 / 14; 128: 128 / 37 / 26; 512: 512 / 133 / 74.
+    # 1 row: 1 / 2; 8 rows: 8 / 7 / 11; 32: 32 / 13 / 14; 128: 128 / 37 / 26; 512: 512 / 133 / 74.
     assert plan.by_bucket == (VNNI, AMX, AMX, INT_MM, INT_MM)
-    assert plan.times_ms[0] == {} and set(plan.times_ms[1]) == {VNNI, AMX, INT_MM}
-    assert all(rows != 1 for _, rows in clock.runs)  # one row is not timed: VNNI's alone
+    assert set(plan.times_ms[0]) == {VNNI, VNNI_TILED}
+    assert set(plan.times_ms[1]) == {VNNI, AMX, INT_MM}
     assert plan.for_rows(1) == VNNI and plan.for_rows(300) == INT_MM
 
 
