@@ -14,9 +14,11 @@
 // where w_sum[n] = sum_k q[n, k] is computed once at load: the zero point's compensation
 // term. The int32 sums are exact (K * 255 * 127 stays far below 2^31 for any K below 65536).
 //
-// One row (a batch-1 decode step) streams each 16-column block once with four chains over
-// alternating quads, split over the process's row pool (row_pool.h) where that is on, else
-// over torch's threads; the weights are read once, half the bytes of bf16. Up to eight rows
+// One row (a batch-1 decode step) either streams each 16-column block once with four chains
+// over alternating quads, or runs the register tiles below on one row (three blocks
+// interleaved), whichever measures faster here; either splits its items over the process's
+// row pool (row_pool.h) where that is on, else over torch's threads. The weights are read
+// once, half the bytes of bf16. Up to eight rows
 // share each weight vector in registers (tile); many rows run AMX tiles where built
 // (kernel 1), each 16x16 int32 block of sums over K in 64-byte steps.
 //
@@ -137,9 +139,10 @@ void row_item(const void* args, int64_t b, void* out) {
 }
 
 // Rows [r0, r0 + M) against blocks [b0, b0 + NB): every weight vector loaded once feeds
-// the M rows' VPDPBUSD, M x NB accumulators in registers.
+// the M rows' VPDPBUSD, M x NB accumulators in registers. Output column c of row m goes to
+// out[m * n + c - first_col].
 template <int M, int NB, typename Out>
-void tile(const Args& a, int64_t r0, int64_t b0, Out* out) {
+void tile(const Args& a, int64_t r0, int64_t b0, Out* out, int64_t first_col) {
   __m512i acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_si512();
@@ -159,12 +162,12 @@ void tile(const Args& a, int64_t r0, int64_t b0, Out* out) {
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) {
       const int64_t col = (b0 + b) * 16;
-      finish16(acc[m][b], r0 + m, col, a, out + (r0 + m) * a.n + col);
+      finish16(acc[m][b], r0 + m, col, a, out + (r0 + m) * a.n + col - first_col);
     }
 }
 
 template <typename Out>
-using TileFn = void (*)(const Args&, int64_t, int64_t, Out*);
+using TileFn = void (*)(const Args&, int64_t, int64_t, Out*, int64_t);
 
 template <int M, typename Out>
 TileFn<Out> pick_blocks(int64_t nb) {
@@ -185,13 +188,29 @@ TileFn<Out> tile_for(int64_t rows, int64_t nb) {
   }
 }
 
+// One row through the register tiles as a RowPool job: item t is tile t's outputs.
+template <typename Out>
+void tile_item(const void* args, int64_t t, void* out) {
+  const Args& a = *static_cast<const Args*>(args);
+  const int64_t blocks = (a.n + 15) / 16, b0 = t * kBlockTile;
+  tile_for<Out>(1, std::min(kBlockTile, blocks - b0))(a, 0, b0, static_cast<Out*>(out), b0 * 16);
+}
+
 // `stream`: one row as a stream of blocks (row_item), else through the register tiles as
 // more rows run (which CPU reads which faster is measured: w8a8_plan.py).
 template <typename Out>
 void vnni_rows(const Args& a, int64_t rows, int64_t blocks, Out* out,
                const std::array<at::Tensor, 4>& inputs, bool stream) {
+  plugserve::RowPool* pool =
+      rows == 1 && at::get_num_threads() > 1 ? plugserve::lookup_row_pool() : nullptr;
+  if (rows == 1 && !stream && pool != nullptr && pool->enabled()) {
+    const int64_t tiles = (blocks + kBlockTile - 1) / kBlockTile;
+    const int64_t item = kBlockTile * 16;
+    pool->run(plugserve::RowPool::make_job(&tile_item<Out>, a, tiles, out, item * sizeof(Out),
+                                           (a.n - (tiles - 1) * item) * sizeof(Out), inputs));
+    return;
+  }
   if (rows == 1 && stream) {
-    plugserve::RowPool* pool = at::get_num_threads() > 1 ? plugserve::lookup_row_pool() : nullptr;
     if (pool != nullptr && pool->enabled()) {
       const int64_t last = a.n - (blocks - 1) * 16;
       pool->run(plugserve::RowPool::make_job(&row_item<Out>, a, blocks, out, 16 * sizeof(Out),
@@ -209,7 +228,7 @@ void vnni_rows(const Args& a, int64_t rows, int64_t blocks, Out* out,
     for (int64_t t = first; t < last; ++t) {
       const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
       for (int64_t r = 0; r < rows; r += kRowTile)
-        tile_for<Out>(std::min(kRowTile, rows - r), nb)(a, r, b0, out);
+        tile_for<Out>(std::min(kRowTile, rows - r), nb)(a, r, b0, out, 0);
     }
   });
 }
