@@ -4,13 +4,14 @@ SmolLM2-135M: perplexity on a fixed text and greedy agreement (docs/benchmarks.m
 
 - perplexity: exp of the mean negative logprob of every token of
   benchmarks/data/pride_and_prejudice_ch1.txt (public domain) given the tokens before
-  it, through prompt_logprobs;
+  it, through prompt_logprobs; with --chunk-tokens N, as llama.cpp's `llama-perplexity
+  -c N` computes it instead: N-token chunks, each alone, the second half of each scored;
 - greedy agreement: 8 fixed prompts x 64 new tokens (EOS ignored) quantized against
   bf16: the fraction of positions holding the same token, and how many tokens each
   continuation keeps before its first difference.
 
     .venv/bin/python benchmarks/int8_quality.py [--model smollm2-135m-instruct]
-        [--linear-method int8 | int8_weight_only] [--json out]
+        [--linear-method int8 | int8_weight_only] [--chunk-tokens 256] [--json out]
 """
 
 from __future__ import annotations
@@ -54,19 +55,40 @@ def perplexity(llm: LLM, token_ids: list[int]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
+def chunked_perplexity(llm: LLM, token_ids: list[int], chunk: int) -> float:
+    """llama-perplexity's protocol: each whole chunk of `chunk` tokens alone, the tokens of
+    its second half scored."""
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - chunk + 1, chunk):
+        tokens = token_ids[start : start + chunk]
+        [out] = llm.generate(
+            {"prompt_token_ids": tokens}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+        )
+        assert out.prompt_logprobs is not None
+        for j in range(chunk // 2 + 1, chunk):
+            nll -= out.prompt_logprobs[j][tokens[j]].logprob
+            count += 1
+    return math.exp(nll / count)
+
+
 def greedy(llm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params)]
 
 
-def run(model: str, linear_method: str | None) -> tuple[float, list[list[int]]]:
-    settings: dict[str, Any] = {"dtype": "bfloat16", "kv_cache_memory": "64MiB"}
+def run(model: str, linear_method: str | None, chunk: int) -> tuple[float, list[list[int]]]:
+    settings: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "kv_cache_memory": "64MiB",
+        "enable_prefix_caching": False,
+    }
     if linear_method is not None:
         settings["linear_method"] = linear_method
     llm = LLM(model=model, **settings)
     try:
         token_ids = llm.tokenizer.encode(TEXT.read_text())
-        return perplexity(llm, token_ids), greedy(llm)
+        score = chunked_perplexity(llm, token_ids, chunk) if chunk else perplexity(llm, token_ids)
+        return score, greedy(llm)
     finally:
         llm.engine.shutdown()
 
@@ -75,11 +97,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--linear-method", default="int8")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=0, help="llama-perplexity's -c (0: the whole text)"
+    )
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
 
-    ppl_bf16, tokens_bf16 = run(args.model, None)
-    ppl_q, tokens_q = run(args.model, args.linear_method)
+    ppl_bf16, tokens_bf16 = run(args.model, None, args.chunk_tokens)
+    ppl_q, tokens_q = run(args.model, args.linear_method, args.chunk_tokens)
     same = sum(
         a == b
         for r, q in zip(tokens_bf16, tokens_q, strict=True)
@@ -93,6 +118,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "linear_method": args.linear_method,
+        "chunk_tokens": args.chunk_tokens,
         "perplexity_bf16": ppl_bf16,
         "perplexity_quantized": ppl_q,
         "perplexity_delta": ppl_q - ppl_bf16,
