@@ -1,5 +1,5 @@
 """W8A8 int8 matmuls on SmolLM2-135M's layer shapes, by row count: plugserve's own kernels
-(int8_w8a8.cpp: AVX512-VNNI, AMX-INT8 tiles) against what libraries offer (torch._int_mm,
+(int8_w8a8.cpp: AVX512-VNNI's one-row stream and register tiles, AMX-INT8 tiles) against what libraries offer (torch._int_mm,
 oneDNN's qlinear_pointwise, torch.ao's dynamic quantized linear) and against bf16's
 oneDNN matmul (docs/benchmarks.md, "int8 (W8A8)").
 
@@ -89,6 +89,7 @@ def bf16(weights: list[torch.Tensor]) -> list[Matmul]:
 
 CANDIDATES: dict[str, Callable[[list[torch.Tensor]], list[Matmul]]] = {
     "own/vnni": lambda ws: own(w8a8_plan.VNNI, ws),
+    "own/vnni-tiled": lambda ws: own(w8a8_plan.VNNI_TILED, ws),
     "own/amx": lambda ws: own(w8a8_plan.AMX, ws),
     "int_mm": lambda ws: own(w8a8_plan.INT_MM, ws),
     "onednn qlinear": onednn_qlinear,
@@ -112,7 +113,7 @@ def main() -> None:
     names = [n for n in args.candidates if n in CANDIDATES]
     built: dict[str, list[Matmul] | str] = {}
     for name in names:
-        kernel = {"own/vnni": "vnni", "own/amx": "amx", "int_mm": "int_mm"}.get(name)
+        kernel = {"own/amx": w8a8_plan.AMX, "int_mm": w8a8_plan.INT_MM}.get(name)
         if kernel is not None and kernel not in available:
             built[name] = "not here"
             continue
