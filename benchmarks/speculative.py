@@ -9,6 +9,12 @@
   ignored, temperature 0 (little to copy: what speculation costs when it has nothing to
   propose).
 
+With llama.cpp's llama-server built in $ANCHORS (../shared/peers/setup_llamaserver.sh),
+a third server runs the copy-heavy workload: the Q4_1 GGUF, plain (the yardstick for a
+per-token time at c=1), its prompt cache off, one connection per request. (Its
+/v1/completions answers the random workload's prompts with at most one token here, so
+that workload has no llama-server column.)
+
 Per run: output tokens/s, median time per output token and median inter-token latency,
 then the speculative server's acceptance from /metrics (vLLM's spec_decode counters): the
 share of draft tokens accepted, the mean tokens landed per verified draft, and the rate
@@ -17,6 +23,7 @@ one right after the other (servers are started in turn, never together).
 
     .venv/bin/python benchmarks/speculative.py [--concurrency "1 8"] [--proposer ngram]
         [--num-tokens 4] [--rounds 2] [--workloads "copy-heavy random"] [--json out.json]
+        [--skip-llamaserver] [--peers-dir ../shared/peers]
 """
 
 from __future__ import annotations
@@ -35,11 +42,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import httpx
+from against_peers import ANCHORS, PEERS_DIR, peer_server  # the sibling benchmark
 
 from plugserve.bench.client import send_request
 from plugserve.bench.dataset import EMBEDDED_MODEL, get_tokenizer, sample_random_prompts
 from plugserve.bench.metrics import RequestOutput
 from plugserve.bench.plugserve_server import PlugserveServer
+from plugserve.bench.server_process import ServerProcess
 
 COPY_HEAVY = Path(__file__).parent / "data" / "copy_heavy.jsonl"
 RANDOM_LEN = 128
@@ -61,23 +70,26 @@ def workloads(num_random: int, seed: int) -> dict[str, list[dict[str, Any]]]:
 
 
 async def run_workload(
-    server: PlugserveServer, bodies: list[dict[str, Any]], concurrency: int
+    server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int, peer: bool = False
 ) -> tuple[list[RequestOutput], float]:
+    """`peer`: llama-server, whose keep-alive drops reused connections and whose prompt
+    cache would skew repeated prompts: a connection per request, the cache off."""
     semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0 if peer else None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(3600)) as client:
 
         async def one(body: dict[str, Any]) -> RequestOutput:
             chat = "messages" in body
-            url = server.url("/v1/chat/completions" if chat else "/v1/completions")
+            path = "/v1/chat/completions" if chat else "/v1/completions"
             full = {
                 **body,
-                "model": EMBEDDED_MODEL,
+                "model": LLAMASERVER_MODEL if peer else EMBEDDED_MODEL,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                **({"cache_prompt": False} if peer else {}),
             }
             async with semaphore:
-                return await send_request(client, url, full, 0, chat)
+                return await send_request(client, server.base_url + path, full, 0, chat)
 
         await one(bodies[0])  # warm-up
         start = time.perf_counter()
@@ -132,6 +144,15 @@ def serve(label: str, settings: list[str], log_dir: Path) -> PlugserveServer:
     return PlugserveServer(log_dir / f"server-{label}.log", transport="zmq", settings=settings)
 
 
+LLAMASERVER = "llama-server"
+LLAMASERVER_MODEL = "smollm2"  # run_llamaserver.sh's alias
+
+
+def llamaserver(peers_dir: Path, slots: int, log_dir: Path) -> ServerProcess:
+    env = {"NP": str(slots), "CTX": str(slots * 2048)}
+    return peer_server("llamaserver", peers_dir / "run_llamaserver.sh", env, log_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1 8")
@@ -141,7 +162,13 @@ def main() -> None:
     parser.add_argument("--num-random", type=int, default=16)
     parser.add_argument("--workloads", default="copy-heavy random")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-llamaserver", action="store_true")
+    parser.add_argument("--peers-dir", type=Path, default=PEERS_DIR)
     args = parser.parse_args()
+    with_peer = not args.skip_llamaserver
+    if with_peer and not (ANCHORS / "llama-server/bin/llama-server").is_file():
+        print(f"llama-server skipped: not built (run {args.peers_dir}/setup_llamaserver.sh)")
+        with_peer = False
     concurrencies = [int(c) for c in args.concurrency.split()]
     loads = {
         name: bodies
@@ -161,19 +188,29 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for label, settings in configs.items():
-                with serve(label, settings, Path(tmp)).running() as server:
+            for label in [*configs, *([LLAMASERVER] if with_peer else [])]:
+                peer = label == LLAMASERVER
+                server = (
+                    llamaserver(args.peers_dir, max(concurrencies), Path(tmp))
+                    if peer
+                    else serve(label, configs[label], Path(tmp))
+                )
+                with server.running(check_exit=not peer):
                     for workload, bodies in loads.items():
+                        if peer and workload != "copy-heavy":
+                            continue
                         for c in concurrencies:
-                            before = spec_counters(server)
-                            outputs, duration = asyncio.run(run_workload(server, bodies, c))
+                            before = {} if peer else spec_counters(server)
+                            outputs, duration = asyncio.run(
+                                run_workload(server, bodies, c, peer=peer)
+                            )
                             row = {
                                 "round": round_,
                                 "config": label,
                                 "workload": workload,
                                 "concurrency": c,
                                 **summarize(outputs, duration),
-                                **acceptance(before, spec_counters(server)),
+                                **({} if peer else acceptance(before, spec_counters(server))),
                             }
                             results.append(row)
                             print(json.dumps(row), flush=True)
@@ -187,20 +224,23 @@ def table(results: list[dict[str, Any]], concurrencies: list[int], names: list[s
     """Per workload and concurrency: the best round of each config, and their ratio."""
     lines = [
         "| workload | c | plain tok/s | speculative tok/s | ratio | plain TPOT ms "
-        "| spec TPOT ms | acceptance | mean accepted length | per position |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| spec TPOT ms | llama-server TPOT ms | acceptance | mean accepted length "
+        "| per position |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         for c in concurrencies:
             rows = [r for r in results if r["workload"] == name and r["concurrency"] == c]
             plain = max((r for r in rows if r["config"] == "plain"), key=_speed)
             spec = max((r for r in rows if r["config"] == "speculative"), key=_speed)
+            peers = [r for r in rows if r["config"] == LLAMASERVER]
+            peer = f"{max(peers, key=_speed)['median_tpot_ms']:.2f}" if peers else "-"
             rate = spec.get("acceptance_rate")
             lines.append(
                 f"| {name} | {c} | {plain['output_throughput']:.1f} "
                 f"| {spec['output_throughput']:.1f} "
                 f"| {spec['output_throughput'] / plain['output_throughput']:.2f}x "
-                f"| {plain['median_tpot_ms']:.2f} | {spec['median_tpot_ms']:.2f} "
+                f"| {plain['median_tpot_ms']:.2f} | {spec['median_tpot_ms']:.2f} | {peer} "
                 f"| {f'{100 * rate:.0f}%' if rate is not None else '-'} "
                 f"| {spec.get('mean_accepted_length', 1.0):.2f} "
                 f"| {', '.join(str(p) for p in spec.get('per_position', []))} |"
