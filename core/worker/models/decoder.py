@@ -77,7 +77,8 @@ def num_kv_heads_of(hf_config: Any) -> int:
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.")
-_CAUSAL_LM_ROOTS = ("model.", "lm_head.")
+# What a base model's checkpoint names its tensors from (transformers' DecoderModel).
+_BASE_MODEL_ROOTS = ("layers.", "embed_tokens.", "norm.")
 
 
 def with_model_prefix(
@@ -85,9 +86,10 @@ def with_model_prefix(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint names as the causal LM's: a checkpoint saved from the base model
     (transformers' Qwen3Model, as Qwen3-Embedding's are, whatever its config.json's
-    architectures say) names its tensors without the `model.` prefix."""
+    architectures say) names its tensors without the `model.` prefix. Other names pass
+    as they are, so an unknown one is reported as the checkpoint spells it."""
     for name, tensor in weights:
-        yield (name if name.startswith(_CAUSAL_LM_ROOTS) else f"model.{name}"), tensor
+        yield (f"model.{name}" if name.startswith(_BASE_MODEL_ROOTS) else name), tensor
 
 
 @dataclass

@@ -37,14 +37,15 @@ def test_core_holds_only_its_own_library_and_the_public_headers() -> None:
 
 def test_headers_count_through_the_headers_that_include_them() -> None:
     """The plugin's cpu_decoder.cpp names cpu_gemm.h beside it and the public cpu_ops.h;
-    they bring cpu_gemm_amx.h beside them, and row_pool.h, cpu_bf16.h and cpu_vec_math.h
-    from the public folder."""
+    they bring cpu_gemm_amx.h beside them, and row_pool.h, cpu_bf16.h, cpu_vec_math.h and
+    the C++ call conventions (layer_attention.h, layer_linear.h) from the public folder."""
     headers = build.included_headers(CPU_BF16 / "cpu_decoder.cpp", ops.include_dir())
     assert names(headers) == {
         "cpu_gemm.h",
         "cpu_gemm_amx.h",
         "cpu_ops.h",
         "layer_attention.h",
+        "layer_linear.h",
         "row_pool.h",
         "cpu_bf16.h",
         "cpu_vec_math.h",
