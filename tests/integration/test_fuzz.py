@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -48,7 +49,7 @@ CHECKS = [
 ]
 # Examples per operation (one with nothing to vary is tried once), valid and invalid drawn
 # alike; PLUGSERVE_FUZZ_EXAMPLES draws more.
-MAX_EXAMPLES = int(os.environ.get("PLUGSERVE_FUZZ_EXAMPLES", "30"))
+MAX_EXAMPLES = int(os.environ.get("PLUGSERVE_FUZZ_EXAMPLES", "15"))
 MAX_TOKENS = 8
 MAX_N = 2
 GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
@@ -122,7 +123,9 @@ def stream_server_errors(response: Any) -> list[str]:
     if not content_type[0].startswith("text/event-stream"):
         return []
     found = []
-    for line in response.text.splitlines():
+    # Server-sent events end lines at CR or LF only: str.splitlines() would also split a
+    # JSON string at a character such as U+2028 that a generated token may hold.
+    for line in re.split(r"\r\n|\r|\n", response.text):
         if not line.startswith("data: {"):
             continue
         event = json.loads(line.removeprefix("data: "))
