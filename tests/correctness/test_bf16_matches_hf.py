@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from correctness.agreement import assert_agrees, clear_first_tokens
+from correctness.agreement import Reference, assert_agrees, clear_first_tokens
 from correctness.conftest import BF16_NEW_TOKENS
 from plugserve import LLM, SamplingParams
 from plugserve_plugins.cpu_bf16 import cpu_features, kernel_setting, packed_linear
@@ -29,6 +29,9 @@ from tests.kernel_support import (
 )
 
 NEW_TOKENS = BF16_NEW_TOKENS
+# A plan's or a weight layout's own check: enough decode steps past its prefills (the
+# pinned plan's engine answers every prompt of the set with NEW_TOKENS).
+PLAN_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +92,9 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
     exponent-coded copies: lossless, summed in the same order, so equal to the last bit."""
     # cpu_gemm.cpp's one-row stream over the plain or the coded copies, whatever plan this
     # machine would measure.
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=PLAN_NEW_TOKENS, ignore_eos=True, logprobs=3
+    )
     results = []
     for coded in (False, True):
         one_row = "own/coded" if coded else "own"
@@ -103,7 +108,7 @@ def test_coded_weights_give_batch_one_decoding_the_same_tokens_and_logprobs(
         head = llm.engine.executor.runner.model.model.embed_tokens.packed_head  # tied
         assert (head.coded is not None) == coded
         results.append(
-            [llm.generate([{"prompt_token_ids": p}], params)[0] for p in mixed_prompts[:4]]
+            [llm.generate([{"prompt_token_ids": p}], params)[0] for p in mixed_prompts[:3]]
         )
         del llm
         gc.collect()
@@ -130,8 +135,8 @@ def test_every_plan_the_chooser_can_make_serves_the_model(
     plan: KernelPlan, bf16_prompts, hf_bf16, monkeypatch, request
 ) -> None:
     """Whatever the chooser may pick for a bucket, the engine starts and runs it: packed
-    linears, the fused CPU decoder (with its one cpu_gemm mode), the LM head, batched and
-    one request at a time; and its answers meet the bf16 criterion. The pinned plan's
+    linears, the fused CPU decoder (with its one cpu_gemm mode), the LM head, one request
+    at a time and batched; and its answers meet the bf16 criterion. The pinned plan's
     engine is the module's own (`bf16_llm`, the same settings), whose answers to every
     prompt of the set test_bf16_greedy_tokens_and_logprobs_match_hf_bf16 holds to it."""
     pinned = plan == pinned_plan()
@@ -152,12 +157,22 @@ def test_every_plan_the_chooser_can_make_serves_the_model(
                 assert any(decoder.runs_bucket)
         if pinned:
             return
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-        prompts, references = bf16_prompts[:3], hf_bf16[:3]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=PLAN_NEW_TOKENS, ignore_eos=True, logprobs=0
+        )
+        prompts = bf16_prompts[:3]
+        references = [
+            Reference(r.token_ids[:PLAN_NEW_TOKENS], r.logprobs[:PLAN_NEW_TOKENS])
+            for r in hf_bf16[:3]
+        ]
         requests = [{"prompt_token_ids": p} for p in prompts]
-        together = llm.generate(requests, params)
-        alone = [llm.generate([r], params)[0] for r in requests]
-        for label, outputs in (("batched", together), ("alone", alone)):
+        # Alone: one-row decode steps and prefills of 9-64 rows. Together: decode steps of
+        # three rows and one prefill of 65-256, which a plan unlike the pinned one at one
+        # row only runs as the pinned plan does.
+        runs = {"alone": [llm.generate([r], params)[0] for r in requests]}
+        if plan.by_bucket[1:] != pinned_plan().by_bucket[1:]:
+            runs["batched"] = llm.generate(requests, params)
+        for label, outputs in runs.items():
             for prompt, reference, result in zip(prompts, references, outputs, strict=True):
                 ours = result.outputs[0]
                 chosen = [

@@ -1,5 +1,6 @@
-"""The server under test: `plugserve serve` started as a real subprocess, once per
-transport, plus the offline `LLM` whose greedy text the server must reproduce.
+"""The server under test: `plugserve serve` started as a real subprocess, on the default
+transport or on each (pytest_generate_tests), plus the offline `LLM` whose greedy text the
+server must reproduce.
 
 The subprocess is plugserve.bench's server harness, which the benchmarks run too: every
 wait is bounded, and a server is always stopped (SIGTERM, then SIGKILL) and checked to
@@ -26,6 +27,7 @@ from .launch_ahead import LaunchAhead, ServerSpec
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 TRANSPORTS = ["zmq", "shm"]
+DEFAULT_TRANSPORT = "zmq"  # StackConfig's
 # Small enough to keep the suite quick: 512 tokens of context makes the too-long-prompt
 # cases cheap, 64 MiB of KV cache gives ~90 blocks of 16 tokens. One torch thread per
 # process: the test process (offline reference) and the engine share a small machine,
@@ -206,7 +208,19 @@ async def greedy_completion(
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session", params=TRANSPORTS)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that depends on the transport runs on DEFAULT_TRANSPORT, or on each transport
+    its `transports` marker names: those that exercise what a transport carries (streams,
+    aborts, many connections, an engine's death, several API servers). The server's
+    behaviour above the transport needs no second run; the transports' own contract is
+    tests/unit/transports/, and the plugin matrix crosses them with every other slot."""
+    if "transport" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("transports")
+        names = marker.args if marker is not None else (DEFAULT_TRANSPORT,)
+        metafunc.parametrize("transport", names, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
 def transport(request: pytest.FixtureRequest) -> str:
     name = request.param
     require_bundled_transport(name)
@@ -215,9 +229,9 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def zmq_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlugserveServer]:
-    """The shared zmq server, up for the whole session: besides the tests of both
-    transports, the modules that want a default zmq server and leave it as they found it
-    use it rather than starting their own (~14 s each to start and stop)."""
+    """The shared zmq server, up for the whole session: the `server` of the default
+    transport, and of the modules that want a default zmq server and leave it as they
+    found it rather than starting their own (~7 s each to start and stop)."""
     require_bundled_transport("zmq")
     with running_server("zmq", tmp_path_factory.mktemp("shared-zmq")) as server:
         yield server
@@ -233,14 +247,6 @@ def server(
         return
     with running_server(transport, tmp_path_factory.mktemp(f"shared-{transport}")) as server:
         yield server
-
-
-def transport_agnostic_server(zmq_server: PlugserveServer) -> PlugserveServer:
-    """`server` for a module whose tests do not depend on the transport, which declares it
-    as its own fixture (`server = pytest.fixture(name="server")(transport_agnostic_server)`):
-    the session's shared zmq server, where the shared `server` runs each test once per
-    transport. Not a fixture here, where it would replace `server` for every module."""
-    return zmq_server
 
 
 @pytest.fixture

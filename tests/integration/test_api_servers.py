@@ -42,6 +42,7 @@ from .conftest import (
     MODEL,
     REPO_ROOT,
     SERVER_SETTINGS,
+    TRANSPORTS,
     running_server,
 )
 
@@ -134,6 +135,7 @@ def _expected_texts(reference: Any) -> list[str]:
     ]
 
 
+@pytest.mark.transports(*TRANSPORTS)
 @pytest.mark.starts_server(settings=TWO_API_SERVERS)
 def test_two_api_servers_answer_as_one_and_share_the_requests(
     transport, server, reference, tmp_path
@@ -211,6 +213,7 @@ async def _drain(stream: AsyncIterator[Any]) -> None:
         pass
 
 
+@pytest.mark.transports("shm")
 @pytest.mark.starts_server(settings=TWO_API_SERVERS)
 def test_a_killed_engine_fails_requests_on_every_api_server_and_the_server_exits(
     transport, tmp_path

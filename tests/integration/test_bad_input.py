@@ -17,11 +17,9 @@ from .conftest import (
     MAX_MODEL_LEN,
     MODEL,
     assert_openai_error,
-    transport_agnostic_server,
 )
 
 # Transport-agnostic: the shared zmq server serves every test here once.
-server = pytest.fixture(name="server")(transport_agnostic_server)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

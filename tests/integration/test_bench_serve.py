@@ -10,10 +10,9 @@ import pytest
 
 from plugserve.bench.plugserve_server import PlugserveServer, plugserve_command
 
-from .conftest import MODEL, REPO_ROOT, transport_agnostic_server
+from .conftest import MODEL, REPO_ROOT
 
 # Transport-agnostic: the shared zmq server serves every test here once.
-server = pytest.fixture(name="server")(transport_agnostic_server)
 
 NUM_PROMPTS = 4
 NUM_WARMUPS = 1

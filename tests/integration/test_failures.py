@@ -30,6 +30,7 @@ from .conftest import (
     MODEL,
     REPO_ROOT,
     SERVER_SETTINGS,
+    TRANSPORTS,
     assert_openai_error,
     running_server,
 )
@@ -67,6 +68,7 @@ def dead_health(server: PlugserveServer, message: str) -> bool:
     return response.status_code == 503 and response.json() == {"error": engine_dead(message)}
 
 
+@pytest.mark.transports(*TRANSPORTS)
 @pytest.mark.starts_server()
 def test_killed_engine_fails_in_flight_requests_and_the_server_exits(transport, tmp_path):
     with (
@@ -105,6 +107,7 @@ def test_killed_engine_fails_in_flight_requests_and_the_server_exits(transport, 
         assert "exited unexpectedly" in server.log_text()
 
 
+@pytest.mark.transports(*TRANSPORTS)
 def test_stopped_engine_turns_health_503_and_it_recovers(server: PlugserveServer, client):
     # On the shared server: SIGCONT follows whatever happens, and nothing is lost.
     engine = server.engine_pid()
@@ -128,6 +131,7 @@ def test_stopped_engine_turns_health_503_and_it_recovers(server: PlugserveServer
     assert result.choices[0].text
 
 
+@pytest.mark.transports(*TRANSPORTS)
 @pytest.mark.starts_server()
 def test_killed_api_server_takes_its_engine_along(transport, tmp_path):
     """An engine orphaned by its API server would hold its memory forever."""

@@ -49,7 +49,7 @@ CHECKS = [
 ]
 # Examples per operation (one with nothing to vary is tried once), valid and invalid drawn
 # alike; PLUGSERVE_FUZZ_EXAMPLES draws more.
-MAX_EXAMPLES = int(os.environ.get("PLUGSERVE_FUZZ_EXAMPLES", "15"))
+MAX_EXAMPLES = int(os.environ.get("PLUGSERVE_FUZZ_EXAMPLES", "8"))
 MAX_TOKENS = 8
 MAX_N = 2
 GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}

@@ -23,6 +23,7 @@ from .conftest import (
     MAX_MODEL_LEN,
     MAX_TOKENS,
     MODEL,
+    TRANSPORTS,
     running_thread_samples,
 )
 
@@ -54,6 +55,7 @@ def test_completions_equal_the_offline_greedy_text(client, reference):
         assert_usage(result.usage, len(ref.prompt_token_ids), len(expected.token_ids))
 
 
+@pytest.mark.transports(*TRANSPORTS)
 def test_completion_stream_equals_the_non_streamed_text(client, reference):
     for prompt in COMPLETION_PROMPTS:
         ref = reference.completion(prompt)
@@ -152,6 +154,7 @@ async def _stream_text(aclient, index: int) -> str:
     return "".join([c.choices[0].text async for c in stream if c.choices])
 
 
+@pytest.mark.transports(*TRANSPORTS)
 def test_32_concurrent_streams_all_complete_correctly(server: PlugserveServer, reference):
     num_requests = 32
 
@@ -240,6 +243,7 @@ def _assert_aborted_in_the_engine(
     return generated
 
 
+@pytest.mark.transports(*TRANSPORTS)
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_client_disconnect_mid_stream_aborts_the_request(server: PlugserveServer, chat: bool):
     path = "/v1/chat/completions" if chat else "/v1/completions"

@@ -28,11 +28,9 @@ from .conftest import (
     SERVER_SETTINGS,
     assert_openai_error,
     running_server,
-    transport_agnostic_server,
 )
 
 # Transport-agnostic: the shared zmq server serves every test here once.
-server = pytest.fixture(name="server")(transport_agnostic_server)
 
 
 @pytest.mark.parametrize(

@@ -212,8 +212,12 @@ def test_each_call_runs_its_buckets_kernel_bit_for_bit(rows: int) -> None:
 def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
     tmp_path: Path,
 ) -> None:
-    """`plugserve bench kernels` measures SmolLM2's matmuls now (not from the cache) and
-    prints the table; an engine started after it reads that plan from the cache."""
+    """`plugserve bench kernels` measures the model's matmuls now (not from the cache) and
+    prints the table; an engine started after it on that model reads that plan from the
+    cache. The model: a tiny random Llama of the embedded vocabulary, quick to time."""
+    from plugserve.worker.random_model import write_random_model
+
+    model = str(write_random_model(tmp_path / "tiny-llama", "tiny", device="cpu"))
     env = {**os.environ, "PLUGSERVE_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     env.pop(kernel_setting.KERNEL_ENV, None)
     # The compiled kernels from the usual cache, so that nothing is built again here.
@@ -222,7 +226,17 @@ def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
         if source.exists():
             (tmp_path / name).symlink_to(source)
     done = subprocess.run(
-        [sys.executable, "-m", "plugserve.cli", "bench", "kernels", "--num-threads", "2"],
+        [
+            sys.executable,
+            "-m",
+            "plugserve.cli",
+            "bench",
+            "kernels",
+            "--model",
+            model,
+            "--num-threads",
+            "2",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -242,8 +256,9 @@ def test_bench_kernels_times_the_model_and_keeps_the_plan_an_engine_then_reads(
             sys.executable,
             "-c",
             "import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from plugserve import LLM; LLM(dtype='bfloat16', kv_cache_memory='32MiB', "
-            "num_threads=2)",
+            "import sys\nfrom plugserve import LLM\n"
+            "LLM(model=sys.argv[1], dtype='bfloat16', kv_cache_memory='32MiB', num_threads=2)",
+            model,
         ],
         env=env,
         capture_output=True,
