@@ -47,6 +47,7 @@ from plugserve.datatypes import (
 )
 from plugserve.engine.pooling_scheduling import PoolingScheduling
 from plugserve.engine.reasoning_gate import ReasoningGate
+from plugserve.engine.token_folding import append_until_stop, make_output
 from plugserve.interfaces.kv_cache import KVAllocator
 from plugserve.interfaces.scheduling import SchedulingPolicy
 from plugserve.messages import EngineCoreOutput, SchedulerStats
@@ -401,82 +402,19 @@ class Scheduler:
                     request.num_computed_tokens -= self.speculation.accepted(
                         request, draft, len(sampled)
                     )
-                new_token_ids = self._append_until_stop(request, sampled)
+                new_token_ids = append_until_stop(
+                    request, sampled, self.max_model_len, self.reasoning, self.structured_output
+                )
                 if self.speculation is not None and not request.is_finished:
                     self.speculation.free_unused_blocks(request, self.kv)
                 self.num_generated_tokens += len(new_token_ids)
             any_finished |= request.is_finished
-            outputs.append(self._make_output(request, new_token_ids, runner_output))
+            outputs.append(make_output(request, new_token_ids, runner_output))
         if any_finished:
             for request in [r for r in self.running if r.is_finished]:
                 self._release(request)
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
-
-    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
-        params = request.sampling_params
-        for i, token in enumerate(token_ids):
-            request.append_output_token_ids([token])
-            num_output = request.num_output_tokens
-            grammar = request.grammar
-            if request.in_reasoning:
-                self.reasoning.advance(request, token, self.structured_output)
-            elif grammar is not None:
-                if not grammar.accept_token(token):
-                    request.status = RequestStatus.FINISHED_ERROR
-                    if request.grammar_dead_end:  # the request asked for the impossible
-                        request.error = (
-                            "structured output: no token of the model's vocabulary can "
-                            f"continue the constraint after {num_output - 1} output tokens"
-                        )
-                        request.error_in_request = True
-                    else:
-                        request.error = (
-                            f"structured output: the grammar does not allow sampled token {token}"
-                        )
-                    return token_ids[: i + 1]
-                if grammar.is_terminated():
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    return token_ids[: i + 1]
-            if num_output >= params.min_tokens and (
-                (token == request.eos_token_id and not params.ignore_eos)
-                or token in params.stop_token_ids
-            ):
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = None if token == request.eos_token_id else token
-            elif (params.max_tokens is not None and num_output >= params.max_tokens) or (
-                request.num_tokens >= self.max_model_len
-            ):
-                request.status = RequestStatus.FINISHED_LENGTH
-            if request.is_finished:
-                return token_ids[: i + 1]
-        return token_ids
-
-    @staticmethod
-    def _make_output(
-        request: Request, new_token_ids: list[int], runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutput:
-        logprobs = runner_output.logprobs.get(request.request_id)
-        prompt_logprobs = None
-        if (
-            request.sampling_params.prompt_logprobs is not None
-            and new_token_ids
-            and request.num_output_tokens == len(new_token_ids)  # the first output
-        ):
-            prompt_logprobs = [None, *request.prompt_logprobs]
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            error=request.error,
-            prompt_logprobs=prompt_logprobs,
-            error_in_request=request.error_in_request,
-            num_reasoning_tokens=request.num_reasoning_tokens,
-            pooled=request.pooled,
-        )
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)

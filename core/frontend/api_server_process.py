@@ -29,9 +29,10 @@ from fastapi import FastAPI
 from plugserve.config import StackConfig
 from plugserve.frontend.admission import Admission
 from plugserve.frontend.api_server import build_app
-from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from plugserve.frontend.engine_client import AsyncEngineClient
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.middleware import Traffic
+from plugserve.frontend.request_state import EngineDeadError
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.generation_defaults import GenerationDefaults
 from plugserve.interfaces.frontend import Renderer

@@ -3,10 +3,9 @@
 It opens this API server's channel to every engine, has the engines started (spawned
 here with one API server, by the launcher with several: see engines.py), waits for
 their handshakes, and then runs one output-handler task for every request: engine
-outputs are detokenized in chunks (yielding to the event loop between chunks), stop
-strings are checked here and sent back as aborts, and each request's deltas land on
-that request's own queue. A request's state is registered before the request is sent,
-so no output can arrive for an unknown request.
+outputs go to the OutputProcessor (output_processor.py) in chunks, yielding to the event
+loop between chunks, and the requests a stop string ended there are sent back as aborts.
+New requests go to the least loaded engine that serves (engine_fleet.py).
 
 With data parallelism an engine that dies takes only its own requests along: they fail
 with its error (503), no new request goes to it, /health says the server is degraded,
@@ -26,12 +25,13 @@ from typing import Any
 from plugserve.config import StackConfig
 from plugserve.datatypes import PooledTensor, RequestDelta
 from plugserve.engine.entrypoint import engine_process_name
+from plugserve.frontend.engine_fleet import EngineFleet
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.metrics import FrontendMetrics
-from plugserve.frontend.request_state import EngineDeadError, RequestError, RequestState
+from plugserve.frontend.output_processor import OutputProcessor
+from plugserve.frontend.request_state import EngineDeadError, RequestState
 from plugserve.interfaces.transport import ClientChannel
 from plugserve.messages import (
-    COUNTER_FIELDS,
     EngineCoreOutput,
     EngineCoreRequest,
     EngineReady,
@@ -40,7 +40,6 @@ from plugserve.messages import (
     RequestType,
     SchedulerStats,
     WeightRead,
-    add_stats,
     dead_decoder,
     encoder,
     outputs_decoder,
@@ -48,7 +47,6 @@ from plugserve.messages import (
     ready_decoder,
     weight_read_decoder,
 )
-from plugserve.output_text import detokenize_output
 from plugserve.plugins import get_registry
 from plugserve.pooling_params import PoolingParams
 from plugserve.sampling_params import SamplingParams
@@ -74,7 +72,6 @@ class AsyncEngineClient:
         this one is client number `client_index`. The tokenizer comes with
         `use_tokenizer`, before the first request."""
         self.config = config
-        self.tokenizer: Any = None
         self.eos_token_id: int | None = None
         self.on_engine_dead = on_engine_dead
         self.client_index = client_index
@@ -85,12 +82,9 @@ class AsyncEngineClient:
         self._transport = registry.build(
             "transport", stack.transport, config.plugin_options(stack.transport)
         )
-        self._detokenizer_cls = registry.get("detokenizer", stack.detokenizer)
         self.num_engines = config.engine.data_parallel_size
-        self._states: dict[str, RequestState] = {}
-        # In-flight requests per engine: new requests go to the least loaded one.
-        self._load = [0] * self.num_engines
-        self.requests_per_engine = [0] * self.num_engines  # ever assigned, for /metrics
+        self._fleet = EngineFleet(self.num_engines)
+        self._outputs = OutputProcessor(self._fleet, registry.get("detokenizer", stack.detokenizer))
         # Answers awaited, by nonce: (the engine asked, its future).
         self._pongs: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._weight_reads: dict[int, tuple[int, asyncio.Future[WeightRead]]] = {}
@@ -99,16 +93,10 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._engines_gone: asyncio.Future[str] | None = None
         self.readies: list[EngineReady] = []
-        # Each engine's figures: the stats messages it sent this API server, folded.
-        self._stats = [SchedulerStats() for _ in range(self.num_engines)]
         # This API server's Prometheus metrics, made once the engines have said their
         # max_model_len (the token histograms' buckets go up to it).
         self.metrics: FrontendMetrics | None = None
         self.dead_reason: str | None = None
-        # Engines that exited or failed, with why: none is sent anything more. `_leaving`
-        # takes one at once (its exit seen), `_retired` once its requests have failed.
-        self._leaving: dict[int, str] = {}
-        self._retired: dict[int, str] = {}
         self._last_words: list[asyncio.Event] = []  # set by each engine's DEAD
         self._shut_down = False
 
@@ -116,7 +104,7 @@ class AsyncEngineClient:
 
     def use_tokenizer(self, tokenizer: Any, eos_token_id: int | None) -> None:
         """The renderer's tokenizer, which detokenizes the outputs, and its EOS id."""
-        self.tokenizer = tokenizer
+        self._outputs.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
 
     async def start(self, timeout: float = 600.0) -> EngineReady:
@@ -141,6 +129,7 @@ class AsyncEngineClient:
             max_model_len=self.readies[0].max_model_len,
             num_kv_blocks=[ready.num_kv_blocks for ready in self.readies],
         )
+        self._outputs.metrics = self.metrics
         self._tasks.append(asyncio.create_task(self._output_handler(), name="output-handler"))
         for ready in self.readies:
             logger.info(
@@ -160,8 +149,8 @@ class AsyncEngineClient:
             if not self._engines_gone.done():
                 self._engines_gone.set_result(reason)
             return
-        if engine not in self._leaving:
-            self._leaving[engine] = reason
+        if self._fleet.serves(engine):
+            self._fleet.leaving[engine] = reason
             retire = self._retire_after_last_words(engine, reason)
             self._tasks.append(asyncio.ensure_future(retire))
 
@@ -176,27 +165,20 @@ class AsyncEngineClient:
     def _retire(self, engine: int, reason: str) -> None:
         """Engine `engine` is out of service: its requests fail with `reason`; the others
         serve on, and when it was the last, the whole client is dead."""
-        if engine in self._retired or self.dead_reason is not None:
+        if engine in self._fleet.retired or self.dead_reason is not None:
             return
-        self._leaving[engine] = reason  # its last words, where they came first
-        self._retired[engine] = reason
-        if len(self._retired) == self.num_engines:
+        self._fleet.retire(engine, reason)
+        if len(self._fleet.retired) == self.num_engines:
             self._mark_dead(reason)
             return
-        serving = self.num_engines - len(self._retired)
+        serving = self.num_engines - len(self._fleet.retired)
         logger.error("%s; %d of %d engines serve on", reason, serving, self.num_engines)
         error = EngineDeadError(reason)
-        for state in [s for s in self._states.values() if s.engine == engine]:
-            self._forget(state, "error")
-            state.queue.put_nowait(error)
+        self._outputs.fail(error, engine)
         for waiting in (self._pongs, self._weight_reads):
             for asked, future in waiting.values():
                 if asked == engine and not future.done():
                     future.set_exception(error)
-        # Its last figures no longer describe anything that runs.
-        stats = self._stats[engine]
-        stats.num_running = stats.num_waiting = 0
-        stats.num_kv_blocks = stats.num_free_kv_blocks = 0
         if self.metrics is not None:
             self.metrics.record_scheduler_stats(engine, SchedulerStats())
 
@@ -204,21 +186,12 @@ class AsyncEngineClient:
     def _refusal(self) -> str | None:
         """Why nothing more can be sent: the engines are dead, or the last one serving
         has exited."""
-        if self.dead_reason is not None:
-            return self.dead_reason
-        if len(self._leaving) == self.num_engines:
-            return next(reversed(self._leaving.values()))
-        return None
+        return self.dead_reason or self._fleet.all_gone
 
     @property
     def engines_out_of_service(self) -> dict[int, str]:
         """The engines that exited or failed, with why (empty while all serve)."""
-        return dict(self._leaving)
-
-    def _pick_engine(self) -> int:
-        """The serving engine with the fewest requests in flight."""
-        serving = (i for i in range(self.num_engines) if i not in self._leaving)
-        return min(serving, key=self._load.__getitem__)
+        return dict(self._fleet.leaving)
 
     async def _next_handshake(self, timeout: float) -> EngineReady:
         assert self._channel is not None and self._engines_gone is not None
@@ -252,17 +225,7 @@ class AsyncEngineClient:
         """Scheduler figures summed over the engines, as of their latest message to this
         API server; its counters count what the engines reported to this API server
         only (with several, /metrics sums them over every API server)."""
-        total = SchedulerStats()
-        for s in self._stats:
-            for name in ("num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks"):
-                setattr(total, name, getattr(total, name) + getattr(s, name))
-            for name in COUNTER_FIELDS:
-                setattr(total, name, getattr(total, name) + getattr(s, name))
-            for reason, n in s.num_finished.items():
-                total.num_finished[reason] = total.num_finished.get(reason, 0) + n
-        if total.num_kv_blocks:
-            total.kv_usage = 1.0 - total.num_free_kv_blocks / total.num_kv_blocks
-        return total
+        return self._fleet.summed_stats()
 
     async def shutdown(self) -> None:
         """Stop listening; stop the engines if this client owns them. Idempotent (the
@@ -275,8 +238,7 @@ class AsyncEngineClient:
         owns = self._engines.owns_engines
         asked = owns and self.dead_reason is None and self._channel is not None
         if asked:
-            serving = [r.engine_index for r in self.readies if r.engine_index not in self._leaving]
-            for index in sorted(serving):
+            for index in self._fleet.serving():
                 with contextlib.suppress(Exception):  # it is going away either way
                     await asyncio.wait_for(self._send([RequestType.SHUTDOWN, b""], index), 2)
         await self._engines.stop(asked=asked)
@@ -293,11 +255,7 @@ class AsyncEngineClient:
         self.dead_reason = reason
         logger.error("%s", reason)
         error = EngineDeadError(reason)
-        for state in self._states.values():
-            state.queue.put_nowait(error)
-            if self.metrics is not None:
-                self.metrics.request_finished(state.request_id, "error")
-        self._states.clear()
+        self._outputs.fail(error)
         for _, future in [*self._pongs.values(), *self._weight_reads.values()]:
             if not future.done():
                 future.set_exception(error)
@@ -317,22 +275,10 @@ class AsyncEngineClient:
     ) -> AsyncIterator[RequestDelta]:
         """Submit one request and yield its deltas until it finishes. Leaving the
         iteration early (a client disconnect cancels the handler) aborts it."""
-        if (refusal := self._refusal) is not None:
-            raise EngineDeadError(refusal)
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        engine = self._pick_engine()
         arrival_time = arrival_time or time.time()
-        state = RequestState(
-            request_id=request_id,
-            num_prompt_tokens=len(prompt_token_ids),
-            params=params,
-            detokenizer=self._detokenizer_cls(
-                tokenizer=self.tokenizer, prompt_token_ids=prompt_token_ids, params=params
-            ),
-            engine=engine,
+        state = self._refuse_or_open(
+            request_id, prompt_token_ids, params, arrival_time, detokenize=True
         )
-        self._register(state, arrival_time)  # before sending: outputs may come back at once
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -342,7 +288,7 @@ class AsyncEngineClient:
             priority=priority,
         )
         try:
-            await self._send([RequestType.ADD, encoder.encode(request)], engine)
+            await self._send([RequestType.ADD, encoder.encode(request)], state.engine)
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
@@ -364,20 +310,14 @@ class AsyncEngineClient:
     ) -> PooledTensor:
         """Submit one pooling request and return its pooled output. Cancelling the wait
         (a client disconnect) aborts it."""
-        if (refusal := self._refusal) is not None:
-            raise EngineDeadError(refusal)
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        engine = self._pick_engine()
         arrival_time = time.time()
-        state = RequestState(
-            request_id=request_id,
-            num_prompt_tokens=len(prompt_token_ids),
-            params=SamplingParams(max_tokens=1),
-            detokenizer=None,
-            engine=engine,
+        state = self._refuse_or_open(
+            request_id,
+            prompt_token_ids,
+            SamplingParams(max_tokens=1),
+            arrival_time,
+            detokenize=False,
         )
-        self._register(state, arrival_time)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -387,7 +327,7 @@ class AsyncEngineClient:
             pooling_params=params,
         )
         try:
-            await self._send([RequestType.ADD, encoder.encode(request)], engine)
+            await self._send([RequestType.ADD, encoder.encode(request)], state.engine)
             item = await state.queue.get()
         finally:
             if not state.finished and self._refusal is None:
@@ -397,36 +337,32 @@ class AsyncEngineClient:
         assert item.pooled is not None
         return item.pooled
 
-    def _register(self, state: RequestState, arrival_time: float) -> None:
-        self._states[state.request_id] = state
-        self._load[state.engine] += 1
-        self.requests_per_engine[state.engine] += 1
-        if self.metrics is not None:
-            self.metrics.request_started(
-                state.request_id, state.engine, state.num_prompt_tokens, arrival_time
-            )
-
-    def _forget(self, state: RequestState, reason: str) -> None:
-        """The request is over on this side (finished, failed or aborted), for `reason`
-        (one of FINISH_REASONS)."""
-        if not state.finished:
-            state.finished = True
-            del self._states[state.request_id]
-            self._load[state.engine] -= 1
-            if self.metrics is not None:
-                self.metrics.request_finished(state.request_id, reason)
+    def _refuse_or_open(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        *,
+        detokenize: bool,
+    ) -> RequestState:
+        if (refusal := self._refusal) is not None:
+            raise EngineDeadError(refusal)
+        return self._outputs.open(
+            request_id, prompt_token_ids, params, arrival_time, detokenize=detokenize
+        )
 
     async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Abort requests in flight; `reason` for the metrics: "abort" (the client went
         away), or "stop" (a stop string ended it here)."""
         by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
-            state = self._states.get(request_id)
+            state = self._outputs.states.get(request_id)
             if state is not None:
-                self._forget(state, reason)
+                self._outputs.forget(state, reason)
                 by_engine.setdefault(state.engine, []).append(request_id)
         for engine, ids in by_engine.items():
-            if engine not in self._leaving:  # a gone engine has nothing left to free
+            if self._fleet.serves(engine):  # a gone engine has nothing left to free
                 await self._send([RequestType.ABORT, encoder.encode(ids)], engine)
 
     async def check_health(self, timeout: float) -> dict[int, str]:
@@ -436,11 +372,7 @@ class AsyncEngineClient:
         if (refusal := self._refusal) is not None:
             raise EngineDeadError(refusal)
         loop = asyncio.get_running_loop()
-        asked = {
-            next(self._nonces): engine
-            for engine in range(self.num_engines)
-            if engine not in self._leaving
-        }
+        asked = {next(self._nonces): engine for engine in self._fleet.serving()}
         futures: dict[int, asyncio.Future[None]] = {n: loop.create_future() for n in asked}
         self._pongs.update({n: (asked[n], futures[n]) for n in asked})
         try:
@@ -468,8 +400,8 @@ class AsyncEngineClient:
             raise EngineDeadError(refusal)
         if not 0 <= engine < self.num_engines:
             raise ValueError(f"no engine {engine}: there are {self.num_engines}")
-        if engine in self._leaving:
-            raise EngineDeadError(self._leaving[engine])
+        if not self._fleet.serves(engine):
+            raise EngineDeadError(self._fleet.leaving[engine])
         nonce = next(self._nonces)
         future: asyncio.Future[WeightRead] = asyncio.get_running_loop().create_future()
         self._weight_reads[nonce] = (engine, future)
@@ -536,7 +468,7 @@ class AsyncEngineClient:
         return f"the engine core {engine_process_name(engine, self.num_engines)} failed: {error}"
 
     def _record_stats(self, engine: int, stats: SchedulerStats) -> None:
-        add_stats(self._stats[engine], stats)
+        self._fleet.record_stats(engine, stats)
         if self.metrics is not None:
             self.metrics.record_scheduler_stats(engine, stats)
 
@@ -544,45 +476,10 @@ class AsyncEngineClient:
         for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
             to_abort: list[str] = []
             for output in outputs[start : start + OUTPUT_CHUNK_SIZE]:
-                state = self._states.get(output.request_id)
-                if state is None:
-                    continue  # aborted on this side while the engine was stepping
-                if self._apply(state, output):
+                if self._outputs.apply(output):
                     to_abort.append(output.request_id)
             if to_abort:
                 # Stop strings end requests here; the engine must free them too.
                 await self.abort(to_abort, reason="stop")
             if start + OUTPUT_CHUNK_SIZE < len(outputs):
                 await asyncio.sleep(0)
-
-    def _apply(self, state: RequestState, output: EngineCoreOutput) -> bool:
-        """Detokenize one output into a delta; True if a stop string ended the request."""
-        if output.error is not None:
-            self._forget(state, "error")
-            state.queue.put_nowait(RequestError(output.error, in_request=output.error_in_request))
-            return False
-        if state.detokenizer is None:  # a pooling request: its one output
-            self._forget(state, output.finish_reason or "stop")
-            state.queue.put_nowait(output)
-            return False
-        state.num_output_tokens += len(output.new_token_ids)
-        if self.metrics is not None:
-            self.metrics.request_output(state.request_id, output)
-        delta = detokenize_output(state.detokenizer, state.params, output)
-        if delta.finish_reason is not None and not delta.stopped_by_string:
-            self._forget(state, delta.finish_reason)
-        state.queue.put_nowait(
-            RequestDelta(
-                text=delta.text,
-                token_ids=output.new_token_ids,
-                logprobs=output.new_logprobs,
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-                num_prompt_tokens=state.num_prompt_tokens,
-                num_output_tokens=state.num_output_tokens,
-                num_cached_tokens=output.num_cached_tokens,
-                prompt_logprobs=output.prompt_logprobs,
-                num_reasoning_tokens=output.num_reasoning_tokens,
-            )
-        )
-        return delta.stopped_by_string

@@ -7,7 +7,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from plugserve.datatypes import RequestDelta
 from plugserve.interfaces.frontend import Detokenizer
+from plugserve.messages import EngineCoreOutput
+from plugserve.output_text import detokenize_output
 from plugserve.sampling_params import SamplingParams
 
 
@@ -36,3 +39,23 @@ class RequestState:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
     finished: bool = False
+
+    def next_delta(self, output: EngineCoreOutput) -> tuple[RequestDelta, bool]:
+        """One engine output of this generating request, detokenized into its delta; and
+        whether a stop string ended the request here (the engine must then free it)."""
+        assert self.detokenizer is not None
+        self.num_output_tokens += len(output.new_token_ids)
+        text = detokenize_output(self.detokenizer, self.params, output)
+        delta = RequestDelta(
+            text=text.text,
+            token_ids=output.new_token_ids,
+            logprobs=output.new_logprobs,
+            finish_reason=text.finish_reason,
+            stop_reason=text.stop_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=output.prompt_logprobs,
+            num_reasoning_tokens=output.num_reasoning_tokens,
+        )
+        return delta, text.stopped_by_string

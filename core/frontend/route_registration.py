@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from plugserve.config import StackConfig
 from plugserve.datatypes import RequestDelta
 from plugserve.frontend.admission import Admission, Overloaded, Slot
-from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestError
+from plugserve.frontend.engine_client import AsyncEngineClient
+from plugserve.frontend.request_state import EngineDeadError, RequestError
 from plugserve.frontend.routes.endpoint_flow import error_response, overloaded_response
 from plugserve.interfaces.frontend import EngineClient, Renderer
 from plugserve.plugins import PluginError, PluginRegistry

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,7 +37,7 @@ from plugserve.capabilities import (
     supports_weight_buffer,
 )
 from plugserve.config import StackConfig
-from plugserve.datatypes import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
+from plugserve.datatypes import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from plugserve.device import choose_dtype, dtype_name, resolve_device
 from plugserve.interfaces.executor import KVCacheInfo
 from plugserve.interfaces.model import AttentionSpec
@@ -68,35 +67,16 @@ from plugserve.worker.parallel import (
     PipelineLink,
     PipelineStage,
     StagePlacement,
-    stage_layer_ranges,
 )
+from plugserve.worker.parked_logits import ParkedLogits
 from plugserve.worker.pooled_outputs import PooledOutputs
 from plugserve.worker.prompt_logprobs import prompt_logprobs_of_step
 from plugserve.worker.proposer_model import WorkerProposal, load_worker_proposal
-from plugserve.worker.sampler import (
-    LogprobsTensors,
-    Sampler,
-    SamplingMetadata,
-    apply_grammar_bitmask,
-)
+from plugserve.worker.sampler import Sampler, SamplingMetadata
 from plugserve.worker.spec_decode import verify_drafts, write_drafts
 from plugserve.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _ParkedLogits:
-    """What execute_model leaves for sample_tokens."""
-
-    logits: torch.Tensor | None  # [num_sampling_rows, vocab]; None off the driver rank
-    rows: np.ndarray  # persistent-batch rows, in logits order
-    req_ids: list[str]
-    # prompt_logprobs computed by this step's prefill chunks (driver rank), by request
-    prompt_logprobs: dict[str, list[Logprobs]] | None = None
-    # Speculative decoding: each sample row's draft tokens (maybe none), in rows order;
-    # its logits are then 1 + drafts rows. None: no row verifies drafts this step.
-    drafts: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -124,7 +104,7 @@ class ModelRunner:
             torch.set_num_threads(engine.num_threads or os.cpu_count() or 1)
         self.block_size = engine.block_size
         self.sampler = Sampler()
-        self._parked: _ParkedLogits | None = None
+        self._parked: ParkedLogits | None = None
         # The last step's sampling metadata and what it was built for (batch version,
         # rows): reused while neither changes, as at every decode step of a steady batch.
         self._metadata: tuple[tuple[int, bytes], SamplingMetadata] | None = None
@@ -167,20 +147,10 @@ class ModelRunner:
         )
         layers = range(hf_config.num_hidden_layers)
         if self.placement is not None:
-            first, end = stage_layer_ranges(
-                hf_config.num_hidden_layers, self.placement.count, self.placement.partition
-            )[self.placement.index]
-            layers = range(first, end)
-            self.stage = PipelineStage(self.placement.index, self.placement.count, first, end)
+            self.stage = self.placement.stage(hf_config.num_hidden_layers)
+            layers = range(self.stage.first_layer, self.stage.end_layer or len(layers))
             self._link = PipelineLink(
                 self.placement, hf_config.hidden_size, self.dtype, self.device
-            )
-            logger.info(
-                "pipeline stage %d of %d: layers %d to %d",
-                self.stage.index,
-                self.stage.count,
-                first,
-                end - 1,
             )
         # This stage's layers only: its KV cache holds theirs.
         layer_attention = attention_layers(model_cls, hf_config)
@@ -403,7 +373,7 @@ class ModelRunner:
         # (Else every token is its row's last, in order: as at a decode step, all of them.)
         logits = self.model.compute_logits(hidden) if len(sample_rows) else None
         req_ids = [batch.req_ids[r] for r in sample_rows]
-        self._parked = _ParkedLogits(
+        self._parked = ParkedLogits(
             logits=logits,
             rows=sample_rows,
             req_ids=req_ids,
@@ -457,7 +427,7 @@ class ModelRunner:
         out = None
         if parked.logits is not None:  # the driver rank (or no tensor parallelism)
             if grammar_output is not None and grammar_output.req_ids:
-                self._apply_grammar(parked, grammar_output)
+                parked.apply_grammar(grammar_output)
             metadata = self._sampling_metadata(parked.rows)
             out = self.sampler(parked.logits, metadata)
             sampled_tensor = out.sampled_token_ids.to(torch.int64)
@@ -475,7 +445,7 @@ class ModelRunner:
             }
         )
         if out is not None and out.logprobs is not None:
-            result.logprobs = self._logprobs_lists(parked, out.logprobs)
+            result.logprobs = parked.logprobs_lists(self.input_batch.num_logprobs, out.logprobs)
         if parked.prompt_logprobs:
             result.prompt_logprobs = parked.prompt_logprobs
         if self.proposal is not None:
@@ -487,13 +457,13 @@ class ModelRunner:
         return result
 
     def _verify_drafts(
-        self, parked: _ParkedLogits, grammar_output: GrammarOutput | None
+        self, parked: ParkedLogits, grammar_output: GrammarOutput | None
     ) -> ModelRunnerOutput:
         """sample_tokens for a step where some rows verify draft tokens."""
         assert parked.drafts is not None
         counts = np.array([len(d) + 1 for d in parked.drafts], dtype=np.int64)
         if parked.logits is not None and grammar_output is not None and grammar_output.req_ids:
-            self._apply_grammar(parked, grammar_output, counts)
+            parked.apply_grammar(grammar_output, counts)
         result = verify_drafts(
             self.input_batch,
             parked.logits,
@@ -513,30 +483,6 @@ class ModelRunner:
             result.stage_busy_seconds = list(self._stage_busy)
         return result
 
-    @staticmethod
-    def _apply_grammar(
-        parked: _ParkedLogits, grammar_output: GrammarOutput, counts: np.ndarray | None = None
-    ) -> None:
-        """Mask the parked logits of the constrained rows (in place; the others untouched).
-        `counts`: logits rows per sample row when rows verify drafts (the grammar output
-        then holds as many rows for each, in order)."""
-        assert parked.logits is not None
-        if counts is None:
-            first = {req_id: i for i, req_id in enumerate(parked.req_ids)}
-        else:
-            starts = (np.cumsum(counts) - counts).tolist()
-            first = dict(zip(parked.req_ids, starts, strict=True))
-        bitmask = grammar_output.bitmask_array()
-        seen: dict[str, int] = {}
-        pairs = []
-        for i, req_id in enumerate(grammar_output.req_ids):
-            if req_id in first:
-                pairs.append((first[req_id] + seen.get(req_id, 0), i))
-                seen[req_id] = seen.get(req_id, 0) + 1
-        if pairs:
-            logits_rows, mask_rows = zip(*pairs, strict=True)
-            apply_grammar_bitmask(parked.logits, logits_rows, bitmask[list(mask_rows)])
-
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         key = (self.input_batch.version, rows.tobytes())
         if self._metadata is not None and self._metadata[0] == key:
@@ -546,12 +492,3 @@ class ModelRunner:
         # reused.
         self._metadata = None if metadata.reads_output else (key, metadata)
         return metadata
-
-    def _logprobs_lists(
-        self, parked: _ParkedLogits, tensors: LogprobsTensors
-    ) -> dict[str, list[Logprobs]]:
-        wanted = [
-            n if n >= 0 else None for n in self.input_batch.num_logprobs[parked.rows].tolist()
-        ]
-        rows = tensors.to_logprobs(wanted)
-        return {rid: [lp] for rid, lp in zip(parked.req_ids, rows, strict=True) if lp is not None}

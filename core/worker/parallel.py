@@ -17,6 +17,7 @@ Every collective and every send to the next stage is counted in this process
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from plugserve.datatypes import MessageCounts, RankLayout
+
+logger = logging.getLogger(__name__)
 
 # A gloo collective whose peer died blocks until this timeout; the executor notices the
 # death much sooner through process sentinels, so this is only a backstop.
@@ -278,6 +281,14 @@ class StagePlacement:
     previous_rank: int | None  # the global rank this stage receives from (None: first)
     next_rank: int | None  # the global rank it sends to (None: last)
     world: ParallelContext  # every rank of every stage: agreements such as the KV blocks
+
+    def stage(self, num_layers: int) -> PipelineStage:
+        """The layers this stage holds, logged: the split rule is stage_layer_ranges'."""
+        first, end = stage_layer_ranges(num_layers, self.count, self.partition)[self.index]
+        logger.info(
+            "pipeline stage %d of %d: layers %d to %d", self.index, self.count, first, end - 1
+        )
+        return PipelineStage(self.index, self.count, first, end)
 
 
 def join_groups(

@@ -5,7 +5,8 @@ head_dim]; token slot s of a layer lives at flat row s of its [num_blocks * bloc
 ...] view. Each step, `prepare` turns the host batch into device tensors once and
 precomputes every index and mask the layers share; `forward` then writes the step's K/V
 and runs scaled_dot_product_attention: one batched call for all single-token rows
-(decodes) and one call per multi-token row (prefill chunks, few per step).
+(decodes) and one call per multi-token row (prefill chunks, few per step); those plans
+and the call are sdpa_step.py's.
 
 On CPU every token instead goes through a small C++ kernel (cpu_paged_attention.cpp)
 that reads K/V in place from the paged cache, one query token per row: a decode row
@@ -48,47 +49,24 @@ from typing import Any, Literal
 import numpy as np
 import pydantic
 import torch
-import torch.nn.functional as F
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
 from plugserve.interfaces.model import AttentionBatch, AttentionSpec, LayerAttention
 from plugserve.ops import huge_page_buffer
 from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
+from plugserve_plugins.kernels.sdpa_step import (
+    DecodeRows,
+    PrefillRow,
+    Window,
+    plan_decodes,
+    plan_prefill,
+    sdpa_attention,
+    to_device,
+)
 
 # From this many query tokens in one row, a step's attention runs SDPA (see above).
 SDPA_MIN_QUERY_TOKENS = 64
-
-
-# A layer's sliding window (None: the whole context); the plans hold a mask per window.
-Window = int | None
-
-
-@dataclass(frozen=True)
-class _Prefill:
-    """One multi-token row: its queries sit at positions context_len .. seq_len - 1."""
-
-    start: int  # first token of the row in the flat batch
-    end: int
-    seq_len: int
-    # With context: the blocks holding all seq_len tokens. Without: None, the chunk
-    # attends to its own k/v.
-    block_ids: torch.Tensor | None
-    # Per window, the [query_len, keys] bool mask (True: attended): causal, shifted by
-    # context_len, within the window. None: plain causal over the chunk's own keys
-    # (no context, no window), which lets SDPA pick a fused kernel.
-    masks: dict[Window, torch.Tensor | None]
-
-
-@dataclass(frozen=True)
-class _Decodes:
-    """All single-token rows, attended in one padded call."""
-
-    token_index: torch.Tensor | None  # [B] flat token of each row; None: all tokens, in order
-    block_table: torch.Tensor  # [B, max_blocks] int64, padded with valid ids
-    # Per window, [B, 1, 1, max_blocks * block_size]: 0 for the tokens a row attends to
-    # (its context, or its window's last tokens of it), -inf elsewhere.
-    biases: dict[Window, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -105,8 +83,8 @@ class _StepPlan:
     # The C++ kernel's plan lives in its PagedAttentionStep; SDPA's is the fields below.
     native: bool
     slots: torch.Tensor | None = None  # [num_tokens] where each token's k/v goes
-    decodes: _Decodes | None = None
-    prefills: tuple[_Prefill, ...] = ()
+    decodes: DecodeRows | None = None
+    prefills: tuple[PrefillRow, ...] = ()
 
 
 class TorchPagedAttention:
@@ -299,22 +277,27 @@ class TorchPagedAttention:
         if (seq_lens < query_lens).any():
             raise ValueError("a row has more query tokens than its seq_len")
 
-        slots = self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64))
+        slots = to_device(np.asarray(batch.slot_mapping, dtype=np.int64), self.device)
         decode_rows = np.flatnonzero(query_lens == 1)
         decodes = None
         if len(decode_rows):
-            decodes = self._plan_decodes(
+            decodes = plan_decodes(
                 query_start[decode_rows],
                 seq_lens[decode_rows],
                 batch.block_table[decode_rows],
-                all_rows=len(decode_rows) == len(query_lens),
+                len(decode_rows) == len(query_lens),
+                self.spec,
+                self.windows,
             )
         prefills = tuple(
-            self._plan_prefill(
+            plan_prefill(
                 int(query_start[row]),
                 int(query_start[row + 1]),
                 int(seq_lens[row]),
                 batch.block_table[row],
+                self.spec,
+                self.windows,
+                self.bidirectional,
             )
             for row in np.flatnonzero(query_lens > 1)
         )
@@ -324,63 +307,6 @@ class TorchPagedAttention:
         """Whether a row prefills SDPA_MIN_QUERY_TOKENS or more."""
         limit = self._sdpa_min_query_tokens
         return limit is not None and bool((np.diff(query_start_loc) >= limit).any())
-
-    def _used_blocks(self, block_table: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """The table cut to the longest row's blocks, as int64; entries past a row's last
-        block may be stale, so they are set to block 0 (valid, and never read)."""
-        bs = self.spec.block_size
-        num_blocks = int(-(-seq_lens.max() // bs))
-        blocks = np.ascontiguousarray(block_table[:, :num_blocks], dtype=np.int64)
-        blocks[np.arange(num_blocks)[None, :] >= (-(-seq_lens // bs))[:, None]] = 0
-        return blocks
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
-
-    def _plan_decodes(
-        self, token_index: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray, all_rows: bool
-    ) -> _Decodes:
-        blocks = self._used_blocks(block_table, seq_lens)
-        positions = np.arange(blocks.shape[1] * self.spec.block_size)[None, :]
-        ends = seq_lens[:, None]
-
-        def bias(window: Window) -> torch.Tensor:
-            seen = positions < ends
-            if window is not None:
-                seen &= positions >= ends - window
-            mask = np.where(seen, 0.0, -np.inf).astype(np.float32)
-            return self._to_device(mask).to(self.spec.dtype)[:, None, None, :]
-
-        return _Decodes(
-            token_index=None if all_rows else self._to_device(token_index),
-            block_table=self._to_device(blocks),
-            biases={window: bias(window) for window in self.windows},
-        )
-
-    def _plan_prefill(self, start: int, end: int, seq_len: int, block_row: np.ndarray) -> _Prefill:
-        context_len = seq_len - (end - start)
-        if context_len and self.bidirectional:
-            raise ValueError(
-                "a bidirectional layer attends over its whole prompt at once: a prompt "
-                "cannot be split into chunks or continue a cached prefix"
-            )
-        block_ids = None
-        if context_len:
-            num_blocks = -(-seq_len // self.spec.block_size)
-            block_ids = self._to_device(block_row[:num_blocks].astype(np.int64))
-        query_pos = torch.arange(context_len, seq_len, device=self.device)[:, None]
-        # Keys: the whole context with context, else the chunk's own (positions 0..).
-        key_pos = torch.arange(seq_len if context_len else end - start, device=self.device)
-
-        def mask(window: Window) -> torch.Tensor | None:
-            if context_len == 0 and window is None:
-                return None
-            seen = key_pos[None, :] <= query_pos
-            if window is not None:
-                seen &= key_pos[None, :] > query_pos - window
-            return seen
-
-        return _Prefill(start, end, seq_len, block_ids, {w: mask(w) for w in self.windows})
 
     def cpu_layer_call(self) -> tuple[int, int] | None:
         """The C++ kernel as a plugserve::LayerAttentionFn and its context (see
@@ -425,7 +351,7 @@ class TorchPagedAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        p: _Prefill,
+        p: PrefillRow,
     ) -> torch.Tensor:
         """The rows [p.start, p.end) of one request's prefill chunk → [rows, H, D]."""
         layer = self.layers[layer_idx]
@@ -443,18 +369,19 @@ class TorchPagedAttention:
                 layer.logit_softcap,
                 layer.sliding_window,
             )
-        o = self._attend(
-            layer_idx,
+        o = sdpa_attention(
             q[p.start : p.end].transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             mask=p.masks[layer.sliding_window],
+            scale=self.scales[layer_idx],
+            softcap=layer.logit_softcap,
             causal=not layer.bidirectional,
         )
         return o[0].transpose(0, 1)
 
     def _decode(
-        self, layer_idx: int, cache: _LayerCache, q: torch.Tensor, d: _Decodes
+        self, layer_idx: int, cache: _LayerCache, q: torch.Tensor, d: DecodeRows
     ) -> torch.Tensor:
         """q [B, H, D], one query per row → [B, H, D]."""
         s = self.spec
@@ -467,12 +394,14 @@ class TorchPagedAttention:
             return tokens.view(rows, context, s.num_kv_heads, s.head_dim).transpose(1, 2)
 
         # Each KV head's group of query heads as the query-length dimension.
-        o = self._attend(
-            layer_idx,
+        layer = self.layers[layer_idx]
+        o = sdpa_attention(
             q.view(rows, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim),
             gather(cache.k_blocks),
             gather(cache.v_blocks),
-            mask=d.biases[self.layers[layer_idx].sliding_window],
+            mask=d.biases[layer.sliding_window],
+            scale=self.scales[layer_idx],
+            softcap=layer.logit_softcap,
         )
         return o.reshape(rows, s.num_heads, s.head_dim)
 
@@ -480,48 +409,6 @@ class TorchPagedAttention:
         """The tokens of the given blocks, in order: [len(block_ids) * block_size, KVH, D]."""
         s = self.spec
         return blocks.index_select(0, block_ids).view(-1, s.num_kv_heads, s.head_dim)
-
-    def _attend(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        causal: bool = True,
-    ) -> torch.Tensor:
-        """q [B, H, Lq, D], k/v [B, KVH, Lk, D] (H a multiple of KVH) → [B, H, Lq, D].
-        mask: bool (True: attended) or additive, broadcast to [B, H, Lq, Lk]; None: plain
-        causal with Lq == Lk (a fresh prefill), which lets SDPA pick a fused kernel, or
-        with `causal` False, no mask at all (a bidirectional layer's whole prompt)."""
-        scale, softcap = self.scales[layer_idx], self.layers[layer_idx].logit_softcap
-        gqa = q.shape[1] != k.shape[1]
-        if softcap is None:
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None and causal,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-        # Soft-capped: the scores explicitly, in transformers' order (scale, cap, mask,
-        # softmax in fp32).
-        if gqa:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        if mask is None:
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-            mask = mask.tril() if causal else mask
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v)
 
 
 @hookimpl

@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from plugserve.frontend.admission import Overloaded, Slot
-from plugserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestError
+from plugserve.frontend.engine_client import AsyncEngineClient
 from plugserve.frontend.errors import InvalidRequest, ModelNotFound, internal_error_message
+from plugserve.frontend.request_state import EngineDeadError, RequestError
 from plugserve.frontend.serving import SSE_DONE, OpenAIServing, sse_event
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from plugserve.config import StackConfig
 from plugserve.datatypes import RequestDelta
 from plugserve.frontend.admission import Admission
 from plugserve.frontend.api_server import build_app
-from plugserve.frontend.engine_client import EngineDeadError, RequestError
+from plugserve.frontend.request_state import EngineDeadError, RequestError
 from plugserve.frontend.serving import OpenAIServing
 from plugserve.interfaces.frontend import ApiServer
 from plugserve.plugins import PluginError, PluginRegistry

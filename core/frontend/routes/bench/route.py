@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from plugserve.frontend.engine_client import EngineDeadError
+from plugserve.frontend.request_state import EngineDeadError
 from plugserve.frontend.routes.endpoint_flow import (
     HEALTH_TIMEOUT_S,
     EngineClientDep,

@@ -14,7 +14,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from plugserve import __version__
-from plugserve.frontend.engine_client import EngineDeadError
+from plugserve.frontend.request_state import EngineDeadError
 from plugserve.frontend.routes.endpoint_flow import (
     HEALTH_TIMEOUT_S,
     EngineClientDep,

@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
-from plugserve.frontend.engine_client import EngineDeadError, RequestError
 from plugserve.frontend.errors import InvalidRequest, internal_error_message
+from plugserve.frontend.request_state import EngineDeadError, RequestError
 from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
 from plugserve.frontend.routes.chat.serving import ChatServing, PreparedChat
 from plugserve.frontend.routes.messages.errors import error_type

@@ -27,8 +27,8 @@ import msgspec
 from pydantic import ValidationError
 
 from plugserve.datatypes import Logprobs, RequestDelta
-from plugserve.frontend.engine_client import EngineDeadError, RequestError
 from plugserve.frontend.errors import InvalidRequest, internal_error_message
+from plugserve.frontend.request_state import EngineDeadError, RequestError
 from plugserve.frontend.routes.chat.protocol import ChatCompletionRequest
 from plugserve.frontend.routes.chat.serving import ChatServing, PreparedChat
 from plugserve.frontend.routes.responses.protocol import ResponsesRequest
