@@ -19,6 +19,7 @@ from plugserve.bench import add_cli_args
 from plugserve.bench import main as bench_main
 from plugserve.config import load_config
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
+from plugserve.process_exit import exit_now
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -79,7 +80,8 @@ def cmd_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     config = load_config(args.config, overrides)
     from plugserve.frontend.serve import serve
 
-    return serve(config)
+    # Once served, every process this one started has exited: no teardown to wait for.
+    exit_now(serve(config))
 
 
 def cmd_bench_serve(args: argparse.Namespace, _overrides: dict[str, Any]) -> int:

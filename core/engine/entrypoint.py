@@ -19,5 +19,10 @@ def run_engine_core(config_json: str, addresses: dict[str, str], engine_index: i
     """Spawn target of an engine-core process (one per data-parallel rank): runs
     engine_proc.run_engine_core in the child."""
     from plugserve.engine import engine_proc
+    from plugserve.process_exit import exit_now
 
-    engine_proc.run_engine_core(config_json, addresses, engine_index)
+    try:
+        engine_proc.run_engine_core(config_json, addresses, engine_index)
+    except SystemExit as stop:  # the engine's own exit code, once it has shut down
+        exit_now(stop.code if isinstance(stop.code, int) else 1)
+    exit_now(0)

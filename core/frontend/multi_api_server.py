@@ -58,6 +58,7 @@ from plugserve.frontend.metrics import (
     remove_orphaned_multiprocess_directory,
 )
 from plugserve.model_files import resolve_model_path
+from plugserve.process_exit import exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def run_api_server_process(
     )
     exit_code = run_api_server_loop(config, setup)
     remove_orphaned_multiprocess_directory()
-    sys.exit(exit_code)
+    exit_now(exit_code)
 
 
 class Launcher:

@@ -41,6 +41,7 @@ import msgspec
 from plugserve.config import StackConfig
 from plugserve.datatypes import GrammarOutput, RankLayout, SchedulerOutput, StageCommand
 from plugserve.logging_utils import configure_process_logging
+from plugserve.process_exit import exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +120,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
             with contextlib.suppress(OSError):
                 conn.send_bytes(ERROR + one_line(exc).encode())
         code = 1
-    # Skip interpreter teardown: after a failure a gloo thread may still wait on a dead
-    # peer, and nothing here needs finalizers.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 def _run(spec: WorkerSpec, conn: Connection | None) -> None:
