@@ -84,6 +84,7 @@ PLUGIN_PUBLIC_SURFACE = (
     "plugserve.ops",
     "plugserve.user_cache",
     "plugserve.logging_utils",
+    "plugserve.process_exit",
 )
 EXECUTOR_ALSO_MAY_IMPORT = (
     "plugserve.worker.model_runner",
