@@ -23,6 +23,18 @@ if "PLUGSERVE_CPU_BF16_KERNEL" not in os.environ:
     os.environ["PLUGSERVE_CPU_BF16_KERNEL"] = plan_setting(pinned_plan())
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The checkout's C++ kernels are built first, as many at once as there are cores:
+    each is built once per machine and source (plugserve.ops.build), and built at the
+    first test that loads it, one after the other, a fresh checkout's suite would wait
+    for all of them in a row."""
+    from plugserve.ops.build import build_missing
+
+    root = Path(__file__).resolve().parents[1]
+    sources = sorted([*root.glob("core/ops/*.cpp"), *root.glob("plugins/**/*.cpp")])
+    build_missing(sources, os.cpu_count() or 1)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted from its GGUF

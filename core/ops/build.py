@@ -12,6 +12,7 @@ Where it cannot be built (no compiler, no headers) `load` logs why once and retu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -21,6 +22,8 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -60,7 +63,7 @@ def unavailable_reason(source: Path) -> str | None:
     failed (no C++ compiler, the compiler's first error, a library that does not load)."""
     if source in _failures:
         return _failures[source]
-    target = cache_dir() / f"{source.stem}-{cache_key(source)}.so"
+    target = _target(source)
     try:
         if not target.exists():
             logger.info("building %s (once): %s", source.name, target)
@@ -71,6 +74,26 @@ def unavailable_reason(source: Path) -> str | None:
         logger.warning("%s unavailable, using the torch fallback: %s", source.name, exc)
         _failures[source] = str(exc) or type(exc).__name__
     return _failures[source]
+
+
+def build_missing(sources: Sequence[Path], workers: int) -> None:
+    """Build, `workers` at a time (each build one compiler process), every one of
+    `sources` this machine has no build of yet, without loading it: what `load` would
+    otherwise build one by one, each at its library's first use. A source that does not
+    build is left for `load` to report, with why, where it is used."""
+
+    def build(source: Path) -> None:
+        target = _target(source)
+        if not target.exists():
+            with contextlib.suppress(Exception):
+                _build(source, target)
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(build, sources))
+
+
+def _target(source: Path) -> Path:
+    return cache_dir() / f"{source.stem}-{cache_key(source)}.so"
 
 
 def cache_key(source: Path, include: Path | None = None) -> str:

@@ -13,10 +13,10 @@
 // output) and multiplies it with ATen's matmul (oneDNN); there the matmul's arithmetic, not
 // reading the weights, is the cost.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <algorithm>
 #include <cstdint>
