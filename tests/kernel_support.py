@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import pytest
 
 from plugserve import ops
+from plugserve.ops.kernel_timing import ONE_ROW, is_prefill
 from plugserve_plugins.cpu_bf16 import kernel_choice
-from plugserve_plugins.cpu_bf16.kernel_plan import ONE_ROW, Kernel, KernelPlan, is_prefill
+from plugserve_plugins.cpu_bf16.kernel_plan import Kernel, KernelPlan
 from plugserve_plugins.cpu_bf16.kernel_setting import KERNEL_ENV
 
 

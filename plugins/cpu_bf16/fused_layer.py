@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from plugserve.ops.kernel_timing import bucket_index
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve_plugins.cpu_bf16.fused_mlp import FusedMLP
-from plugserve_plugins.cpu_bf16.kernel_plan import KernelPlan, bucket_index
+from plugserve_plugins.cpu_bf16.kernel_plan import KernelPlan
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 

@@ -12,14 +12,10 @@ from typing import Any
 import torch
 
 from plugserve.capabilities import supports_cpu_linear_call, supports_fused_cpu_layer
+from plugserve.ops.kernel_timing import bucket_index
 from plugserve_plugins.cpu_bf16.cpu_features import decoder_unavailable_reason
 from plugserve_plugins.cpu_bf16.fused_layer import FusedCpuDecoderLayer, Matmul
-from plugserve_plugins.cpu_bf16.kernel_plan import (
-    ROW_BUCKETS,
-    STREAM_NON_TEMPORAL,
-    KernelPlan,
-    bucket_index,
-)
+from plugserve_plugins.cpu_bf16.kernel_plan import ROW_BUCKETS, STREAM_NON_TEMPORAL, KernelPlan
 from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
 
 

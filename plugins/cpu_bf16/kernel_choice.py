@@ -21,13 +21,10 @@ timings are the other process's as much as the kernels'.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
 import os
-import platform
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +35,15 @@ import torch
 from plugserve import ops
 from plugserve.capabilities import REMEASURE_KERNELS_ENV
 from plugserve.ops.build import cache_key as source_key
+from plugserve.ops.kernel_timing import (
+    ONE_ROW,
+    cpu_model_name,
+    is_prefill,
+    leading,
+    median_ms_in_turns,
+    plan_digest,
+    shapes_digest,
+)
 from plugserve.user_cache import cache_root
 from plugserve_plugins.cpu_bf16.cpu_features import (
     GEMM_SOURCE,
@@ -51,12 +57,10 @@ from plugserve_plugins.cpu_bf16.kernel_plan import (
     BATCH_INVARIANT_KERNELS,
     KERNELS,
     KERNELS_BY_NAME,
-    ONE_ROW,
     ROW_BUCKETS,
     Kernel,
     KernelPlan,
     candidates_for,
-    is_prefill,
 )
 from plugserve_plugins.cpu_bf16.kernel_setting import KERNEL_ENV, allowed_libraries, forced_plan
 from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
@@ -230,7 +234,7 @@ def plan_for(
         plan = forced or KernelPlan(tuple(c[0] for c in candidates))
         return Measurement(plan, [{} for _ in ROW_BUCKETS], [0] * len(ROW_BUCKETS), 0, total)
     key = _cache_key(steps, candidates)
-    path = cache_root() / "kernel_plans" / f"{_digest(key)}.json"
+    path = cache_root() / "kernel_plans" / f"{plan_digest(key)}.json"
 
     def plan_of(measurement: Measurement) -> Measurement:
         times = measurement.times_ms
@@ -296,7 +300,8 @@ def batch_invariant_candidates() -> list[list[Kernel]]:
 def measure(steps: Sequence[Step], candidates: list[list[Kernel]]) -> Measurement:
     """Time candidates[b] for each bucket b on `steps` (their leading MEASURED_BYTES) and
     choose each bucket's fastest."""
-    measured = _leading(steps, MEASURED_BYTES)
+    # The steps up to MEASURED_BYTES, plus the head where it fits.
+    measured = leading(steps, _step_bytes, MEASURED_BYTES)
     kernels = {k for bucket in candidates for k in bucket}
     bench = _StepBench(measured, kernels)
     before = cpu_usage()
@@ -320,8 +325,8 @@ def time_candidates(
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict[str, float | None]]:
     """Per bucket, each candidate's median milliseconds of run(kernel, rows, bucket) over
-    the bucket's rounds, the candidates taking turns in each round (after one untimed
-    warm-up run each), read off `clock` (seconds). A bucket with one candidate is not timed
+    the bucket's rounds (kernel_timing.median_ms_in_turns), read off `clock` (seconds). A
+    bucket with one candidate is not timed
     ({}); one where the others lost the bucket below by LOSER_FACTOR holds its survivor,
     untimed (None)."""
     if len(candidates) != len(ROW_BUCKETS):
@@ -335,18 +340,12 @@ def time_candidates(
             times.append({kernels[0].name: None} if losers else {})  # left alone, untimed
             continue
         rows = run_rows(b)
-        for kernel in kernels:
-            run(kernel, next(rows), b)
-        samples: dict[str, list[float]] = {k.name: [] for k in kernels}
-        for round_index in range(_rounds(b)):
-            # Each round starts with another candidate: none always follows the same one.
-            shift = round_index % len(kernels)
-            for kernel in kernels[shift:] + kernels[:shift]:
-                count = next(rows)
-                start = clock()
-                run(kernel, count, b)
-                samples[kernel.name].append(1e3 * (clock() - start))
-        medians = {name: statistics.median(s) for name, s in samples.items()}
+
+        def run_next(kernel: Kernel, rows: Iterator[int] = rows, bucket: int = b) -> None:
+            run(kernel, next(rows), bucket)
+
+        by_kernel = median_ms_in_turns(kernels, run_next, _rounds(b), clock)
+        medians = {kernel.name: ms for kernel, ms in by_kernel.items()}
         times.append(dict(medians))
         if b != ONE_ROW:  # one row runs its own loops: no word on more rows
             best = min(medians.values())
@@ -451,17 +450,6 @@ def _step_bytes(step: Step) -> int:
     return (step.gate_up.numel() + step.down.numel()) * step.gate_up.element_size()
 
 
-def _leading(steps: Sequence[Step], limit: int) -> list[Step]:
-    """The steps up to `limit` bytes (at least one), plus the head where it fits."""
-    taken, size = [], 0
-    for step in steps:
-        if taken and size + _step_bytes(step) > limit:
-            break
-        taken.append(step)
-        size += _step_bytes(step)
-    return taken
-
-
 def _cache_key(steps: Sequence[Step], candidates: list[list[Kernel]]) -> dict[str, object]:
     """What the measurement depends on: the machine, the code, the model's matmul shapes."""
     shapes = [
@@ -478,22 +466,7 @@ def _cache_key(steps: Sequence[Step], candidates: list[list[Kernel]]) -> dict[st
         "torch": torch.__version__,
         "kernels": source_key(GEMM_SOURCE) if "own" in allowed_libraries() else "",
         "candidates": [[k.name for k in bucket] for bucket in candidates],
-        "shapes": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16],
+        "shapes": shapes_digest(shapes),
         "layers": len(steps),
         "format": _PLAN_FORMAT,
     }
-
-
-def _digest(key: dict[str, object]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def cpu_model_name() -> str:
-    """/proc/cpuinfo's model name (what a plan is kept by), else the platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

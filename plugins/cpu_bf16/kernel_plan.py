@@ -4,8 +4,8 @@ No kernel wins everywhere: which one is fastest depends on the CPU (AMX tiles or
 caches) and on the number of rows, a weight stream winning one-row steps where tile
 kernels win batches (measurements: docs/benchmarks-history.md, "bf16 CPU kernels by row
 count"). So a model's matmuls are dispatched by their row count, in buckets
-(ROW_BUCKETS), to the kernel that measured fastest for that bucket on this machine
-(kernel_choice.py): a KernelPlan.
+(ROW_BUCKETS, plugserve.ops.kernel_timing's), to the kernel that measured fastest for that
+bucket on this machine (kernel_choice.py): a KernelPlan.
 
 Torch-free apart from the annotations, so that a plan can be read, printed and cached
 anywhere.
@@ -16,42 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from plugserve.ops.kernel_timing import ONE_ROW, RowBucket, bucket_index, is_prefill, row_buckets
+
 Library = Literal["own", "onednn", "aten"]
 
 
-@dataclass(frozen=True)
-class RowBucket:
-    """Matmuls of first..last rows (last None: no bound), measured at `measured_rows` (a
-    prefill bucket: from there, a new row count each run; kernel_choice.run_rows)."""
-
-    name: str
-    first: int
-    last: int | None
-    measured_rows: int
-
-
-# The row counts the engine's steps produce: batch-1 decode, small and large decode
-# batches, short and long prefill chunks (whose head runs on the few sampled rows, a
-# decode bucket). Prefill is split at 256 rows: oneDNN's fused MLP pays off on long
-# prefill chunks and not on short ones (docs/benchmarks-history.md, "bf16 CPU kernels by
-# row count").
-ROW_BUCKETS: tuple[RowBucket, ...] = (
-    RowBucket("1", 1, 1, 1),
-    RowBucket("2-8", 2, 8, 8),
-    RowBucket("9-64", 9, 64, 32),
-    RowBucket("65-256", 65, 256, 128),
-    RowBucket("257+", 257, None, 1024),
-)
-ONE_ROW, FIRST_PREFILL = 0, 3
-
-
-def bucket_index(rows: int) -> int:
-    """The ROW_BUCKETS index of a matmul over `rows` rows."""
-    return 0 if rows <= 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3 if rows <= 256 else 4
-
-
-def is_prefill(bucket: int) -> bool:
-    return bucket >= FIRST_PREFILL
+# The measured row counts: each prefill bucket from there on, a new row count each run
+# (kernel_choice.run_rows). oneDNN's fused MLP pays off on long prefill chunks and not on
+# short ones (docs/benchmarks-history.md, "bf16 CPU kernels by row count").
+ROW_BUCKETS: tuple[RowBucket, ...] = row_buckets((1, 8, 32, 128, 1024))
 
 
 # cpu_gemm.h's OneRowMode: how cpu_gemm.cpp runs a single row, or AMX: every row count on

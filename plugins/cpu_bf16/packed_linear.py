@@ -23,18 +23,13 @@ from collections.abc import Callable, Collection
 import torch
 import torch.nn.functional as F
 
+from plugserve.ops.kernel_timing import bucket_index
 from plugserve_plugins.cpu_bf16.cpu_features import (
     onednn_bf16_supported,
     own_kernel_unavailable_reason,
 )
 from plugserve_plugins.cpu_bf16.exponent_coding import code_exponents, exponent_codable
-from plugserve_plugins.cpu_bf16.kernel_plan import (
-    AMX,
-    KERNELS_BY_NAME,
-    Kernel,
-    KernelPlan,
-    bucket_index,
-)
+from plugserve_plugins.cpu_bf16.kernel_plan import AMX, KERNELS_BY_NAME, Kernel, KernelPlan
 from plugserve_plugins.cpu_bf16.kernel_setting import default_plan
 from plugserve_plugins.cpu_bf16.weight_arena import WeightArena, pack_k_pairs, packs_k_pairs
 

@@ -11,20 +11,18 @@ they give the same bits and the choice changes only the speed:
   the activation codes shifted to int8 and the shift compensated like the zero point.
 
 One row chooses between `vnni` and `vnni/tiled` (the other two compute 16 rows to use
-one). The other buckets are timed on the leading layers of the model (every candidate once a round, the
-median of the rounds), and the plan kept per machine and model shape under the plugserve
-cache dir; PLUGSERVE_REMEASURE_KERNELS=1 measures again. Unlike the bf16 method's plan,
+one). The other buckets are timed on the leading layers of the model as the bf16 method
+times its kernels (plugserve.ops.kernel_timing), and the plan kept per machine and model
+shape under the plugserve cache dir; PLUGSERVE_REMEASURE_KERNELS=1 measures again. Unlike the bf16 method's plan,
 it is kept even where other processes were busy while it was timed: a plan only changes
 the speed here, never the results.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +34,17 @@ import torch
 from plugserve import ops
 from plugserve.capabilities import REMEASURE_KERNELS_ENV
 from plugserve.ops.build import cache_key as source_key
+from plugserve.ops.kernel_timing import (
+    RowBucket,
+    bucket_index,
+    cpu_model_name,
+    is_prefill,
+    leading,
+    median_ms_in_turns,
+    plan_digest,
+    row_buckets,
+    shapes_digest,
+)
 from plugserve.user_cache import cache_root
 
 logger = logging.getLogger(__name__)
@@ -45,35 +54,14 @@ VNNI, VNNI_TILED, AMX, INT_MM = "vnni", "vnni/tiled", "amx", "int_mm"
 KERNEL_IDS = {VNNI: 0, AMX: 1, INT_MM: 2, VNNI_TILED: 3}  # int8_w8a8.cpp's `kernel` argument
 
 
-@dataclass(frozen=True)
-class RowBucket:
-    """Matmuls of first..last rows (last None: no bound), timed at measured_rows."""
-
-    name: str
-    first: int
-    last: int | None
-    measured_rows: int
-
-
-ROW_BUCKETS: tuple[RowBucket, ...] = (
-    RowBucket("1", 1, 1, 1),
-    RowBucket("2-8", 2, 8, 8),
-    RowBucket("9-64", 9, 64, 32),
-    RowBucket("65-256", 65, 256, 128),
-    RowBucket("257+", 257, None, 512),
-)
+ROW_BUCKETS: tuple[RowBucket, ...] = row_buckets((1, 8, 32, 128, 512))
 ROUNDS = 5
 # Timed on at most this many bytes of int8 weights (the model's leading matmuls): enough
 # that a few rows stream them from memory as a step does; prefill chunks are bound by the
 # arithmetic, not the weights, and a layer's worth times them.
 MEASURED_BYTES = 32 * 2**20
 PREFILL_MEASURED_BYTES = 4 * 2**20
-FIRST_PREFILL = 3  # the ROW_BUCKETS index of the first prefill bucket
 _PLAN_FORMAT = 1
-
-
-def bucket_index(rows: int) -> int:
-    return 0 if rows <= 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3 if rows <= 256 else 4
 
 
 @dataclass(frozen=True)
@@ -158,7 +146,7 @@ def plan_for(matmuls: Sequence[MeasuredMatmul], remeasure: bool | None = None) -
     if all(len(c) == 1 for c in candidates):
         return W8A8Plan(tuple(c[0] for c in candidates))
     key = _cache_key(matmuls, candidates)
-    path = cache_root() / "w8a8_plans" / f"{_digest(key)}.json"
+    path = cache_root() / "w8a8_plans" / f"{plan_digest(key)}.json"
     if remeasure is None:
         remeasure = os.environ.get(REMEASURE_KERNELS_ENV, "") not in ("", "0")
     if not remeasure and path.exists():
@@ -180,31 +168,26 @@ def measure(
     candidates: list[list[str]],
     clock: Callable[[], float] = time.perf_counter,
 ) -> W8A8Plan:
-    """Each bucket's fastest candidate over the leading `matmuls`, the candidates taking
-    turns round by round (after one untimed warm-up each), so that a change in the
-    machine's speed reaches all of them alike."""
+    """Each bucket's fastest candidate over the leading `matmuls`, timed in turns
+    (kernel_timing.median_ms_in_turns)."""
     chosen, times = [], []
     for index, (bucket, kernels) in enumerate(zip(ROW_BUCKETS, candidates, strict=True)):
         if len(kernels) == 1:
             chosen.append(kernels[0])
             times.append({})
             continue
-        limit = PREFILL_MEASURED_BYTES if index >= FIRST_PREFILL else MEASURED_BYTES
-        timed = _leading(matmuls, limit)
+        limit = PREFILL_MEASURED_BYTES if is_prefill(index) else MEASURED_BYTES
+        timed = leading(matmuls, lambda m: m.weight_bytes, limit)
         inputs = {
             m.in_features: torch.randn(bucket.measured_rows, m.in_features).to(torch.bfloat16)
             for m in timed
         }
-        for kernel in kernels:
-            _step(timed, kernel, inputs)
-        samples: dict[str, list[float]] = {k: [] for k in kernels}
-        for round_index in range(ROUNDS):
-            shift = round_index % len(kernels)
-            for kernel in kernels[shift:] + kernels[:shift]:
-                start = clock()
-                _step(timed, kernel, inputs)
-                samples[kernel].append(1e3 * (clock() - start))
-        medians = {k: statistics.median(s) for k, s in samples.items()}
+        medians = median_ms_in_turns(
+            kernels,
+            lambda kernel, timed=timed, inputs=inputs: _step(timed, kernel, inputs),
+            ROUNDS,
+            clock,
+        )
         chosen.append(min(medians, key=medians.__getitem__))
         times.append(medians)
     return W8A8Plan(tuple(chosen), tuple(times))
@@ -215,39 +198,15 @@ def _step(matmuls: Sequence[MeasuredMatmul], kernel: str, inputs: dict[int, torc
         matmul.run(kernel, inputs[matmul.in_features])
 
 
-def _leading(matmuls: Sequence[MeasuredMatmul], limit: int) -> list[MeasuredMatmul]:
-    taken, size = [], 0
-    for matmul in matmuls:
-        if taken and size + matmul.weight_bytes > limit:
-            break
-        taken.append(matmul)
-        size += matmul.weight_bytes
-    return taken
-
-
 def _cache_key(matmuls: Sequence[MeasuredMatmul], candidates: list[list[str]]) -> dict[str, object]:
     shapes = [[m.out_features, m.in_features] for m in matmuls]
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model_name(),
         "flags": ops.cpu_flags(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "kernels": source_key(SOURCE),
         "candidates": candidates,
-        "shapes": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16],
+        "shapes": shapes_digest(shapes),
         "format": _PLAN_FORMAT,
     }
-
-
-def _digest(key: dict[str, object]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""

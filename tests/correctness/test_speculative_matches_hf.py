@@ -18,7 +18,7 @@ at all, so every path of the verification runs (the tests check the counters say
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -76,20 +76,34 @@ def assert_every_kind_of_verdict(llm: LLM) -> None:
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
 
 
+def check_batched_under_preemption_then_alone(
+    run: TinyRun, speculation: dict, check_verdicts: Callable[[LLM], None]
+) -> int:
+    """Every prompt in one batch that the KV cache cannot hold at once, then one at a time
+    with the prefix cache emptied: transformers' tokens both ways, every block free
+    between. `check_verdicts` holds the batch's draft counters; returns the steps the
+    one-at-a-time pass took."""
+    # 12 blocks of 16 tokens hold the longest request (100 + 24 tokens) but not all seven
+    # at once: the batched run preempts.
+    with run.llm(num_kv_blocks=12, **speculation) as llm:
+        run.check(llm, batched=True)
+        assert llm.engine.scheduler.num_preemptions > 0
+        check_verdicts(llm)
+        kv = llm.engine.scheduler.kv
+        assert kv.stats().num_free_blocks == kv.stats().num_blocks
+        assert kv.reset_prefix_cache()
+        before = llm.engine.timer.num_steps
+        run.check(llm, batched=False)
+        return llm.engine.timer.num_steps - before
+
+
 @pytest.mark.parametrize("proposer", sorted(PROPOSER_OPTIONS))
 def test_batched_under_preemption_and_alone_match_transformers(
     llama_run: TinyRun, proposer: str
 ) -> None:
-    # 12 blocks of 16 tokens hold the longest request (100 + 24 tokens) but not all seven
-    # at once: the batched run preempts.
-    with llama_run.llm(num_kv_blocks=12, **speculating(proposer)) as llm:
-        llama_run.check(llm, batched=True)
-        assert llm.engine.scheduler.num_preemptions > 0
-        assert_every_kind_of_verdict(llm)
-        kv = llm.engine.scheduler.kv
-        assert kv.stats().num_free_blocks == kv.stats().num_blocks
-        assert kv.reset_prefix_cache()
-        llama_run.check(llm, batched=False)
+    check_batched_under_preemption_then_alone(
+        llama_run, speculating(proposer), assert_every_kind_of_verdict
+    )
 
 
 def test_tensor_parallel_workers_match_transformers(llama_run: TinyRun) -> None:
@@ -131,18 +145,15 @@ def other_draft(llama_run: TinyRun, tmp_path_factory) -> str:
     return str(folder)
 
 
+def assert_every_draft_accepted(llm: LLM) -> None:
+    stats = llm.engine.speculation.stats
+    assert 0 < stats.num_drafts < stats.num_draft_tokens == stats.num_accepted_tokens
+
+
 def test_the_target_drafting_for_itself_has_every_draft_accepted(llama_run: TinyRun) -> None:
-    with llama_run.llm(num_kv_blocks=12, **drafting_with(llama_run.model)) as llm:
-        llama_run.check(llm, batched=True)
-        assert llm.engine.scheduler.num_preemptions > 0
-        stats = llm.engine.speculation.stats
-        assert 0 < stats.num_drafts < stats.num_draft_tokens == stats.num_accepted_tokens
-        kv = llm.engine.scheduler.kv
-        assert kv.stats().num_free_blocks == kv.stats().num_blocks
-        assert kv.reset_prefix_cache()
-        before = llm.engine.timer.num_steps
-        llama_run.check(llm, batched=False)
-        steps = llm.engine.timer.num_steps - before
+    steps = check_batched_under_preemption_then_alone(
+        llama_run, drafting_with(llama_run.model), assert_every_draft_accepted
+    )
     # One request at a time, a pass without speculation lands one token: NEW_TOKENS
     # passes a request at least. Here a decoding pass lands its token and three drafts.
     assert steps < len(llama_run.prompts) * NEW_TOKENS / 2
@@ -153,19 +164,13 @@ def test_every_tensor_parallel_rank_runs_the_draft(llama_run: TinyRun) -> None:
     are shared, so every rank feeds the draft's next pass the same tokens."""
     with llama_run.tensor_parallel_llm(**drafting_with(llama_run.model)) as llm:
         llama_run.check(llm, batched=True, tolerance=FP32_TP_LOGPROB_TOLERANCE)
-        stats = llm.engine.speculation.stats
-        assert 0 < stats.num_drafts < stats.num_draft_tokens == stats.num_accepted_tokens
+        assert_every_draft_accepted(llm)
 
 
 def test_another_draft_model_changes_no_token(llama_run: TinyRun, other_draft: str) -> None:
-    with llama_run.llm(num_kv_blocks=12, **drafting_with(other_draft)) as llm:
-        llama_run.check(llm, batched=True)
-        assert llm.engine.scheduler.num_preemptions > 0
-        assert_every_kind_of_verdict(llm)
-        kv = llm.engine.scheduler.kv
-        assert kv.stats().num_free_blocks == kv.stats().num_blocks
-        assert kv.reset_prefix_cache()
-        llama_run.check(llm, batched=False)
+    check_batched_under_preemption_then_alone(
+        llama_run, drafting_with(other_draft), assert_every_kind_of_verdict
+    )
 
 
 def test_a_draft_of_another_vocabulary_is_refused(llama_run: TinyRun, tmp_path_factory) -> None:

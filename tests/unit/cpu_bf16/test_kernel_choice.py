@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.ops.kernel_timing import is_prefill
 from plugserve.user_cache import cache_root
 from plugserve_plugins.cpu_bf16 import (
     cpu_features,
@@ -29,7 +30,6 @@ from plugserve_plugins.cpu_bf16.kernel_plan import (
     Kernel,
     KernelPlan,
     candidates_for,
-    is_prefill,
 )
 
 # Where only ATen runs bf16 matmuls there is nothing to choose; the tests of the choice's
