@@ -12,6 +12,7 @@ converts the model before it builds its renderer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -19,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,23 +125,47 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, sha256: str = "") -> None:
     (Qwen2/3, their MoE, Phi-3, Gemma 2/3, ...) through transformers' own GGUF loader,
     which holds the whole fp32 model once, during this one-time conversion.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
-    meta = _GgufMetadata(reader)
-    if meta.arch == "llama":
-        names = {t.name for t in reader.tensors}
-        config = _llama_config(meta, names)
-        _write_safetensors(reader, config, out_dir)
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    else:
-        _convert_with_transformers(gguf_path, meta.arch, out_dir)
-    generation = _generation_config(meta)
-    if generation:
-        (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _save_tokenizer(gguf_path, out_dir)
+    with gguf_read_once(gguf_path) as reader:
+        meta = _GgufMetadata(reader)
+        if meta.arch == "llama":
+            names = {t.name for t in reader.tensors}
+            config = _llama_config(meta, names)
+            _write_safetensors(reader, config, out_dir)
+            (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            _convert_with_transformers(gguf_path, meta.arch, out_dir)
+        generation = _generation_config(meta)
+        if generation:
+            text = json.dumps(generation, indent=2) + "\n"
+            (out_dir / "generation_config.json").write_text(text)
+        _save_tokenizer(gguf_path, out_dir)
     provenance = {"source": str(gguf_path), "sha256": sha256, "converter": "plugserve"}
     (out_dir / "plugserve_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def gguf_read_once(gguf_path: Path) -> Iterator[Any]:
+    """While open, every gguf.GGUFReader of `gguf_path` is one reader, parsed once, and
+    gguf's tensor-name map is built once per architecture and depth; yields the reader.
+    transformers' GGUF loader parses the file anew for the config, for the weights and for
+    the tokenizer (the vocabulary string by string: seconds each for 49k tokens), and
+    builds the name map again for every tensor; what they read is the same."""
+    import gguf
+
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = make_reader(gguf_path)
+    target = Path(gguf_path).resolve()
+
+    def reader_of(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(path).resolve() == target:
+            return parsed
+        return make_reader(path, *args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader_of, functools.cache(name_map)
+    try:
+        yield parsed
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
 
 
 def _convert_with_transformers(gguf_path: Path, arch: str, out_dir: Path) -> None:

@@ -57,14 +57,17 @@ def hf_reference_model(smollm2_gguf: Path) -> Callable[[Any], Any]:
     """Hugging Face transformers' LlamaForCausalLM loaded from the GGUF by transformers' own
     GGUF loader, never from the folder plugserve converted: a conversion bug (a tensor
     permuted, renamed or dequantized wrongly) would otherwise hit the reference and
-    plugserve alike. Returns model(dtype), loaded once (~15 s) and cast per dtype; EOS
+    plugserve alike. Returns model(dtype), loaded once and cast per dtype; EOS
     does not end its `generate` (references produce exactly the tokens asked for)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    fp32 = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    from plugserve.gguf_converter import gguf_read_once
+
+    with gguf_read_once(smollm2_gguf):  # the file parsed once, not once per part (~10 s)
+        fp32 = AutoModelForCausalLM.from_pretrained(
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+        ).eval()
     # References generate exactly the tokens asked for, as plugserve does with ignore_eos.
     fp32.generation_config.eos_token_id = None
     models = {torch.float32: fp32}
