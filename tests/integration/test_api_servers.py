@@ -48,7 +48,7 @@ from .conftest import (
 
 TWO_API_SERVERS = (*SERVER_SETTINGS, "--api-server-count", "2")
 TWO_API_SERVERS_TWO_ENGINES = (*TWO_API_SERVERS, "--data-parallel-size", "2")
-REPEATS = 2  # every prompt and conversation this many times, streamed and not: 32 requests
+REPEATS = 1  # every prompt and conversation this many times, streamed and not: 16 requests
 LONG = {
     "model": MODEL,
     "prompt": "Once upon a time",
