@@ -1,7 +1,8 @@
 """plugserve against its peers: the whole comparison table in one go.
 
 One server at a time (the machine's cores are shared by nothing else): plugserve
-(`plugserve serve --dtype bfloat16 --enable-prefix-caching false`), vLLM's CPU build
+(`plugserve serve --dtype bfloat16 --enable-prefix-caching false`), the same in int8
+(`--stack.linear_method int8`: W8A8), vLLM's CPU build
 (the peer scripts' run_vllm.sh, its OpenMP threads bound to every core, none reserved) and
 llama.cpp's llama-server (run_llamaserver.sh; skipped with a note when it is not built).
 Every server is driven by the same client, vLLM's own (bench.sh: `vllm bench serve`, seed
@@ -15,8 +16,8 @@ Every server is driven by the same client, vLLM's own (bench.sh: `vllm bench ser
 It prints the CPU (model, AMX or not), the read bandwidth (plugserve.bench.roofline,
 measured with no server running before each server and after the last) and the
 bandwidth floor of a batch-1 bf16 step, the table (runs side by side, A / B / ...), and
-the acceptance criteria against vLLM (docs/benchmarks.md), each marked pass or fail per
-run.
+the acceptance criteria (docs/benchmarks.md): plugserve against vLLM and the floor, its
+int8 rows against its bf16 and llama-server's Q4_1; each marked pass or fail per run.
 
     .venv/bin/python benchmarks/against_peers.py [--runs 2] [--gap-minutes 20]
         [--skip llamaserver] [--concurrency "1 8 32"] [--long-concurrency "1 8"]
@@ -42,6 +43,7 @@ import string
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +52,15 @@ from serving import check_alive, plugserve_server, running_announced  # the sibl
 
 from plugserve.bench.server_process import ServerProcess, free_port
 
-SYSTEMS = ("plugserve", "vllm", "llamaserver")
-SHOWN = {"plugserve": "plugserve", "vllm": "vLLM CPU", "llamaserver": "llama.cpp llama-server"}
+SYSTEMS = ("plugserve", "plugserve_int8", "vllm", "llamaserver")
+SHOWN = {
+    "plugserve": "plugserve",
+    "plugserve_int8": "plugserve int8 (W8A8)",
+    "vllm": "vLLM CPU",
+    "llamaserver": "llama.cpp llama-server",
+}
+# plugserve's int8 rows: the same server with every linear and the LM head in W8A8
+INT8_ARGS = "--stack.linear_method int8"
 DEFAULT_PORTS = {"vllm": 8102, "llamaserver": 8103}  # the peers scripts' own
 # workload -> (input tokens, output tokens)
 WORKLOADS = {"ref": (128, 128), "long": (1024, 16)}
@@ -78,20 +87,64 @@ def columns(ref_concs: list[int], long_concs: list[int]) -> list[tuple[str, str,
     return cols
 
 
-# (criterion, (workload, concurrency, key), reference: "vllm" or "floor", op, threshold)
+@dataclass(frozen=True)
+class Criterion:
+    """`system`'s figure at (workload, concurrency, key) against `reference`'s (a system,
+    or "floor": the bandwidth floor of a batch-1 bf16 step), `op` `threshold` times it."""
+
+    name: str
+    workload: str
+    concurrency: int
+    key: str
+    reference: str
+    op: str
+    threshold: float
+    system: str = "plugserve"
+
+
 CRITERIA = (
-    ("c=8 out tok/s >= 1.25x vLLM", ("ref", 8, "output_throughput"), "vllm", ">=", 1.25),
-    ("c=32 out tok/s >= 1.25x vLLM", ("ref", 32, "output_throughput"), "vllm", ">=", 1.25),
-    ("c=1 TTFT p50 <= vLLM", ("ref", 1, "median_ttft_ms"), "vllm", "<=", 1.0),
-    ("c=1 ITL p50 <= 1.5x bandwidth floor", ("ref", 1, "median_itl_ms"), "floor", "<=", 1.5),
-    (
-        "1024-token prompts: c=8 prefill tok/s >= vLLM",
-        ("long", 8, "prefill_throughput"),
+    Criterion("c=8 out tok/s >= 1.25x vLLM", "ref", 8, "output_throughput", "vllm", ">=", 1.25),
+    Criterion("c=32 out tok/s >= 1.25x vLLM", "ref", 32, "output_throughput", "vllm", ">=", 1.25),
+    Criterion("c=1 TTFT p50 <= vLLM", "ref", 1, "median_ttft_ms", "vllm", "<=", 1.0),
+    Criterion("c=1 ITL p50 <= 1.5x bandwidth floor", "ref", 1, "median_itl_ms", "floor", "<=", 1.5),
+    Criterion(
+        "1024-token prompts: c=8 prefill tok/s >= 1.2x vLLM",
+        "long",
+        8,
+        "prefill_throughput",
         "vllm",
         ">=",
-        1.0,
+        1.2,
     ),
-    ("1024-token prompts: c=1 TTFT p50 <= vLLM", ("long", 1, "median_ttft_ms"), "vllm", "<=", 1.0),
+    Criterion(
+        "1024-token prompts: c=1 TTFT p50 <= 0.9x vLLM",
+        "long",
+        1,
+        "median_ttft_ms",
+        "vllm",
+        "<=",
+        0.9,
+    ),
+    Criterion(
+        "int8: c=1 ITL p50 <= 0.6x bf16's",
+        "ref",
+        1,
+        "median_itl_ms",
+        "plugserve",
+        "<=",
+        0.6,
+        system="plugserve_int8",
+    ),
+    Criterion(
+        "int8: c=1 ITL p50 < llama-server Q4_1's",
+        "ref",
+        1,
+        "median_itl_ms",
+        "llamaserver",
+        "<",
+        1.0,
+        system="plugserve_int8",
+    ),
 )
 
 
@@ -107,33 +160,38 @@ def lookup(results: list[dict[str, Any]], run: int, system: str, workload: str, 
     return None
 
 
+def _holds(ratio: float, op: str, threshold: float) -> bool:
+    return {">=": ratio >= threshold, "<=": ratio <= threshold, "<": ratio < threshold}[op]
+
+
 def acceptance(
     results: list[dict[str, Any]], run: int, floor_ms: float | None
 ) -> list[dict[str, Any]]:
-    """Each criterion for one run: plugserve's value, the reference's (vLLM's, or the
-    bandwidth floor), their ratio, and passed (None where either side is missing)."""
+    """Each criterion for one run: the system's value, the reference's (a peer's, bf16's,
+    or the bandwidth floor), their ratio, and passed (None where either side is missing)."""
     checks = []
-    for name, (workload, conc, key), reference, op, threshold in CRITERIA:
-        ours = lookup(results, run, "plugserve", workload, conc)
-        ours_value = ours.get(key) if ours else None
-        if reference == "floor":
+    for c in CRITERIA:
+        ours = lookup(results, run, c.system, c.workload, c.concurrency)
+        ours_value = ours.get(c.key) if ours else None
+        if c.reference == "floor":
             theirs_value = floor_ms
         else:
-            theirs = lookup(results, run, reference, workload, conc)
-            theirs_value = theirs.get(key) if theirs else None
+            theirs = lookup(results, run, c.reference, c.workload, c.concurrency)
+            theirs_value = theirs.get(c.key) if theirs else None
         ratio = passed = None
         if ours_value is not None and theirs_value:
             ratio = ours_value / theirs_value
-            passed = ratio >= threshold if op == ">=" else ratio <= threshold
+            passed = _holds(ratio, c.op, c.threshold)
         checks.append(
             {
                 "run": run,
-                "criterion": name,
-                "plugserve": ours_value,
-                "reference": reference,
+                "criterion": c.name,
+                "system": c.system,
+                "value": ours_value,
+                "reference": c.reference,
                 "reference_value": theirs_value,
                 "ratio": ratio,
-                "target": f"{op} {threshold:g}x",
+                "target": f"{c.op} {c.threshold:g}x",
                 "passed": passed,
             }
         )
@@ -169,7 +227,7 @@ def markdown_table(
 
 def markdown_acceptance(checks: list[dict[str, Any]]) -> str:
     lines = [
-        "| run | criterion | plugserve | reference | ratio | target | result |",
+        "| run | criterion | value | reference | ratio | target | result |",
         "|---|---|---|---|---|---|---|",
     ]
     for c in checks:
@@ -177,7 +235,7 @@ def markdown_acceptance(checks: list[dict[str, Any]]) -> str:
         result = {True: "**pass**", False: "**FAIL**", None: "n/a"}[c["passed"]]
         ratio = "—" if c["ratio"] is None else f"{c['ratio']:.2f}x"
         lines.append(
-            f"| {run_name(c['run'])} | {c['criterion']} | {fmt(c['plugserve'])} | "
+            f"| {run_name(c['run'])} | {c['criterion']} | {fmt(c['value'])} | "
             f"{reference} {fmt(c['reference_value'])} | {ratio} | {c['target']} | {result} |"
         )
     return "\n".join(lines)
@@ -289,16 +347,19 @@ def peer_server(name: str, script: Path, env: dict[str, str], log_dir: Path) -> 
 
 
 def make_server(system: str, args: argparse.Namespace, log_dir: Path) -> ServerProcess:
-    if system == "plugserve":
+    if system in ("plugserve", "plugserve_int8"):
         from plugserve.config import StackConfig
 
+        int8 = system == "plugserve_int8"
         ns = argparse.Namespace(
             max_num_seqs=64,  # plugserve's default, and run_vllm.sh's
             concurrency=args.concurrency + args.long_concurrency,
             dtype=None,
-            server_args=args.plugserve_args,
+            server_args=f"{args.plugserve_args} {INT8_ARGS}" if int8 else args.plugserve_args,
         )
-        return plugserve_server(StackConfig().stack.transport, ns, log_dir)
+        server_log_dir = log_dir / "int8" if int8 else log_dir
+        server_log_dir.mkdir(exist_ok=True)
+        return plugserve_server(StackConfig().stack.transport, ns, server_log_dir)
     cores = os.cpu_count() or 1
     if system == "vllm":
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"}
@@ -353,7 +414,8 @@ def run_system(
     then fails to stop cleanly still leaves its figures. Only plugserve's exit status is
     held to 0: the peers' is theirs."""
     server = make_server(system, args, out_dir)
-    with running_announced(server, args.startup_timeout, check_exit=system == "plugserve"):
+    ours = system.startswith("plugserve")
+    with running_announced(server, args.startup_timeout, check_exit=ours):
         for workload, concs in (("ref", args.concurrency), ("long", args.long_concurrency)):
             for conc in concs:
                 input_len, output_len = WORKLOADS[workload]
@@ -478,7 +540,7 @@ def main() -> int:
         "prompts, 16 output tokens; vLLM's client; latencies in ms\n"
     )
     print(markdown_table(results, [i["run"] for i in runs], cols))
-    print("\n### Acceptance: plugserve against vLLM\n")
+    print("\n### Acceptance: plugserve against vLLM, llama-server and its own bf16\n")
     print(markdown_acceptance(checks))
     for note in notes:
         print(f"\nnote: {note}")

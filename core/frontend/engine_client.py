@@ -29,7 +29,7 @@ from plugserve.frontend.engine_fleet import EngineFleet
 from plugserve.frontend.engines import EngineSupervision
 from plugserve.frontend.metrics import FrontendMetrics
 from plugserve.frontend.output_processor import OutputProcessor
-from plugserve.frontend.request_state import EngineDeadError, RequestState
+from plugserve.frontend.request_state import EngineDeadError
 from plugserve.interfaces.transport import ClientChannel
 from plugserve.messages import (
     EngineCoreOutput,
@@ -276,7 +276,8 @@ class AsyncEngineClient:
         """Submit one request and yield its deltas until it finishes. Leaving the
         iteration early (a client disconnect cancels the handler) aborts it."""
         arrival_time = arrival_time or time.time()
-        state = self._refuse_or_open(
+        self._raise_if_refused()
+        state = self._outputs.open(
             request_id, prompt_token_ids, params, arrival_time, detokenize=True
         )
         request = EngineCoreRequest(
@@ -311,7 +312,8 @@ class AsyncEngineClient:
         """Submit one pooling request and return its pooled output. Cancelling the wait
         (a client disconnect) aborts it."""
         arrival_time = time.time()
-        state = self._refuse_or_open(
+        self._raise_if_refused()
+        state = self._outputs.open(
             request_id,
             prompt_token_ids,
             SamplingParams(max_tokens=1),
@@ -337,20 +339,10 @@ class AsyncEngineClient:
         assert item.pooled is not None
         return item.pooled
 
-    def _refuse_or_open(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-        *,
-        detokenize: bool,
-    ) -> RequestState:
+    def _raise_if_refused(self) -> None:
+        """EngineDeadError if nothing more can be sent (see _refusal)."""
         if (refusal := self._refusal) is not None:
             raise EngineDeadError(refusal)
-        return self._outputs.open(
-            request_id, prompt_token_ids, params, arrival_time, detokenize=detokenize
-        )
 
     async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Abort requests in flight; `reason` for the metrics: "abort" (the client went
@@ -369,8 +361,7 @@ class AsyncEngineClient:
         """A round trip through the transport to every serving engine's busy loop.
         Returns the engines out of service, with why (empty while all serve). Raises
         EngineDeadError if none serves, TimeoutError if one does not answer."""
-        if (refusal := self._refusal) is not None:
-            raise EngineDeadError(refusal)
+        self._raise_if_refused()
         loop = asyncio.get_running_loop()
         asked = {next(self._nonces): engine for engine in self._fleet.serving()}
         futures: dict[int, asyncio.Future[None]] = {n: loop.create_future() for n in asked}
@@ -386,8 +377,7 @@ class AsyncEngineClient:
         finally:
             for nonce in asked:
                 self._pongs.pop(nonce, None)
-        if (refusal := self._refusal) is not None:
-            raise EngineDeadError(refusal)
+        self._raise_if_refused()
         return self.engines_out_of_service
 
     async def measure_weight_read(
@@ -396,8 +386,7 @@ class AsyncEngineClient:
         """How fast engine `engine` reads its own weights now, measured for `seconds`
         between two of its steps (WeightRead.error says why it cannot). TimeoutError if
         the answer takes longer than `timeout`."""
-        if (refusal := self._refusal) is not None:
-            raise EngineDeadError(refusal)
+        self._raise_if_refused()
         if not 0 <= engine < self.num_engines:
             raise ValueError(f"no engine {engine}: there are {self.num_engines}")
         if not self._fleet.serves(engine):

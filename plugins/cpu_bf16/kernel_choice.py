@@ -74,7 +74,6 @@ from plugserve_plugins.cpu_bf16.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
 
-REMEASURE_ENV = REMEASURE_KERNELS_ENV
 # Timed on at most this many bytes of bf16 weights (a step's leading layers).
 MEASURED_BYTES = 768 * 2**20
 # Rounds per bucket: every candidate once a round; the median over rounds counts.
@@ -246,7 +245,7 @@ def plan_for(
         return measurement
 
     if remeasure is None:
-        remeasure = os.environ.get(REMEASURE_ENV, "") not in ("", "0")
+        remeasure = os.environ.get(REMEASURE_KERNELS_ENV, "") not in ("", "0")
     if not remeasure and path.exists():
         try:
             return plan_of(Measurement.from_json(json.loads(path.read_text()), path))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.capabilities import REMEASURE_KERNELS_ENV
 from plugserve.ops.kernel_timing import is_prefill
 from plugserve.user_cache import cache_root
 from plugserve_plugins.cpu_bf16 import (
@@ -145,7 +146,7 @@ def test_prefill_buckets_are_timed_on_row_counts_not_seen_before() -> None:
 def plan_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An empty plugserve cache dir, with nothing set that forces a plan or a measurement."""
     monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(kernel_choice.REMEASURE_ENV, raising=False)
+    monkeypatch.delenv(REMEASURE_KERNELS_ENV, raising=False)
     monkeypatch.delenv(kernel_setting.KERNEL_ENV, raising=False)
     return tmp_path
 
