@@ -44,11 +44,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check core plugins tests benchmarks
 	$(BIN)/ruff format --check core plugins tests benchmarks
 
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass. One
-# worker per core (tests/conftest.py says how tests are grouped): most of a test's time
-# is a process starting or one engine thread waiting, which leaves a core idle.
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n auto --dist loadgroup --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)

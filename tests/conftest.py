@@ -35,23 +35,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     build_missing(sources, os.cpu_count() or 1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` spreads the suite over one worker process per core (pytest-xdist,
-    `--dist loadgroup`): a module's tests run in one worker, so that a module's server
-    starts once; the tests on the session's Ray cluster run in one worker, so that one
-    cluster starts. The matrix's cells each start their own server and spread one by one."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
-            group = "ray"
-        elif item.nodeid.startswith("tests/matrix/"):
-            continue
-        else:
-            group = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted from its GGUF
