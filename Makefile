@@ -45,10 +45,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check core plugins tests benchmarks
 
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass. Two
-# workers, each taking whole modules (a module's servers start once): most of a test's
-# time is a process starting or one engine thread waiting, which leaves a core idle.
+# workers, one per kind of test (tests/conftest.py, SERVER_TESTS).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
