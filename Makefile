@@ -44,10 +44,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check core plugins tests benchmarks
 	$(BIN)/ruff format --check core plugins tests benchmarks
 
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass. Two
-# workers, one per kind of test (tests/conftest.py, SERVER_TESTS).
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)

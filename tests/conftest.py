@@ -35,26 +35,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     build_missing(sources, os.cpu_count() or 1)
 
 
-# Where a test runs under `make test`'s two pytest-xdist workers (`--dist loadgroup`):
-# the tests that start servers or a Ray cluster in one, in their order (a server is
-# launched while the test before it runs, and one Ray cluster serves them all), the tests
-# that compute in this process in the other. The first kind mostly waits on processes
-# starting, the second computes: together they use both cores, and each worker holds
-# only its own kind's long-lived models and servers.
-SERVER_TESTS = ("tests/integration/", "tests/matrix/", "tests/plugins/", "tests/soak/")
-
-
-# Marked as each test is collected: pytest-xdist reads the groups off the marks in its
-# own pytest_collection_modifyitems (and pytest 9.2 no longer reads the node ids it
-# writes them into: hence pytest<9.2 in pyproject.toml).
-def pytest_itemcollected(item: pytest.Item) -> None:
-    if item.get_closest_marker("xdist_group") is None:
-        servers = item.nodeid.startswith(SERVER_TESTS) or "ray_cluster" in getattr(
-            item, "fixturenames", ()
-        )
-        item.add_marker(pytest.mark.xdist_group("servers" if servers else "in_process"))
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted from its GGUF

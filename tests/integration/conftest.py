@@ -146,19 +146,9 @@ def _server_for(spec: ServerSpec, log_dir: Path) -> PlugserveServer:
 LAUNCH_AHEAD = LaunchAhead(make=_server_for, defaults={"settings": SERVER_SETTINGS})
 
 
-_NEXT_ITEM: dict[str, pytest.Item | None] = {}
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    _NEXT_ITEM[item.nodeid] = nextitem
-    yield
-    _NEXT_ITEM.pop(item.nodeid, None)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    following = _NEXT_ITEM.get(item.nodeid)
+    following = LAUNCH_AHEAD.following(item)
     if following is not None:
         LAUNCH_AHEAD.launch_for(following)
     yield

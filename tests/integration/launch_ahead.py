@@ -9,9 +9,7 @@ While the test before it runs, that server is launched; `running_server` then ta
 instead of launching its own when everything that makes the server (command line and
 whole environment) is the same, and otherwise launches its own as before. A launched server
 that no test took is killed at the end of the session. The mark changes when a server
-starts, never which server a test gets. The test "after" is the one this process runs
-next, as pytest's run protocol names it: with the suite spread over worker processes
-(pytest-xdist) it is the worker's own next test, never one another worker runs.
+starts, never which server a test gets.
 """
 
 from __future__ import annotations
@@ -51,8 +49,16 @@ class LaunchAhead:
     make: Callable[[ServerSpec, Path], PlugserveServer]
     defaults: dict[str, Any]
     pending: dict[ServerSpec, PlugserveServer] = field(default_factory=dict)
+    _following: dict[str, pytest.Item | None] = field(default_factory=dict)
     launched: int = 0
     taken: int = 0
+
+    def following(self, item: pytest.Item) -> pytest.Item | None:
+        """The item the session runs after `item`."""
+        if item.nodeid not in self._following:
+            items = item.session.items
+            self._following = {a.nodeid: b for a, b in zip(items, [*items[1:], None], strict=True)}
+        return self._following.get(item.nodeid)
 
     def specs_of(self, item: pytest.Item) -> list[ServerSpec]:
         specs = []
