@@ -17,6 +17,7 @@ import yaml
 
 from plugserve.bench import add_cli_args
 from plugserve.bench import main as bench_main
+from plugserve.child_processes import start_fork_server
 from plugserve.config import load_config
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 from plugserve.process_exit import exit_now
@@ -77,6 +78,7 @@ def cmd_config(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    start_fork_server()  # its imports overlap ours (plugserve.child_processes)
     config = load_config(args.config, overrides)
     from plugserve.frontend.serve import serve
 

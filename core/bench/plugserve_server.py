@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from plugserve.bench.processes import children_of, pid_alive, process_cmdline
+from plugserve.bench.processes import descendants_of, pid_alive, process_cmdline
 from plugserve.bench.server_process import (
     STARTUP_TIMEOUT_S,
     ServerProcess,
@@ -85,18 +85,18 @@ class PlugserveServer(ServerProcess):
     # ------------------------------------------------------------------ its processes
 
     def engine_pids(self) -> list[int]:
-        """The server's children titled plugserve::EngineCore (one per data-parallel rank)."""
+        """The server's processes titled plugserve::EngineCore (one per data-parallel rank)."""
         if self._engine_pids:
             return self._engine_pids
-        return [c for c in children_of(self.pid) if ENGINE_TITLE in process_cmdline(c)]
+        return [c for c in descendants_of(self.pid) if ENGINE_TITLE in process_cmdline(c)]
 
     def api_server_pids(self) -> list[int]:
-        """With --api-server-count N > 1, the children titled plugserve::ApiServer_<i>,
+        """With --api-server-count N > 1, the processes titled plugserve::ApiServer_<i>,
         in index order; [] for a server that is its own (only) API server."""
         if self._api_server_pids:
             return self._api_server_pids
         children = [
-            c for c in children_of(self.pid) if API_SERVER_CHILD_TITLE in process_cmdline(c)
+            c for c in descendants_of(self.pid) if API_SERVER_CHILD_TITLE in process_cmdline(c)
         ]
         return sorted(children, key=lambda pid: process_cmdline(pid).split()[0])
 

@@ -26,6 +26,18 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Children, their children and so on: a server's engines are children of its fork
+    server (plugserve.child_processes), and an engine's workers of the engine's."""
+    found: list[int] = []
+    todo = children_of(pid)
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children_of(child)
+    return found
+
+
 def _stat_fields(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...):
     the name is in parentheses and may itself hold spaces or parentheses."""

@@ -12,20 +12,18 @@ that owns no engines never shuts them down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
 import multiprocessing.connection
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Protocol
 
+from plugserve.child_processes import start_child
 from plugserve.config import StackConfig
 
 # The spawn target's light module: engine_proc (the engine, the model runner, torch) is
 # imported by the engine process itself, never by an API server.
 from plugserve.engine.entrypoint import engine_process_name, run_engine_core
-from plugserve.ops.process_env import engine_environment
 from plugserve.plugins import get_registry
 
 ENGINE_STOP_TIMEOUT_S = 5.0  # per step: asked (SHUTDOWN or SIGTERM), terminated, killed
@@ -44,20 +42,6 @@ def transport_addresses(config: StackConfig) -> dict[str, str]:
     return transport.addresses(config.engine.data_parallel_size, config.server.api_server_count)
 
 
-@contextlib.contextmanager
-def _engine_environment() -> Iterator[None]:
-    """The environment the compiled ops want an engine process to start with, for the
-    processes started inside (spawned children read the environment as it is at their
-    start), except what the user has set."""
-    added = {k: v for k, v in engine_environment().items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
-
-
 class EngineProcesses:
     """The engine-core processes of one server, one per data-parallel rank."""
 
@@ -68,17 +52,14 @@ class EngineProcesses:
         self.processes: list[multiprocessing.process.BaseProcess] = []
 
     def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
         config_json = self.config.model_dump_json()
-        with _engine_environment():
-            for index in range(self.num_engines):
-                process = ctx.Process(
-                    target=run_engine_core,
-                    args=(config_json, self.addresses, index),
-                    name=engine_process_name(index, self.num_engines),
-                )
-                process.start()
-                self.processes.append(process)
+        for index in range(self.num_engines):
+            process = start_child(
+                run_engine_core,
+                (config_json, self.addresses, index),
+                name=engine_process_name(index, self.num_engines),
+            )
+            self.processes.append(process)
 
     @property
     def sentinels(self) -> list[int]:

@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
+from plugserve.child_processes import start_child
 from plugserve.config import StackConfig
 from plugserve.frontend.api_server_process import (
     ApiServerSetup,
@@ -189,16 +190,14 @@ class Launcher:
     def _start(self) -> None:
         # API servers first: each opens its channel (for shm: creates its rings) while
         # the engines load.
-        ctx = multiprocessing.get_context("spawn")
         config_json = self.config.model_dump_json()
         for index in range(self.count):
-            ours, theirs = ctx.Pipe()
-            process = ctx.Process(
-                target=run_api_server_process,
-                args=(config_json, self.addresses, index, self.sockets[index], theirs),
+            ours, theirs = multiprocessing.Pipe()
+            process = start_child(
+                run_api_server_process,
+                (config_json, self.addresses, index, self.sockets[index], theirs),
                 name=api_server_name(index),
             )
-            process.start()
             theirs.close()  # the child has its copy; EOF on ours then means it is gone
             self.api_servers.append(process)
             self.controls.append(ours)

@@ -43,6 +43,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from plugserve import hookimpl
+from plugserve.child_processes import start_child
 from plugserve.config import StackConfig, load_config
 from plugserve.datatypes import (
     GrammarOutput,
@@ -140,13 +141,11 @@ class MultiprocExecutor:
         )
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
-        ctx = multiprocessing.get_context("spawn")
         for rank in range(local):
             spec = worker_spec(config, rank, port, self.options)
-            parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(spec, child_end), name=spec.name)
-            proc.daemon = True  # multiprocessing's atexit reaps them if all else fails
-            proc.start()
+            parent_end, child_end = multiprocessing.Pipe()
+            # daemon: multiprocessing's atexit reaps them if all else fails
+            proc = start_child(worker_main, (spec, child_end), name=spec.name, daemon=True)
             child_end.close()  # ours closed, EOF reaches us when the worker dies
             self._procs.append(proc)
             self._conns.append(parent_end)
@@ -419,12 +418,10 @@ def run_node(config: StackConfig) -> int:
     assert engine.master_port is not None  # validated for nnodes > 1
     options = MultiprocOptions.model_validate(config.plugin_options("mp") or {})
     local = engine.tensor_parallel_size // engine.nnodes
-    ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in range(engine.node_rank * local, (engine.node_rank + 1) * local):
         spec = worker_spec(config, rank, engine.master_port, options)
-        proc = ctx.Process(target=worker_main, args=(spec, None), name=spec.name)
-        proc.start()
+        proc = start_child(worker_main, (spec, None), name=spec.name)
         procs.append(proc)
     stop_beating = threading.Event()
     send_heartbeats(

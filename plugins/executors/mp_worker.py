@@ -82,16 +82,28 @@ def one_line(exc: BaseException) -> str:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL us when the parent goes, so an engine that is killed never
-    leaves workers behind. The signal follows the parent *thread* that spawned us, which
-    is the engine's main thread."""
+    """Ask Linux to SIGKILL us when the engine goes, so an engine that is killed never
+    leaves workers behind. We are forked by the engine's fork server
+    (plugserve.child_processes), which exits when the engine does: the signal follows
+    that process."""
+    forked_by = os.getppid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    # The parent may have died before prctl took effect.
-    if os.getppid() != parent_pid:
+    # The engine, or the fork server, may have gone before prctl took effect.
+    if os.getppid() != forked_by or not _alive(parent_pid):
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def set_title(title: str) -> None:

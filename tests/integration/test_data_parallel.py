@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from plugserve.bench.plugserve_server import ENGINE_TITLE, PlugserveServer
-from plugserve.bench.processes import children_of, process_cmdline
+from plugserve.bench.processes import descendants_of, process_cmdline
 
 from .conftest import (
     COMPLETION_PROMPTS,
@@ -61,7 +61,7 @@ def test_two_engines_match_one_and_share_the_load(transport, reference, tmp_path
     with running_server(transport, tmp_path, settings=TWO_ENGINES) as server:
         titles = sorted(
             process_cmdline(pid)
-            for pid in children_of(server.pid)
+            for pid in descendants_of(server.pid)
             if ENGINE_TITLE in process_cmdline(pid)
         )
         assert titles == ["plugserve::EngineCore_DP0", "plugserve::EngineCore_DP1"]
@@ -176,7 +176,7 @@ TWO_MP_ENGINES = (
 def test_a_killed_worker_takes_only_its_engine_out_of_service(reference, tmp_path):
     with running_server("zmq", tmp_path, settings=TWO_MP_ENGINES) as server:
         [engine_one] = [p for p in server.engine_pids() if process_cmdline(p).endswith("_DP1")]
-        [worker] = [p for p in children_of(engine_one) if "Worker_TP0" in process_cmdline(p)]
+        [worker] = [p for p in descendants_of(engine_one) if "Worker_TP0" in process_cmdline(p)]
         loss = lose_engine(server, 1, lambda: os.kill(worker, signal.SIGKILL))
         message = assert_serves_on_without(server, 1, loss, reference)
         assert message.startswith(

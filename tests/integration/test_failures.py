@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from plugserve.bench.plugserve_server import PlugserveServer, is_engine
-from plugserve.bench.processes import children_of, process_cmdline
+from plugserve.bench.processes import descendants_of, process_cmdline
 from plugserve.bench.server_process import wait_until
 from plugserve.frontend.routes.endpoint_flow import HEALTH_TIMEOUT_S
 
@@ -294,7 +294,7 @@ def test_killed_tensor_parallel_worker_fails_the_request_naming_it(tmp_path):
     ):
         workers = [
             pid
-            for pid in children_of(server.engine_pid())
+            for pid in descendants_of(server.engine_pid())
             if "plugserve::Worker_TP" in process_cmdline(pid)
         ]
         assert len(workers) == 2, workers

@@ -74,6 +74,10 @@ def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
 @pytest.fixture(scope="module")
 def uni_tokens() -> list[list[int]]:
     llm = LLM(executor="uni", **ENGINE)
@@ -95,8 +99,11 @@ def test_tp2_matches_uni_and_shuts_down(uni_tokens: list[list[int]]) -> None:
         for rank, proc in enumerate(procs):
             assert proc.is_alive()
             assert cmdline(proc.pid).startswith(f"plugserve::Worker_TP{rank}")
-            # Children of the engine core (here the test process, offline).
-            assert int(Path(f"/proc/{proc.pid}/stat").read_text().split()[3]) == os.getpid()
+            # Forked by the engine core's fork server (the engine: here the test
+            # process, offline).
+            fork_server = parent_pid(proc.pid)
+            assert "multiprocessing.forkserver" in cmdline(fork_server)
+            assert parent_pid(fork_server) == os.getpid()
         # KV blocks are sized per rank; rank 0 holds 2 of the 3 KV heads, so the fewest
         # blocks: 32 MiB / (2 K/V × 30 layers × 16 tokens × 2 heads × 64 dims × 4 bytes).
         assert llm.engine.kv_cache_info.num_blocks == (32 << 20) // (2 * 30 * 16 * 2 * 64 * 4)
