@@ -17,8 +17,8 @@ import yaml
 
 from plugserve.bench import add_cli_args
 from plugserve.bench import main as bench_main
-from plugserve.child_processes import start_fork_server
 from plugserve.config import load_config
+from plugserve.ops.process_env import adopt_engine_environment
 from plugserve.plugins import SLOT_HOOKS, PluginError, get_registry
 from plugserve.process_exit import exit_now
 
@@ -78,7 +78,8 @@ def cmd_config(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    start_fork_server()  # its imports overlap ours (plugserve.child_processes)
+    # Before torch loads OpenMP: the engines are forked from this process.
+    adopt_engine_environment()
     config = load_config(args.config, overrides)
     from plugserve.frontend.serve import serve
 

@@ -1,7 +1,7 @@
 """Who starts, watches and stops the engine-core processes, as an API server sees it.
 
-With one API server, that server spawns the engines itself (`SpawnedEngines`) and
-watches their process sentinels. With several, the launcher spawns them
+With one API server, that server starts the engines itself (`SpawnedEngines`), forked
+from it before it runs a second thread, and watches their process sentinels. With several, the launcher spawns them
 (`EngineProcesses`, used synchronously) and tells every API server over its control
 pipe when one exits (`LauncherEngines`); an API server cannot watch a sibling's children
 itself. Either way the client learns "engine i is gone, because ..." through one
@@ -12,8 +12,11 @@ that owns no engines never shuts them down.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import multiprocessing
 import multiprocessing.connection
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -24,6 +27,7 @@ from plugserve.config import StackConfig
 # The spawn target's light module: engine_proc (the engine, the model runner, torch) is
 # imported by the engine process itself, never by an API server.
 from plugserve.engine.entrypoint import engine_process_name, run_engine_core
+from plugserve.ops.process_env import apply_malloc_environment
 from plugserve.plugins import get_registry
 
 ENGINE_STOP_TIMEOUT_S = 5.0  # per step: asked (SHUTDOWN or SIGTERM), terminated, killed
@@ -50,8 +54,45 @@ class EngineProcesses:
         self.addresses = addresses
         self.num_engines = config.engine.data_parallel_size
         self.processes: list[multiprocessing.process.BaseProcess] = []
+        self._go: list[multiprocessing.connection.Connection] = []
+
+    def prefork(self) -> None:
+        """Fork the engines now, each waiting until `start`: they find torch and the
+        plugins this process has imported already imported, where a child of the fork
+        server would import them again. Only while this process runs a single thread (a
+        fork copies no other thread, and any lock one held stays held in the child);
+        otherwise `start` starts them from the fork server."""
+        if threading.active_count() > 1 or self.processes:
+            return
+        context = multiprocessing.get_context("fork")
+        config_json = self.config.model_dump_json()
+        for index in range(self.num_engines):
+            waiting, go = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_run_engine_core_when_started,
+                args=(waiting, [*self._go, go], config_json, self.addresses, index),
+                name=engine_process_name(index, self.num_engines),
+            )
+            process.start()
+            waiting.close()
+            self.processes.append(process)
+            self._go.append(go)
+        # Before multiprocessing's own exit handler joins them: an exit that never
+        # started them must let them go first.
+        atexit.register(self._release_unstarted)
+
+    def _release_unstarted(self) -> None:
+        for go in self._go:
+            go.close()
+        self._go = []
 
     def start(self) -> None:
+        if self._go:
+            for go in self._go:
+                go.send_bytes(b"go")
+                go.close()
+            self._go = []
+            return
         config_json = self.config.model_dump_json()
         for index in range(self.num_engines):
             process = start_child(
@@ -92,6 +133,27 @@ class EngineProcesses:
             join_all(alive, ENGINE_STOP_TIMEOUT_S)
 
 
+def _run_engine_core_when_started(
+    waiting: multiprocessing.connection.Connection,
+    senders: list[multiprocessing.connection.Connection],
+    config_json: str,
+    addresses: dict[str, str],
+    engine_index: int,
+) -> None:
+    """A forked engine: it waits for `start`, then runs. Its parent gone first (the pipe
+    closed unsent) means nobody will ever start it. The sending ends it was forked with
+    (its own, and those of the engines forked before it) are its parent's alone."""
+    for sender in senders:
+        sender.close()
+    try:
+        waiting.recv_bytes()
+    except EOFError:
+        os._exit(0)
+    waiting.close()
+    apply_malloc_environment()
+    run_engine_core(config_json, addresses, engine_index)
+
+
 def exit_reason(name: str, exit_code: int) -> str:
     return f"the engine core {name} exited unexpectedly (exit code {exit_code})"
 
@@ -119,7 +181,7 @@ class EngineSupervision(Protocol):
 
 
 class SpawnedEngines:
-    """The engines of the only API server, spawned by it and watched by their sentinels."""
+    """The engines of the only API server, started by it and watched by their sentinels."""
 
     owns_engines = True
 
@@ -127,6 +189,9 @@ class SpawnedEngines:
         self.processes = EngineProcesses(config, addresses)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watched: set[int] = set()
+
+    def prefork(self) -> None:
+        self.processes.prefork()
 
     def start(self) -> None:
         self.processes.start()

@@ -1,7 +1,8 @@
 """`plugserve serve`: decides which processes serve.
 
 With one API server (`server.api_server_count: 1`, the default) the API server runs in
-this process (api_server_process.py) and spawns the engine cores itself. With more, this
+this process (api_server_process.py) and starts the engine cores itself, forked from
+this process before it runs a second thread (engines.py). With more, this
 process becomes the launcher (multi_api_server.py): it spawns the API servers and the
 engine cores and only watches them.
 """
@@ -33,10 +34,12 @@ def serve(config: StackConfig) -> int:
     if several:
         return serve_with_api_servers(config)
     addresses = transport_addresses(config)
+    engines = SpawnedEngines(config, addresses)
+    engines.prefork()  # while this process runs one thread; started once the channel is open
     setup = ApiServerSetup(
         name=SINGLE_API_SERVER_NAME,
         client_index=0,
         addresses=addresses,
-        engines=SpawnedEngines(config, addresses),
+        engines=engines,
     )
     return run_api_server_loop(config, setup)

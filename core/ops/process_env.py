@@ -1,12 +1,17 @@
 """The environment an engine process starts with, for the compiled ops' sake.
 
-Whoever spawns engine processes (an API server, the launcher) asks here rather than
-knowing kernel settings itself: a spawned child reads its environment at start, and
-OpenMP reads GOMP_SPINCOUNT once, when it loads. Torch-free, so the spawning side can
-import it.
+Whoever starts engine processes (an API server, the launcher) asks here rather than
+knowing kernel settings itself: a child started from a fresh interpreter reads its
+environment at start, and OpenMP reads GOMP_SPINCOUNT once, when it loads. Torch-free,
+so the starting side can import it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
 
 # After each parallel region GNU OpenMP's threads spin 300000 turns before they sleep: at a
 # batch-1 decode step that kept a second core busy through the step's Python, where the
@@ -30,3 +35,29 @@ ENGINE_ENVIRONMENT = {
 def engine_environment() -> dict[str, str]:
     """Variables an engine process should start with, where the user has not set them."""
     return dict(ENGINE_ENVIRONMENT)
+
+
+def adopt_engine_environment() -> None:
+    """Set the engine environment in this process, where the user has not: for a process
+    that forks its engines (plugserve serve), before it loads torch and with it OpenMP.
+    malloc has read its variables already; a forked engine applies them itself
+    (apply_malloc_environment)."""
+    for name, value in engine_environment().items():
+        os.environ.setdefault(name, value)
+
+
+# glibc's mallopt parameters that the MALLOC_*_ variables set at a process's start.
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
+
+
+def apply_malloc_environment() -> None:
+    """What glibc's malloc would have read from the environment at this process's start,
+    applied now: for a process forked from one that started without it."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        for name, parameter in _MALLOPT.items():
+            value = os.environ.get(name)
+            if value is not None and value.isdigit():
+                libc.mallopt(parameter, int(value))

@@ -91,6 +91,7 @@ EXECUTOR_ALSO_MAY_IMPORT = (
     "plugserve.worker.parallel",
     "plugserve.worker.pipeline",
     "plugserve.device",
+    "plugserve.child_processes",
 )
 # Plugins that hold linear methods or model passes, and what they may import beyond the
 # public surface.
