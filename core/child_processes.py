@@ -1,21 +1,21 @@
-"""How plugserve starts its child processes: engine cores, workers and API servers.
+"""How plugserve starts a child process where it cannot fork its own state: an `mp`
+engine's workers, a launcher's API servers and engines, any child of an offline `LLM`.
+(`plugserve serve` forks its engines from itself, frontend/engines.py.)
 
 Each is forked from a fork server (multiprocessing's "forkserver" start method) that
 has already imported what the children import: torch, transformers' configuration
 classes, the engine and the installed plugins (plugserve.child_preload). A spawned child
-starts a fresh interpreter and imports all of that itself, seconds of one core each,
-which every engine, every worker of a tensor-parallel engine and every API server of a
-launcher paid again (docs/benchmarks-history.md, "Child processes from a fork server").
-The fork server is started once per parent process, imports and forks, nothing else: no
-thread runs in it and torch computes nothing there, so forking it is safe where forking
-the parent (threads, an OpenMP pool, sockets) would not be.
+starts a fresh interpreter and imports all of that itself, seconds of one core each
+(docs/benchmarks-history.md, "Child processes from a fork server"). The fork server is
+started once per parent process, imports and forks, nothing else: no thread of its own
+runs in it and torch computes nothing there, so forking it is safe where forking the
+parent (threads, an OpenMP pool, sockets) would not be.
 
 A child gets the environment its parent has when it is started, as a spawned one does
 (its target is imported after that; a module the fork server imported read the
 environment its parent had when the fork server started), and the fork server starts
-with the engine environment (plugserve.ops.process_env):
-OpenMP and malloc read those variables once, when a process loads them, and the fork
-server is where they load.
+with the engine environment (plugserve.ops.process_env): OpenMP and malloc read those
+variables once, when a process loads them, and the fork server is where they load.
 """
 
 from __future__ import annotations
@@ -44,10 +44,8 @@ def process_context() -> ForkServerContext:
     return context
 
 
-def start_fork_server() -> None:
-    """Start this process's fork server now (once; later calls return at once), so that
-    its imports overlap whatever this process does before its first child: the fork
-    server imports while `plugserve serve` loads its own modules and the tokenizer."""
+def _start_fork_server() -> None:
+    """This process's fork server, started once under the engine environment."""
     process_context()
     with _engine_environment():
         multiprocessing.forkserver.ensure_running()
@@ -62,7 +60,7 @@ def start_child(
 ) -> BaseProcess:
     """Start `target(*args)` in a child process named `name`; returns it started. The
     arguments are pickled (connections and sockets included, as for spawn)."""
-    start_fork_server()
+    _start_fork_server()
     environment = {**engine_environment(), **os.environ}
     # The target goes by name, imported once the environment is in place: a module that
     # reads the environment when imported (the metrics client, for one) reads it right.
