@@ -16,6 +16,7 @@ import atexit
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,8 +62,9 @@ class EngineProcesses:
         plugins this process has imported already imported, where a child of the fork
         server would import them again. Only while this process runs a single thread (a
         fork copies no other thread, and any lock one held stays held in the child);
-        otherwise `start` starts them from the fork server."""
-        if threading.active_count() > 1 or self.processes:
+        otherwise `start` starts them from the fork server. Not once this process has
+        made a CUDA context either: a forked child cannot use its parent's."""
+        if threading.active_count() > 1 or self.processes or _cuda_initialized():
             return
         context = multiprocessing.get_context("fork")
         config_json = self.config.model_dump_json()
@@ -131,6 +133,11 @@ class EngineProcesses:
                 for process in alive:
                     getattr(process, step)()
             join_all(alive, ENGINE_STOP_TIMEOUT_S)
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def _run_engine_core_when_started(

@@ -29,6 +29,9 @@ SCRIPT = textwrap.dedent(
     engines = EngineProcesses(config, {})
     if sys.argv[1] == "with-a-thread":
         threading.Thread(target=threading.Event().wait, daemon=True).start()
+    if sys.argv[1] == "with-a-cuda-context":  # as torch says once a device was used
+        import torch
+        torch.cuda.is_initialized = lambda: True
     engines.prefork()
     print(json.dumps({"pids": engines.pids, "forked": len(engines.processes)}), flush=True)
     """
@@ -55,8 +58,11 @@ def test_engines_forked_ahead_leave_with_their_parent_if_never_started(tmp_path:
     assert not any(pid_alive(pid) for pid in seen["pids"])
 
 
-def test_a_process_running_another_thread_forks_no_engine(tmp_path: Path) -> None:
-    assert _run(tmp_path, "with-a-thread") == {"pids": [], "forked": 0}
+@pytest.mark.parametrize("state", ["with-a-thread", "with-a-cuda-context"])
+def test_a_process_running_another_thread_or_holding_cuda_forks_no_engine(
+    tmp_path: Path, state: str
+) -> None:
+    assert _run(tmp_path, state) == {"pids": [], "forked": 0}
 
 
 def test_a_process_that_forks_engines_adopts_their_environment_unless_the_user_chose(
