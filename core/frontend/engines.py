@@ -63,8 +63,14 @@ class EngineProcesses:
         server would import them again. Only while this process runs a single thread (a
         fork copies no other thread, and any lock one held stays held in the child);
         otherwise `start` starts them from the fork server. Not once this process has
-        made a CUDA context either: a forked child cannot use its parent's."""
-        if threading.active_count() > 1 or self.processes or _cuda_initialized():
+        made a CUDA context either: a forked child cannot use its parent's. Linux only
+        (macOS's system libraries are not safe to fork without an exec)."""
+        if (
+            not sys.platform.startswith("linux")
+            or threading.active_count() > 1
+            or self.processes
+            or _cuda_initialized()
+        ):
             return
         context = multiprocessing.get_context("fork")
         config_json = self.config.model_dump_json()
