@@ -14,28 +14,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import importlib.metadata
 import os
 
+from plugserve.child_processes import SHARED_MODULES, import_modules
 from plugserve.plugins import ENTRY_POINT_GROUP
 
-MODULES = (
-    "torch",
-    # An architecture's configuration class imports transformers' shared validators, and
-    # with them its tensor-parallel helpers and sympy: most of a config's load time.
-    "transformers.models.llama.configuration_llama",
-    "transformers.models.auto.configuration_auto",
-    "transformers.models.auto.tokenization_auto",
-    "plugserve.engine.engine_proc",
-    "plugserve.worker.model_runner",
-)
+ENGINE_MODULES = ("plugserve.engine.engine_proc", "plugserve.worker.model_runner")
 
 
 def _preload() -> None:
-    for name in MODULES:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+    import_modules(SHARED_MODULES)
+    import_modules(ENGINE_MODULES)
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         with contextlib.suppress(Exception):
             entry_point.load()

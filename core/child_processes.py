@@ -33,6 +33,24 @@ from typing import Any
 from plugserve.ops.process_env import engine_environment
 
 PRELOAD_MODULE = "plugserve.child_preload"
+# What an engine imports that its API server imports too: torch (the plugins import it)
+# and transformers' configuration and tokenizer classes. An architecture's configuration
+# class imports transformers' shared validators, and with them its tensor-parallel
+# helpers and sympy: most of a config's load time.
+SHARED_MODULES = (
+    "torch",
+    "transformers.models.llama.configuration_llama",
+    "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.tokenization_auto",
+)
+
+
+def import_modules(names: tuple[str, ...]) -> None:
+    """Import each of `names` now; one that fails is left to whoever needs it, which
+    imports it again and reports the error itself."""
+    for name in names:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def process_context() -> ForkServerContext:

@@ -9,6 +9,7 @@ engine cores and only watches them.
 
 from __future__ import annotations
 
+from plugserve.child_processes import SHARED_MODULES, import_modules
 from plugserve.config import StackConfig
 from plugserve.frontend.api_server_process import ApiServerSetup, name_process, run_api_server_loop
 from plugserve.frontend.engines import SpawnedEngines, transport_addresses
@@ -35,6 +36,7 @@ def serve(config: StackConfig) -> int:
         return serve_with_api_servers(config)
     addresses = transport_addresses(config)
     engines = SpawnedEngines(config, addresses)
+    import_modules(SHARED_MODULES)  # ours to need anyway (the tokenizer); imported once
     engines.prefork()  # while this process runs one thread; started once the channel is open
     setup = ApiServerSetup(
         name=SINGLE_API_SERVER_NAME,
