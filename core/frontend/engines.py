@@ -1,18 +1,19 @@
 """Who starts, watches and stops the engine-core processes, as an API server sees it.
 
 With one API server, that server starts the engines itself (`SpawnedEngines`), forked
-from it before it runs a second thread, and watches their process sentinels. With several, the launcher spawns them
-(`EngineProcesses`, used synchronously) and tells every API server over its control
-pipe when one exits (`LauncherEngines`); an API server cannot watch a sibling's children
-itself. Either way the client learns "engine i is gone, because ..." through one
-callback, once per engine: with data parallelism the others may go on serving. A client
-that owns no engines never shuts them down.
+from it before it runs a second thread, and watches their process sentinels. With
+several, the launcher starts them (`EngineProcesses`, used synchronously) and tells
+every API server over its control pipe when one exits (`LauncherEngines`); an API
+server cannot watch a sibling's children itself. Either way the client learns "engine i
+is gone, because ..." through one callback, once per engine: with data parallelism the
+others may go on serving. A client that owns no engines never shuts them down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -25,7 +26,7 @@ from typing import Protocol
 from plugserve.child_processes import start_child
 from plugserve.config import StackConfig
 
-# The spawn target's light module: engine_proc (the engine, the model runner, torch) is
+# The engine's target's light module: engine_proc (the engine, the model runner) is
 # imported by the engine process itself, never by an API server.
 from plugserve.engine.entrypoint import engine_process_name, run_engine_core
 from plugserve.ops.process_env import apply_malloc_environment
@@ -97,7 +98,9 @@ class EngineProcesses:
     def start(self) -> None:
         if self._go:
             for go in self._go:
-                go.send_bytes(b"go")
+                # One that died waiting is reported by its sentinel, as any engine's death.
+                with contextlib.suppress(BrokenPipeError):
+                    go.send_bytes(b"go")
                 go.close()
             self._go = []
             return
