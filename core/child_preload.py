@@ -6,8 +6,9 @@ and a launcher sets that environment after its fork server has started.
 
 Only imports: nothing here may start a thread of its own, open a socket or run a torch
 operation, or the children would be forked from a process in the middle of one (numpy's
-OpenBLAS pool, which importing torch starts, stops and restarts itself around a fork). A module that fails
-to import is left to the child, which imports it again and reports the error itself.
+OpenBLAS pool, which importing torch starts, stops and restarts itself around a fork).
+A module that fails to import is left to the child, which imports it again and reports
+the error itself.
 """
 
 from __future__ import annotations
@@ -33,6 +34,6 @@ def _preload() -> None:
 
 _preload()
 # The fork server ends (its parent gone) through the interpreter's teardown, which frees
-# every module's objects one by one: a second once torch is loaded, and a server's stop
+# every module's objects one by one, long once torch is loaded, and a server's stop
 # waits for it. Its children never run this: they leave through os._exit.
 atexit.register(os._exit, 0)

@@ -43,7 +43,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugserve.bench.plugserve_server import PlugserveServer
-from plugserve.bench.processes import children_of, process_cmdline
+from plugserve.bench.processes import descendants_of, process_cmdline
 from plugserve.bench.server_process import wait_until
 from tests.integration.conftest import (
     MODEL,
@@ -406,13 +406,10 @@ def wait_idle(server: PlugserveServer) -> dict[str, float]:
 def server_processes(server: PlugserveServer) -> dict[int, str]:
     """pid -> name of the server's process and all its descendants (the engine core…)."""
     found: dict[int, str] = {}
-    todo = [server.pid]
-    while todo:
-        pid = todo.pop()
+    for pid in [server.pid, *descendants_of(server.pid)]:
         title = process_cmdline(pid)
-        if title and pid not in found:
+        if title:
             found[pid] = title.split()[0].removeprefix("plugserve::")[:40]
-            todo += children_of(pid)
     return found
 
 
