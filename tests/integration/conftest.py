@@ -147,6 +147,12 @@ LAUNCH_AHEAD = LaunchAhead(make=_server_for, defaults={"settings": SERVER_SETTIN
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    LAUNCH_AHEAD.follow(item, nextitem)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     following = LAUNCH_AHEAD.following(item)
     if following is not None:

@@ -53,11 +53,13 @@ class LaunchAhead:
     launched: int = 0
     taken: int = 0
 
+    def follow(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """Note the item this process runs after `item`: pytest's `nextitem`, which under
+        xdist is the next test of this worker's own queue, not of the collected list."""
+        self._following[item.nodeid] = nextitem
+
     def following(self, item: pytest.Item) -> pytest.Item | None:
-        """The item the session runs after `item`."""
-        if item.nodeid not in self._following:
-            items = item.session.items
-            self._following = {a.nodeid: b for a, b in zip(items, [*items[1:], None], strict=True)}
+        """The item this process runs after `item`."""
         return self._following.get(item.nodeid)
 
     def specs_of(self, item: pytest.Item) -> list[ServerSpec]:

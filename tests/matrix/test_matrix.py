@@ -182,6 +182,8 @@ def matrix_cells() -> list:
         if runs_batches_concurrently(impls["executor"][executor].cls):
             cell, marks = _cell(impls, ("fcfs", "zmq", executor, "torch"), "float32")
             cell = dataclasses.replace(cell, tensor_parallel_size=1, pipeline_parallel_size=2)
+            if executor in CLUSTER_EXECUTORS:
+                marks = [*marks, pytest.mark.ray]
             params.append(pytest.param(cell, id=cell.id, marks=marks))
     return params
 
