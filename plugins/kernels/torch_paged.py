@@ -82,7 +82,8 @@ class _StepPlan:
     num_tokens: int
     # The C++ kernel's plan lives in its PagedAttentionStep; SDPA's is the fields below.
     native: bool
-    slots: torch.Tensor | None = None  # [num_tokens] where each token's k/v goes
+    # [num_tokens] where each token's k/v goes; None: nothing is written (an encoder).
+    slots: torch.Tensor | None = None
     decodes: DecodeRows | None = None
     prefills: tuple[PrefillRow, ...] = ()
 
@@ -277,6 +278,9 @@ class TorchPagedAttention:
         if (seq_lens < query_lens).any():
             raise ValueError("a row has more query tokens than its seq_len")
 
+        if self.bidirectional:
+            self._plan = self._whole_prompts_plan(query_start, seq_lens)
+            return
         slots = to_device(np.asarray(batch.slot_mapping, dtype=np.int64), self.device)
         decode_rows = np.flatnonzero(query_lens == 1)
         decodes = None
@@ -302,6 +306,23 @@ class TorchPagedAttention:
             for row in np.flatnonzero(query_lens > 1)
         )
         self._plan = _StepPlan(int(query_start[-1]), False, slots, decodes, prefills)
+
+    def _whole_prompts_plan(self, query_start: np.ndarray, seq_lens: np.ndarray) -> _StepPlan:
+        """An encoder's step: each row a whole prompt (one token or more) attending over
+        its own keys alone. Nothing ever reads the cache, so nothing is written to it."""
+        rows = (
+            plan_prefill(
+                int(query_start[row]),
+                int(query_start[row + 1]),
+                int(seq_lens[row]),
+                np.empty(0, np.int32),
+                self.spec,
+                self.windows,
+                bidirectional=True,
+            )
+            for row in range(len(seq_lens))
+        )
+        return _StepPlan(int(query_start[-1]), False, prefills=tuple(rows))
 
     def _long_prefill(self, query_start_loc: np.ndarray) -> bool:
         """Whether a row prefills SDPA_MIN_QUERY_TOKENS or more."""
@@ -329,9 +350,9 @@ class TorchPagedAttention:
             return self._native_step.forward(layer_idx, q, k, v)
         cache = self._layer_caches[layer_idx]
         # Written before any read, so a row sees the tokens every row adds this step.
-        assert plan.slots is not None
-        cache.k_slots.index_copy_(0, plan.slots, k)
-        cache.v_slots.index_copy_(0, plan.slots, v)
+        if plan.slots is not None:
+            cache.k_slots.index_copy_(0, plan.slots, k)
+            cache.v_slots.index_copy_(0, plan.slots, v)
         if plan.decodes is not None and plan.decodes.token_index is None:
             return self._decode(layer_idx, cache, q, plan.decodes)
         if plan.decodes is None and len(plan.prefills) == 1:  # one prompt: no copy into `out`

@@ -1,6 +1,7 @@
 """Bidirectional layers (an encoder's): the torch backend attends every query of a prompt
-to every key of it, later ones included, in a batch of prompts of mixed lengths; a
-backend that cannot is refused by name (flashinfer, whose prefill kernel is causal)."""
+to every key of it, later ones included, in a batch of prompts of mixed lengths, and
+writes nothing to the KV cache, which no step of an encoder reads; a backend that cannot
+is refused by name (flashinfer, whose prefill kernel is causal)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def spec(layers: int = 2) -> AttentionSpec:
 
 
 @pytest.mark.parametrize("kernel", ["auto", "sdpa"])
-def test_each_prompt_attends_to_all_of_itself(kernel: str) -> None:
+def test_each_prompt_attends_to_all_of_itself_and_nothing_is_cached(kernel: str) -> None:
     backend = TorchPagedAttention(spec=spec(), options=TorchPagedAttention.Options(kernel=kernel))
     backend.allocate_kv_cache(16)
-    lengths = [5, 1, 9]  # a one-token prompt rides the decode path
+    lengths = [5, 1, 9]  # a one-token prompt too: a whole prompt, not a decode
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     blocks = np.zeros((3, 4), dtype=np.int32)
     slots = []
@@ -50,7 +51,9 @@ def test_each_prompt_attends_to_all_of_itself(kernel: str) -> None:
     )
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=generator) for _ in range(3))
+    cache_before = backend.kv_cache.clone()
     out = backend.forward(0, q, k, v)
+    assert torch.equal(backend.kv_cache, cache_before)
     for row, n in enumerate(lengths):
         part = slice(int(starts[row]), int(starts[row]) + n)
         expected = F.scaled_dot_product_attention(
