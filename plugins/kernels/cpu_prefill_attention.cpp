@@ -1,16 +1,21 @@
-// Causal prefill attention for CPUs with AVX-512 BF16, flash-attention style: for each
-// (KV head, block of query tokens) the query rows of the head's whole GQA group attend
-// together, key block by key block up to the causal limit (from the sliding window's
-// start), with an online softmax in fp32. Both products (Q·Kᵀ and P·V) run on
-// _mm512_dpbf16_ps, which multiplies pairs of bf16 and accumulates in fp32; K and V are
-// packed once per call into the pair-interleaved layouts it reads.
+// Prefill attention for CPUs with AVX-512 BF16, flash-attention style: for each
+// (sequence, KV head, block of query tokens) the query rows of the head's whole GQA group
+// attend together, key block by key block up to the causal limit (from the sliding
+// window's start) or over all the sequence's keys, with an online softmax in fp32. Both
+// products (Q·Kᵀ and P·V) run on _mm512_dpbf16_ps, which multiplies pairs of bf16 and
+// accumulates in fp32; K and V are packed once per call into the pair-interleaved
+// layouts it reads.
 //
-// Registered as torch.ops.plugserve_prefill.attention(q, k, v, scale, softcap, window):
-// q [Tq, H, D], k/v [Tk, KVH, D] (bf16, H a multiple of KVH, D 64 or 128); query i sits
-// at position Tk - Tq + i (the keys before the chunk are its context) and attends to the
-// keys up to its own position, the last `window` of them when window > 0. Scores are
-// scaled, then soft-capped (cap * tanh(s / cap)) when softcap > 0. Built and loaded by
-// cpu_prefill_attention.py, which checks the CPU has avx512_bf16 first.
+// Registered as torch.ops.plugserve_prefill:
+// - attention(q, k, v, scale, softcap, window): one causal sequence. q [Tq, H, D], k/v
+//   [Tk, KVH, D] (bf16, H a multiple of KVH, D 32, 64 or 128); query i sits at position
+//   Tk - Tq + i (the keys before the chunk are its context) and attends to the keys up to
+//   its own position, the last `window` of them when window > 0.
+// - varlen_bidirectional(q, k, v, cu_seqlens, scale, softcap): many whole prompts
+//   (an encoder's), tokens [cu_seqlens[b], cu_seqlens[b + 1]) of q, k and v, each query
+//   attending to every key of its own prompt.
+// Scores are scaled, then soft-capped (cap * tanh(s / cap)) when softcap > 0. Built and
+// loaded by cpu_prefill_attention.py, which checks the CPU has avx512_bf16 first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -99,7 +104,7 @@ inline void values_tile(const uint16_t* p, const uint16_t* vp, float* o, int64_t
 // Rows in tiles of kRows (the last tile shorter): R * 4 score accumulators, R * ND output
 // ones, within the 32 vector registers.
 template <int ND>
-constexpr int kRows = ND == 4 ? 6 : 3;
+constexpr int kRows = ND <= 4 ? 6 : 3;
 
 template <int R>
 void scores_rows(int rows, const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
@@ -127,6 +132,7 @@ struct Problem {
   int64_t Tq, Tk, H, KVH, D;
   float scale, softcap;
   int64_t window;
+  bool causal;
 };
 
 // One work item: query tokens [t0, t0 + n) of KV head h, with all G heads of its group.
@@ -141,7 +147,9 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
   std::fill(m, m + rows, kMasked);
   std::fill(l, l + rows, 0.0f);
 
-  const int64_t first_pos = offset + t0, last_pos = offset + t0 + n - 1;
+  // Not causal: every row sits past the last key, so it sees them all.
+  const int64_t first_pos = P.causal ? offset + t0 : P.Tk - 1;
+  const int64_t last_pos = P.causal ? offset + t0 + n - 1 : P.Tk - 1;
   int64_t k_begin = P.window > 0 ? std::max<int64_t>(0, first_pos - P.window + 1) : 0;
   k_begin -= k_begin % kKeyBlock;
   const int64_t k_end = last_pos + 1;
@@ -156,7 +164,7 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
                        (P.window <= 0 || k0 > last_pos - P.window);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s + r * kKeyBlock;
-      const int64_t pos = first_pos + r / G;
+      const int64_t pos = P.causal ? first_pos + r / G : first_pos;
       __m512 v[4];
       __m512 peak = _mm512_set1_ps(m[r]);
       for (int c = 0; c < 4; ++c) {
@@ -235,72 +243,140 @@ void pack_head(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v
   }
 }
 
-at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in,
-                             const at::Tensor& v_in, double scale, double softcap,
-                             int64_t window) {
+// Tokens [q0, q0 + Tq) of q attend to tokens [k0, k0 + Tk) of k and v.
+struct Sequence {
+  int64_t q0, Tq, k0, Tk;
+};
+
+at::Tensor rows_contiguous(const at::Tensor& t) {
+  // Heads and head_dim contiguous; tokens may be strided (q, k, v split from one projection).
+  return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                  const std::vector<Sequence>& sequences, double scale, double softcap,
+                  int64_t window, bool causal) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3,
               "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_in.scalar_type() == at::kBFloat16 &&
                   v_in.scalar_type() == at::kBFloat16,
               "prefill attention takes bfloat16 q, k, v");
-  // Heads and head_dim contiguous; tokens may be strided (q, k, v split from one projection).
-  auto rows_contiguous = [](const at::Tensor& t) {
-    return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
-  };
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in),
                    v = rows_contiguous(v_in);
-  const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), Tk = k.size(0), KVH = k.size(1);
-  TORCH_CHECK(D == 64 || D == 128, "prefill attention takes head_dim 64 or 128, got ", D);
-  TORCH_CHECK(H % KVH == 0 && k.size(2) == D && v.sizes() == k.sizes() && Tq <= Tk,
+  const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(D == 32 || D == 64 || D == 128,
+              "prefill attention takes head_dim 32, 64 or 128, got ", D);
+  TORCH_CHECK(H % KVH == 0 && k.size(2) == D && v.sizes() == k.sizes(),
               "prefill attention: mismatched q, k, v shapes");
-  at::Tensor out = at::empty({Tq, H, D}, q.options());
-  if (Tq == 0) return out;
+  at::Tensor out = at::empty({q.size(0), H, D}, q.options());
 
-  const int64_t padded = (Tk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  const int64_t head_packed = padded * D;
-  std::vector<uint16_t> kp(KVH * head_packed), vp(KVH * head_packed);
+  // Each sequence's keys and values packed per KV head, padded to whole key blocks.
+  const int64_t num_seqs = static_cast<int64_t>(sequences.size());
+  std::vector<int64_t> packed_at(num_seqs + 1, 0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t padded = (sequences[b].Tk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    packed_at[b + 1] = packed_at[b] + KVH * padded * D;
+  }
+  std::vector<uint16_t> kp(packed_at[num_seqs]), vp(packed_at[num_seqs]);
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  at::parallel_for(0, KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      pack_head(kd + h * D, vd + h * D, k.stride(0), v.stride(0), Tk, D, padded,
-                kp.data() + h * head_packed, vp.data() + h * head_packed);
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<Problem> problems;
+  problems.reserve(num_seqs);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const Sequence& seq = sequences[b];
+    const int64_t head_packed = (packed_at[b + 1] - packed_at[b]) / KVH;
+    problems.push_back(Problem{qd + seq.q0 * q.stride(0), q.stride(0), od + seq.q0 * H * D,
+                               kp.data() + packed_at[b], vp.data() + packed_at[b], head_packed,
+                               seq.Tq, seq.Tk, H, KVH, D, static_cast<float>(scale),
+                               static_cast<float>(softcap), window, causal});
+  }
+  at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / KVH, h = i % KVH;
+      const Problem& P = problems[b];
+      pack_head(kd + sequences[b].k0 * k.stride(0) + h * D,
+                vd + sequences[b].k0 * v.stride(0) + h * D, k.stride(0), v.stride(0), P.Tk, D,
+                P.head_packed / D, kp.data() + packed_at[b] + h * P.head_packed,
+                vp.data() + packed_at[b] + h * P.head_packed);
+    }
   });
 
-  const Problem P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-                  q.stride(0),
-                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                  kp.data(),
-                  vp.data(),
-                  head_packed,
-                  Tq, Tk, H, KVH, D,
-                  static_cast<float>(scale), static_cast<float>(softcap), window};
-
-  // Work items handed out latest query block first (the most keys), through a shared
-  // counter: the causal triangle's uneven items balance over the threads.
-  const int64_t blocks = (Tq + kQueryTokens - 1) / kQueryTokens, items = blocks * KVH;
+  // Work items (sequence, query block, KV head), handed out costliest first (the most
+  // keys times the most queries) through a shared counter: uneven items (the causal
+  // triangle, prompts of mixed lengths) balance over the threads.
+  struct Item {
+    int64_t seq, t0, n, h, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const Problem& P = problems[b];
+    for (int64_t t0 = 0; t0 < P.Tq; t0 += kQueryTokens) {
+      const int64_t n = std::min(kQueryTokens, P.Tq - t0);
+      const int64_t keys = causal ? P.Tk - P.Tq + t0 + n : P.Tk;
+      for (int64_t h = 0; h < KVH; ++h) items.push_back(Item{b, t0, n, h, keys * n});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  if (num_items == 0) return out;
   const int64_t G = H / KVH, max_rows = kQueryTokens * G;
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<uint16_t> qt(max_rows * D), pb(max_rows * kKeyBlock);
     std::vector<float> s(max_rows * kKeyBlock), o(max_rows * D), m(max_rows), l(max_rows);
-    for (int64_t item; (item = next.fetch_add(1)) < items;) {
-      const int64_t block = blocks - 1 - item / KVH, h = item % KVH;
-      const int64_t t0 = block * kQueryTokens, n = std::min(kQueryTokens, Tq - t0);
-      if (D == 64)
-        attend_block<4>(P, h, t0, n, qt.data(), s.data(), pb.data(), o.data(), m.data(), l.data());
+    for (int64_t index; (index = next.fetch_add(1)) < num_items;) {
+      const Item& it = items[index];
+      const Problem& P = problems[it.seq];
+      if (D == 32)
+        attend_block<2>(P, it.h, it.t0, it.n, qt.data(), s.data(), pb.data(), o.data(),
+                        m.data(), l.data());
+      else if (D == 64)
+        attend_block<4>(P, it.h, it.t0, it.n, qt.data(), s.data(), pb.data(), o.data(),
+                        m.data(), l.data());
       else
-        attend_block<8>(P, h, t0, n, qt.data(), s.data(), pb.data(), o.data(), m.data(), l.data());
+        attend_block<8>(P, it.h, it.t0, it.n, qt.data(), s.data(), pb.data(), o.data(),
+                        m.data(), l.data());
     }
   });
   return out;
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             double scale, double softcap, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) <= k.size(0),
+              "prefill attention: more queries than keys");
+  return attend(q, k, v, {Sequence{0, q.size(0), 0, k.size(0)}}, scale, softcap, window, true);
+}
+
+at::Tensor varlen_bidirectional(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                at::IntArrayRef cu_seqlens, double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0),
+              "varlen attention: q and k must hold the same tokens");
+  TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.front() == 0 &&
+                  cu_seqlens.back() == q.size(0),
+              "varlen attention: cu_seqlens must run from 0 to the number of tokens");
+  std::vector<Sequence> sequences;
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    const int64_t start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    TORCH_CHECK(len >= 0, "varlen attention: cu_seqlens must not decrease");
+    sequences.push_back(Sequence{start, len, start, len});
+  }
+  return attend(q, k, v, sequences, scale, softcap, 0, false);
 }
 
 #else  // no AVX-512 BF16: the Python side never calls this build
 
 at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                              double, int64_t) {
+  TORCH_CHECK(false, "prefill attention was built without AVX-512 BF16");
+}
+
+at::Tensor varlen_bidirectional(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                at::IntArrayRef, double, double) {
   TORCH_CHECK(false, "prefill attention was built without AVX-512 BF16");
 }
 
@@ -313,4 +389,8 @@ TORCH_LIBRARY(plugserve_prefill, m) {
       "attention(Tensor q, Tensor k, Tensor v, float scale, float softcap, int window) -> "
       "Tensor",
       &prefill_attention);
+  m.def(
+      "varlen_bidirectional(Tensor q, Tensor k, Tensor v, int[] cu_seqlens, float scale, "
+      "float softcap) -> Tensor",
+      &varlen_bidirectional);
 }

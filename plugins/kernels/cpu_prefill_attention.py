@@ -11,6 +11,7 @@ model's head shapes once, and the backend keeps the faster.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
 # The head sizes the kernel's register tiles are written for.
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (32, 64, 128)
 # The instructions the kernel is written in (-march=native builds them where the CPU has them).
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 
@@ -62,6 +63,44 @@ def prefill_attention(
     return torch.ops.plugserve_prefill.attention(q, k, v, scale, softcap or 0.0, window or 0)
 
 
+def varlen_bidirectional_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: list[int],
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Whole prompts attending within themselves (an encoder's layer), in one call: the
+    tokens [cu_seqlens[b], cu_seqlens[b + 1]) of q [T, H, D] and k/v [T, KVH, D] (bf16)
+    are prompt b's, and each of its queries attends to all of its keys."""
+    return torch.ops.plugserve_prefill.varlen_bidirectional(
+        q, k, v, cu_seqlens, scale, softcap or 0.0
+    )
+
+
+def _median_ms(run: Callable[[], None], repeats: int = 7) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _kernel_is_faster(kernel: Callable[[], None], sdpa: Callable[[], None]) -> tuple[bool, str]:
+    """Whether `kernel` ran faster than `sdpa` (medians, the kernel timed before and after
+    SDPA so that a noisy neighbour slows both alike), and the timings for the log."""
+    kernel_ms, sdpa_ms = _median_ms(kernel), _median_ms(sdpa)
+    kernel_ms = min(kernel_ms, _median_ms(kernel))
+    faster = kernel_ms < sdpa_ms
+    return faster, (
+        f"kernel {kernel_ms:.2f} ms, SDPA {sdpa_ms:.2f} ms; using "
+        f"{'the kernel' if faster else 'SDPA'}"
+    )
+
+
 def faster_than_sdpa(num_heads: int, num_kv_heads: int, head_dim: int, tokens: int = 512) -> bool:
     """Times the kernel and SDPA (fresh causal prefill, bf16, median of a few runs) on
     these head shapes and says whether the kernel was faster; logs both timings."""
@@ -86,28 +125,55 @@ def faster_than_sdpa(num_heads: int, num_kv_heads: int, head_dim: int, tokens: i
     def kernel() -> None:
         prefill_attention(q, k, v, scale)
 
-    def median_ms(run: Callable[[], None], repeats: int = 7) -> float:
-        run()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2] * 1e3
-
-    # Interleaved, so that a noisy neighbour slows both alike.
-    kernel_ms, sdpa_ms = median_ms(kernel), median_ms(sdpa)
-    kernel_ms = min(kernel_ms, median_ms(kernel))
-    faster = kernel_ms < sdpa_ms
+    faster, timings = _kernel_is_faster(kernel, sdpa)
     logger.info(
-        "prefill attention at %d tokens (%d/%d heads, head_dim %d): kernel %.2f ms, "
-        "SDPA %.2f ms; using %s",
+        "prefill attention at %d tokens (%d/%d heads, head_dim %d): %s",
         tokens,
         num_heads,
         num_kv_heads,
         head_dim,
-        kernel_ms,
-        sdpa_ms,
-        "the kernel" if faster else "SDPA",
+        timings,
+    )
+    return faster
+
+
+# The prompts an encoder's timing attends: mixed short lengths, as embedding requests are.
+ENCODER_TIMING_LENGTHS = (9, 17, 30, 48, 64, 80, 100, 127) * 2
+
+
+def varlen_faster_than_sdpa(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Times the varlen kernel (one call for a batch of whole prompts) against SDPA (one
+    unmasked call per prompt, as the torch backend runs an encoder's layer without it) on
+    these head shapes, bf16, and says whether the kernel was faster; logs both timings."""
+    generator = torch.Generator().manual_seed(0)
+    cu_seqlens = [0]
+    for length in ENCODER_TIMING_LENGTHS:
+        cu_seqlens.append(cu_seqlens[-1] + length)
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(cu_seqlens[-1], heads, head_dim, generator=generator).to(torch.bfloat16)
+
+    q, k, v = rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
+    scale = head_dim**-0.5
+
+    def sdpa() -> None:
+        for start, end in itertools.pairwise(cu_seqlens):
+            F.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1)[None] for t in (q, k, v)),
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+
+    def kernel() -> None:
+        varlen_bidirectional_attention(q, k, v, cu_seqlens, scale)
+
+    faster, timings = _kernel_is_faster(kernel, sdpa)
+    logger.info(
+        "bidirectional attention over %d prompts (%d/%d heads, head_dim %d): %s",
+        len(ENCODER_TIMING_LENGTHS),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        timings,
     )
     return faster

@@ -12,6 +12,11 @@ import torch.nn.functional as F
 
 from plugserve.interfaces.model import AttentionSpec
 
+WHOLE_PROMPTS_ONLY = (
+    "a bidirectional layer attends over its whole prompt at once: a prompt cannot be split "
+    "into chunks or continue a cached prefix"
+)
+
 # A layer's sliding window (None: the whole context); the plans hold a mask per window.
 Window = int | None
 
@@ -96,10 +101,7 @@ def plan_prefill(
     device = torch.device(spec.device)
     context_len = seq_len - (end - start)
     if context_len and bidirectional:
-        raise ValueError(
-            "a bidirectional layer attends over its whole prompt at once: a prompt "
-            "cannot be split into chunks or continue a cached prefix"
-        )
+        raise ValueError(WHOLE_PROMPTS_ONLY)
     block_ids = None
     if context_len:
         num_blocks = -(-seq_len // spec.block_size)

@@ -56,6 +56,7 @@ from plugserve.interfaces.model import AttentionBatch, AttentionSpec, LayerAtten
 from plugserve.ops import huge_page_buffer
 from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
 from plugserve_plugins.kernels.sdpa_step import (
+    WHOLE_PROMPTS_ONLY,
     DecodeRows,
     PrefillRow,
     Window,
@@ -86,6 +87,8 @@ class _StepPlan:
     slots: torch.Tensor | None = None
     decodes: DecodeRows | None = None
     prefills: tuple[PrefillRow, ...] = ()
+    # An encoder's step through the varlen kernel: where each whole prompt starts and ends.
+    cu_seqlens: list[int] | None = None
 
 
 class TorchPagedAttention:
@@ -119,10 +122,10 @@ class TorchPagedAttention:
         choice = options.kernel
         # An encoder's layers: every prompt runs whole through SDPA, unmasked.
         self.bidirectional = any(spec.layer(i).bidirectional for i in range(spec.num_layers))
-        if self.bidirectional and (choice == "native" or options.prefill_kernel == "on"):
+        if self.bidirectional and choice == "native":
             raise ValueError(
-                "this model's layers attend bidirectionally, which only the sdpa path does: "
-                "use kernel auto or sdpa and prefill_kernel auto or off"
+                "this model's layers attend bidirectionally, which the token-at-a-time "
+                "kernel does not: use kernel auto or sdpa"
             )
         self.native = not self.bidirectional and self._use_native_kernel(choice)
         self._sdpa_min_query_tokens = SDPA_MIN_QUERY_TOKENS if choice == "auto" else None
@@ -242,7 +245,7 @@ class TorchPagedAttention:
     def _use_prefill_kernel(self, choice: str) -> bool:
         """Whether long prefill rows go through cpu_prefill_attention: where it runs here
         (CPU, bf16, its head sizes, avx512_bf16) and, under auto, timed faster than SDPA."""
-        if choice == "off" or self.bidirectional:
+        if choice == "off":
             return False
         s = self.spec
         usable = (
@@ -258,9 +261,13 @@ class TorchPagedAttention:
                     f"in {cpu_prefill_attention.HEAD_DIMS}"
                 )
             return True
-        return usable and cpu_prefill_attention.faster_than_sdpa(
-            s.num_heads, s.num_kv_heads, s.head_dim
-        )
+        if not usable:
+            return False
+        if self.bidirectional:
+            return cpu_prefill_attention.varlen_faster_than_sdpa(
+                s.num_heads, s.num_kv_heads, s.head_dim
+            )
+        return cpu_prefill_attention.faster_than_sdpa(s.num_heads, s.num_kv_heads, s.head_dim)
 
     # ------------------------------------------------------------------ per step
 
@@ -309,7 +316,12 @@ class TorchPagedAttention:
 
     def _whole_prompts_plan(self, query_start: np.ndarray, seq_lens: np.ndarray) -> _StepPlan:
         """An encoder's step: each row a whole prompt (one token or more) attending over
-        its own keys alone. Nothing ever reads the cache, so nothing is written to it."""
+        its own keys alone, all in one call of the varlen kernel where it runs. Nothing
+        ever reads the cache, so nothing is written to it."""
+        if self._prefill_kernel:
+            if (np.diff(query_start) != seq_lens).any():
+                raise ValueError(WHOLE_PROMPTS_ONLY)
+            return _StepPlan(int(query_start[-1]), False, cu_seqlens=query_start.tolist())
         rows = (
             plan_prefill(
                 int(query_start[row]),
@@ -348,6 +360,15 @@ class TorchPagedAttention:
         # (The cache holds the model's dtype: q, k and v need no casts.)
         if plan.native:  # the kernel writes k and v itself, then reads
             return self._native_step.forward(layer_idx, q, k, v)
+        if plan.cu_seqlens is not None:
+            return cpu_prefill_attention.varlen_bidirectional_attention(
+                q,
+                k,
+                v,
+                plan.cu_seqlens,
+                self.scales[layer_idx],
+                self.layers[layer_idx].logit_softcap,
+            )
         cache = self._layer_caches[layer_idx]
         # Written before any read, so a row sees the tokens every row adds this step.
         if plan.slots is not None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from plugserve.interfaces.model import AttentionBatch, AttentionSpec, LayerAttention
 from plugserve.worker.model_runner import check_layer_attention
+from plugserve_plugins.kernels import cpu_prefill_attention
 from plugserve_plugins.kernels.flashinfer import FlashInferAttention
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
 
@@ -19,26 +20,29 @@ BIDIRECTIONAL = LayerAttention(bidirectional=True)
 HEADS, HEAD_DIM, BLOCK = 4, 16, 4
 
 
-def spec(layers: int = 2) -> AttentionSpec:
+def spec(
+    layers: int = 2, dtype: torch.dtype = torch.float32, head_dim: int = HEAD_DIM
+) -> AttentionSpec:
     return AttentionSpec(
         num_layers=layers,
         num_heads=HEADS,
         num_kv_heads=HEADS,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         block_size=BLOCK,
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
         layers=(BIDIRECTIONAL,) * layers,
     )
 
 
-@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
-def test_each_prompt_attends_to_all_of_itself_and_nothing_is_cached(kernel: str) -> None:
-    backend = TorchPagedAttention(spec=spec(), options=TorchPagedAttention.Options(kernel=kernel))
+def attend_prompts(
+    backend: TorchPagedAttention, lengths: list[int], head_dim: int, dtype: torch.dtype
+) -> None:
+    """One step of whole prompts through `backend`, checked against dense attention per
+    prompt, with the KV cache left as it was."""
     backend.allocate_kv_cache(16)
-    lengths = [5, 1, 9]  # a one-token prompt too: a whole prompt, not a decode
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    blocks = np.zeros((3, 4), dtype=np.int32)
+    blocks = np.zeros((len(lengths), 4), dtype=np.int32)
     slots = []
     next_block = 0
     for row, n in enumerate(lengths):
@@ -50,16 +54,40 @@ def test_each_prompt_attends_to_all_of_itself_and_nothing_is_cached(kernel: str)
         AttentionBatch(starts, np.array(lengths, np.int32), blocks, np.array(slots, np.int64))
     )
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=generator) for _ in range(3))
+    q, k, v = (
+        torch.randn(sum(lengths), HEADS, head_dim, generator=generator).to(dtype) for _ in range(3)
+    )
     cache_before = backend.kv_cache.clone()
     out = backend.forward(0, q, k, v)
     assert torch.equal(backend.kv_cache, cache_before)
     for row, n in enumerate(lengths):
         part = slice(int(starts[row]), int(starts[row]) + n)
         expected = F.scaled_dot_product_attention(
-            *(t[part].transpose(0, 1) for t in (q, k, v)), is_causal=False
+            *(t[part].float().transpose(0, 1) for t in (q, k, v)), is_causal=False
         ).transpose(0, 1)
-        torch.testing.assert_close(out[part], expected)
+        tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(out[part].float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
+def test_each_prompt_attends_to_all_of_itself_and_nothing_is_cached(kernel: str) -> None:
+    backend = TorchPagedAttention(spec=spec(), options=TorchPagedAttention.Options(kernel=kernel))
+    # A one-token prompt too: a whole prompt, not a decode.
+    attend_prompts(backend, [5, 1, 9], HEAD_DIM, torch.float32)
+
+
+@pytest.mark.parametrize("prefill_kernel", ["on", "off"])
+def test_in_bf16_the_varlen_kernel_or_sdpa_attends_every_prompt_in_the_step(
+    prefill_kernel: str,
+) -> None:
+    if prefill_kernel == "on" and not cpu_prefill_attention.load():
+        pytest.skip(f"the varlen kernel: {cpu_prefill_attention.unavailable_reason()}")
+    backend = TorchPagedAttention(
+        spec=spec(dtype=torch.bfloat16, head_dim=32),
+        options=TorchPagedAttention.Options(prefill_kernel=prefill_kernel),
+    )
+    attend_prompts(backend, [5, 1, 9, 14], 32, torch.bfloat16)
+    assert (backend._plan.cu_seqlens is not None) == (prefill_kernel == "on")
 
 
 def test_a_prompt_continuing_a_cached_prefix_is_refused() -> None:

@@ -8,6 +8,8 @@ outputs of unit-normal values (the measured error is under 1e-2).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -75,7 +77,8 @@ def test_causal_with_and_without_context(query_len: int, context_len: int) -> No
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (5, 1, 64), (3, 3, 128)]
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 4, 64), (8, 2, 128), (5, 1, 64), (3, 3, 128), (12, 12, 32), (6, 2, 32)],
 )
 def test_head_groups_and_sizes(heads: int, kv_heads: int, head_dim: int) -> None:
     q, k, v = random_qkv(77, 20, heads, kv_heads, head_dim)
@@ -111,9 +114,61 @@ def test_strided_token_rows_from_one_projection() -> None:
 
 
 def test_unsupported_head_dim_is_refused() -> None:
-    q, k, v = random_qkv(10, 0, heads=2, kv_heads=1, head_dim=32)
-    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+    q, k, v = random_qkv(10, 0, heads=2, kv_heads=1, head_dim=96)
+    with pytest.raises(RuntimeError, match="head_dim 32, 64 or 128"):
         cpu_prefill_attention.prefill_attention(q, k, v, 0.125)
+
+
+def bidirectional_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """Dense fp32 attention of every query to every key (an encoder's prompt)."""
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "head_dim", "softcap"),
+    [
+        ((9, 1, 64, 65, 127, 130, 2), 12, 12, 32, None),  # all-MiniLM-L6-v2's heads
+        ((40, 3, 100), 8, 2, 64, None),
+        ((70, 17), 4, 4, 128, 30.0),
+        ((5,), 2, 2, 32, None),
+    ],
+)
+def test_varlen_bidirectional_attends_each_prompt_to_all_of_itself(
+    lengths: tuple[int, ...], heads: int, kv_heads: int, head_dim: int, softcap: float | None
+) -> None:
+    generator = torch.Generator().manual_seed(sum(lengths))
+    total = sum(lengths)
+    # Strided rows, as split from one projection.
+    fused = torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    q, k, v = fused.to(torch.bfloat16).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
+    )
+    q = q.view(total, heads, head_dim)
+    k, v = k.view(total, kv_heads, head_dim), v.view(total, kv_heads, head_dim)
+    cu_seqlens = [0, *itertools.accumulate(lengths)]
+    scale = head_dim**-0.5
+    out = cpu_prefill_attention.varlen_bidirectional_attention(
+        q, k, v, cu_seqlens, scale, softcap=softcap
+    )
+    for start, end in itertools.pairwise(cu_seqlens):
+        assert_matches(
+            out[start:end],
+            bidirectional_reference(q[start:end], k[start:end], v[start:end], scale, softcap),
+        )
+
+
+def test_varlen_cu_seqlens_must_cover_the_tokens() -> None:
+    q, k, v = random_qkv(10, 0, heads=2, kv_heads=2, head_dim=32)
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0"):
+        cpu_prefill_attention.varlen_bidirectional_attention(q, k, v, [0, 4, 8], 0.125)
 
 
 # Through the backend: long prefill rows (fresh, and a chunk after cached context) in a
