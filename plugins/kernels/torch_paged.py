@@ -38,6 +38,12 @@ bf16, and it timed faster than SDPA on this model's head shapes when the cache w
 allocated (cpu_prefill_attention.faster_than_sdpa; both timings logged). Without AMX it
 wins by a wide margin at long prompts (the same section). It applies the scale, soft-cap
 and window itself.
+
+An encoder's layers (bidirectional) run only whole prompts and never read the cache, so
+nothing is written to it; each prompt attends to all of itself, through one SDPA call per
+prompt or, under the same `prefill_kernel` option and its own timing
+(cpu_prefill_attention.varlen_faster_than_sdpa), through one varlen call of the prefill
+kernel for the whole step.
 """
 
 from __future__ import annotations
