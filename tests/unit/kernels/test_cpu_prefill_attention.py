@@ -30,14 +30,18 @@ def reference(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Dense fp32 softmax attention; query i at position Tk - Tq + i (see the kernel)."""
+    """Dense fp32 softmax attention; causal: query i at position Tk - Tq + i (see the
+    kernel), else every query sees every key (an encoder's prompt)."""
     q, k, v = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if not causal:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     query_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
     key_pos = torch.arange(k.shape[0])[None, :]
     seen = key_pos <= query_pos
@@ -119,19 +123,6 @@ def test_unsupported_head_dim_is_refused() -> None:
         cpu_prefill_attention.prefill_attention(q, k, v, 0.125)
 
 
-def bidirectional_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None
-) -> torch.Tensor:
-    """Dense fp32 attention of every query to every key (an encoder's prompt)."""
-    q, k, v = q.float(), k.float(), v.float()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
 @pytest.mark.parametrize(
     ("lengths", "heads", "kv_heads", "head_dim", "softcap"),
     [
@@ -161,7 +152,7 @@ def test_varlen_bidirectional_attends_each_prompt_to_all_of_itself(
     for start, end in itertools.pairwise(cu_seqlens):
         assert_matches(
             out[start:end],
-            bidirectional_reference(q[start:end], k[start:end], v[start:end], scale, softcap),
+            reference(q[start:end], k[start:end], v[start:end], scale, softcap, causal=False),
         )
 
 
