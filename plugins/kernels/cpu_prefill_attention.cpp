@@ -60,35 +60,38 @@ inline __m512bh pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
 }
 
-// Scores of R query rows against one key block: s[r][0..64) = q[r] · k[0..64).
+// Scores of R query rows against the first C groups of 16 keys of one key block:
+// s[r][0..16 C) = q[r] · k[0..16 C) (the rest of the block lies past the last key).
 // kp: the block's keys packed as 4 groups of 16 keys, each [D/2 pairs][16 keys][2].
-template <int R>
+template <int R, int C>
 inline void scores_tile(const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
-  __m512 acc[R][4];
+  __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t group = 16 * D;  // bf16 per 16-key group
   for (int64_t j = 0; j < D / 2; ++j) {
-    __m512bh kv[4];
-    for (int c = 0; c < 4; ++c)
+    __m512bh kv[C];
+    for (int c = 0; c < C; ++c)
       kv[c] = (__m512bh)_mm512_loadu_si512(kp + c * group + j * 32);
     for (int r = 0; r < R; ++r) {
       __m512bh qq = pair(q + r * D + 2 * j);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qq, kv[c]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qq, kv[c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyBlock + c * 16, acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(s + r * kKeyBlock + c * 16, acc[r][c]);
 }
 
-// o[r][0..D) += p[r] · v over one key block, D = 16 * ND. vp: the block's values packed
-// as [32 key pairs][D][2]; p: R rows of 64 bf16 probabilities.
+// o[r][0..D) += p[r] · v over the first `pairs` key pairs of one key block, D = 16 * ND.
+// vp: the block's values packed as [32 key pairs][D][2]; p: R rows of 64 bf16
+// probabilities.
 template <int R, int ND>
-inline void values_tile(const uint16_t* p, const uint16_t* vp, float* o, int64_t D) {
+inline void values_tile(const uint16_t* p, const uint16_t* vp, float* o, int64_t D,
+                        int64_t pairs) {
   __m512 acc[R][ND];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c * 16);
-  for (int64_t t = 0; t < kKeyBlock / 2; ++t) {
+  for (int64_t t = 0; t < pairs; ++t) {
     __m512bh vv[ND];
     for (int c = 0; c < ND; ++c)
       vv[c] = (__m512bh)_mm512_loadu_si512(vp + t * 2 * D + c * 32);
@@ -106,19 +109,34 @@ inline void values_tile(const uint16_t* p, const uint16_t* vp, float* o, int64_t
 template <int ND>
 constexpr int kRows = ND <= 4 ? 6 : 3;
 
-template <int R>
+template <int R, int C>
 void scores_rows(int rows, const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
   if constexpr (R > 0) {
-    for (; rows >= R; rows -= R, q += R * D, s += R * kKeyBlock) scores_tile<R>(q, D, kp, s);
-    if (rows) scores_rows<R - 1>(rows, q, D, kp, s);
+    for (; rows >= R; rows -= R, q += R * D, s += R * kKeyBlock) scores_tile<R, C>(q, D, kp, s);
+    if (rows) scores_rows<R - 1, C>(rows, q, D, kp, s);
+  }
+}
+
+// The scores of a block whose keys end `keys` into it: only its groups of 16 that hold
+// keys, so a short prompt does not pay for a whole 64-key block.
+template <int R>
+void scores_rows_upto(int64_t keys, int rows, const uint16_t* q, int64_t D, const uint16_t* kp,
+                      float* s) {
+  switch (std::min<int64_t>((keys + 15) / 16, 4)) {
+    case 1: return scores_rows<R, 1>(rows, q, D, kp, s);
+    case 2: return scores_rows<R, 2>(rows, q, D, kp, s);
+    case 3: return scores_rows<R, 3>(rows, q, D, kp, s);
+    default: return scores_rows<R, 4>(rows, q, D, kp, s);
   }
 }
 
 template <int R, int ND>
-void values_rows(int rows, const uint16_t* p, const uint16_t* vp, float* o, int64_t D) {
+void values_rows(int rows, const uint16_t* p, const uint16_t* vp, float* o, int64_t D,
+                 int64_t pairs) {
   if constexpr (R > 0) {
-    for (; rows >= R; rows -= R, p += R * kKeyBlock, o += R * D) values_tile<R, ND>(p, vp, o, D);
-    if (rows) values_rows<R - 1, ND>(rows, p, vp, o, D);
+    for (; rows >= R; rows -= R, p += R * kKeyBlock, o += R * D)
+      values_tile<R, ND>(p, vp, o, D, pairs);
+    if (rows) values_rows<R - 1, ND>(rows, p, vp, o, D, pairs);
   }
 }
 
@@ -158,7 +176,10 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyBlock) {
-    scores_rows<kRows<ND>>(static_cast<int>(rows), qt, D, kp + k0 * D, s);
+    // Keys past Tk (zero-padded in kp and vp) are masked below; whole groups and pairs
+    // of them are skipped.
+    const int64_t keys = std::min(kKeyBlock, P.Tk - k0);
+    scores_rows_upto<kRows<ND>>(keys, static_cast<int>(rows), qt, D, kp + k0 * D, s);
     // Every row sees every key of the block: no masks to build.
     const bool whole = k0 + kKeyBlock - 1 <= first_pos &&
                        (P.window <= 0 || k0 > last_pos - P.window);
@@ -206,7 +227,7 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
       }
       l[r] += _mm512_reduce_add_ps(sum);
     }
-    values_rows<kRows<ND>, ND>(static_cast<int>(rows), pb, vp + k0 * D, o, D);
+    values_rows<kRows<ND>, ND>(static_cast<int>(rows), pb, vp + k0 * D, o, D, (keys + 1) / 2);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -277,7 +298,13 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     const int64_t padded = (sequences[b].Tk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
     packed_at[b + 1] = packed_at[b] + KVH * padded * D;
   }
-  std::vector<uint16_t> kp(packed_at[num_seqs]), vp(packed_at[num_seqs]);
+  // Reused from call to call (pack_head writes every element, padding included): a
+  // fresh allocation this size is fresh pages, faulted in and zeroed at every layer.
+  thread_local std::vector<uint16_t> packed;
+  if (packed.size() < static_cast<size_t>(2 * packed_at[num_seqs]))
+    packed.resize(2 * packed_at[num_seqs]);
+  uint16_t* const kp = packed.data();
+  uint16_t* const vp = packed.data() + packed_at[num_seqs];
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
@@ -288,7 +315,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     const Sequence& seq = sequences[b];
     const int64_t head_packed = (packed_at[b + 1] - packed_at[b]) / KVH;
     problems.push_back(Problem{qd + seq.q0 * q.stride(0), q.stride(0), od + seq.q0 * H * D,
-                               kp.data() + packed_at[b], vp.data() + packed_at[b], head_packed,
+                               kp + packed_at[b], vp + packed_at[b], head_packed,
                                seq.Tq, seq.Tk, H, KVH, D, static_cast<float>(scale),
                                static_cast<float>(softcap), window, causal});
   }
@@ -298,8 +325,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
       const Problem& P = problems[b];
       pack_head(kd + sequences[b].k0 * k.stride(0) + h * D,
                 vd + sequences[b].k0 * v.stride(0) + h * D, k.stride(0), v.stride(0), P.Tk, D,
-                P.head_packed / D, kp.data() + packed_at[b] + h * P.head_packed,
-                vp.data() + packed_at[b] + h * P.head_packed);
+                P.head_packed / D, kp + packed_at[b] + h * P.head_packed,
+                vp + packed_at[b] + h * P.head_packed);
     }
   });
 
