@@ -126,7 +126,7 @@ class TorchPagedAttention:
         self.device = torch.device(spec.device)
         options = options or self.Options()
         choice = options.kernel
-        # An encoder's layers: every prompt runs whole through SDPA, unmasked.
+        # An encoder's layers: every prompt runs whole, unmasked (SDPA or the varlen kernel).
         self.bidirectional = any(spec.layer(i).bidirectional for i in range(spec.num_layers))
         if self.bidirectional and choice == "native":
             raise ValueError(
@@ -249,8 +249,9 @@ class TorchPagedAttention:
         self._prefill_kernel = self._use_prefill_kernel(self._prefill_choice)
 
     def _use_prefill_kernel(self, choice: str) -> bool:
-        """Whether long prefill rows go through cpu_prefill_attention: where it runs here
-        (CPU, bf16, its head sizes, avx512_bf16) and, under auto, timed faster than SDPA."""
+        """Whether long prefill rows (an encoder's steps: all their prompts) go through
+        cpu_prefill_attention: where it runs here (CPU, bf16, its head sizes, avx512_bf16)
+        and, under auto, timed faster than SDPA."""
         if choice == "off":
             return False
         s = self.spec

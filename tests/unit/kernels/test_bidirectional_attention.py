@@ -90,8 +90,14 @@ def test_in_bf16_the_varlen_kernel_or_sdpa_attends_every_prompt_in_the_step(
     assert (backend._plan.cu_seqlens is not None) == (prefill_kernel == "on")
 
 
-def test_a_prompt_continuing_a_cached_prefix_is_refused() -> None:
-    backend = TorchPagedAttention(spec=spec(), options=TorchPagedAttention.Options(kernel="sdpa"))
+@pytest.mark.parametrize("prefill_kernel", ["on", "off"])
+def test_a_prompt_continuing_a_cached_prefix_is_refused(prefill_kernel: str) -> None:
+    if prefill_kernel == "on" and not cpu_prefill_attention.load():
+        pytest.skip(f"the varlen kernel: {cpu_prefill_attention.unavailable_reason()}")
+    backend = TorchPagedAttention(
+        spec=spec(dtype=torch.bfloat16, head_dim=32),
+        options=TorchPagedAttention.Options(prefill_kernel=prefill_kernel),
+    )
     backend.allocate_kv_cache(8)
     batch = AttentionBatch(
         np.array([0, 3], np.int32),
