@@ -106,6 +106,10 @@ def plan_prefill(
     if context_len:
         num_blocks = -(-seq_len // spec.block_size)
         block_ids = to_device(block_row[:num_blocks].astype(np.int64), spec.device)
+    elif all(window is None for window in windows):
+        # A fresh prompt's plain causal (or, bidirectional, unmasked) attention: no mask,
+        # so no positions to build (an encoder's step plans one such row per prompt).
+        return PrefillRow(start, end, seq_len, None, dict.fromkeys(windows))
     query_pos = torch.arange(context_len, seq_len, device=device)[:, None]
     # Keys: the whole context with context, else the chunk's own (positions 0..).
     key_pos = torch.arange(seq_len if context_len else end - start, device=device)

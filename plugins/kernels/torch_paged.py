@@ -84,6 +84,10 @@ class _LayerCache:
     v_slots: torch.Tensor
 
 
+# An encoder's rows: whole prompts, which read no cached blocks.
+_NO_BLOCKS = np.empty(0, np.int32)
+
+
 @dataclass(frozen=True)
 class _StepPlan:
     num_tokens: int
@@ -334,7 +338,7 @@ class TorchPagedAttention:
                 int(query_start[row]),
                 int(query_start[row + 1]),
                 int(seq_lens[row]),
-                np.empty(0, np.int32),
+                _NO_BLOCKS,
                 self.spec,
                 self.windows,
                 bidirectional=True,
