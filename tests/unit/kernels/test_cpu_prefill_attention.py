@@ -9,6 +9,7 @@ outputs of unit-normal values (the measured error is under 1e-2).
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -264,3 +265,28 @@ def test_prefill_kernel_on_beside_a_kernel_that_never_routes_long_rows_is_refuse
     options = TorchPagedAttention.Options(kernel=kernel, prefill_kernel="on")
     with pytest.raises(ValueError, match="prefill_kernel 'on' needs kernel 'auto'"):
         TorchPagedAttention(spec=spec, options=options)
+
+
+@pytest.mark.parametrize(
+    "choose",
+    [
+        # A decoder's long prefill rows (GQA heads of 64).
+        lambda: cpu_prefill_attention.faster_than_sdpa(8, 2, 64, tokens=128),
+        # An encoder's steps (all-MiniLM-L6-v2's heads).
+        lambda: cpu_prefill_attention.varlen_faster_than_sdpa(12, 12, 32),
+    ],
+    ids=["causal", "varlen"],
+)
+def test_the_timed_choice_is_the_faster_of_the_two_timings_it_logs(
+    choose, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under prefill_kernel auto the backend takes what these return: whichever way the
+    timing goes on this machine, the answer is the one its logged timings give."""
+    with caplog.at_level("INFO", logger=cpu_prefill_attention.__name__):
+        faster = choose()
+    [line] = [r.getMessage() for r in caplog.records if "SDPA" in r.getMessage()]
+    found = re.search(r"kernel ([\d.]+) ms, SDPA ([\d.]+) ms; using (the kernel|SDPA)", line)
+    assert found, line
+    kernel_ms, sdpa_ms, using = float(found[1]), float(found[2]), found[3]
+    assert faster is (using == "the kernel")
+    assert faster is (kernel_ms < sdpa_ms) or kernel_ms == sdpa_ms
