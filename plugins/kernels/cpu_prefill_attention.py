@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from plugserve import ops
+from plugserve.ops.kernel_timing import median_ms_in_turns
 
 logger = logging.getLogger(__name__)
 
@@ -79,24 +79,14 @@ def varlen_bidirectional_attention(
     )
 
 
-def _median_ms(run: Callable[[], None], repeats: int = 7) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
 def _kernel_is_faster(kernel: Callable[[], None], sdpa: Callable[[], None]) -> tuple[bool, str]:
-    """Whether `kernel` ran faster than `sdpa` (medians, the kernel timed before and after
-    SDPA so that a noisy neighbour slows both alike), and the timings for the log."""
-    kernel_ms, sdpa_ms = _median_ms(kernel), _median_ms(sdpa)
-    kernel_ms = min(kernel_ms, _median_ms(kernel))
-    faster = kernel_ms < sdpa_ms
+    """Whether `kernel` ran faster than `sdpa` (medians of runs taken in turns, so that a
+    noisy neighbour slows both alike), and the timings for the log."""
+    runs = {"kernel": kernel, "SDPA": sdpa}
+    medians = median_ms_in_turns(list(runs), lambda name: runs[name](), rounds=7)
+    faster = medians["kernel"] < medians["SDPA"]
     return faster, (
-        f"kernel {kernel_ms:.2f} ms, SDPA {sdpa_ms:.2f} ms; using "
+        f"kernel {medians['kernel']:.2f} ms, SDPA {medians['SDPA']:.2f} ms; using "
         f"{'the kernel' if faster else 'SDPA'}"
     )
 
