@@ -1,7 +1,8 @@
 """Bidirectional layers (an encoder's): the torch backend attends every query of a prompt
-to every key of it, later ones included, in a batch of prompts of mixed lengths, and
-writes nothing to the KV cache, which no step of an encoder reads; a backend that cannot
-is refused by name (flashinfer, whose prefill kernel is causal)."""
+to every key of it, later ones included, in a batch of prompts of mixed lengths (SDPA
+per prompt, or in bf16 the prefill kernel's varlen call for all of them), and writes
+nothing to the KV cache, which no step of an encoder reads; a backend that cannot is
+refused by name (flashinfer, whose prefill kernel is causal)."""
 
 from __future__ import annotations
 
