@@ -1,4 +1,5 @@
-"""Loads the C++ prefill-attention kernel (cpu_prefill_attention.cpp).
+"""Loads the C++ prefill-attention kernels: cpu_prefill_attention.cpp (bf16, causal and
+varlen bidirectional) and cpu_varlen_attention_f32.cpp (fp32, varlen bidirectional).
 
 A long prefill row (SDPA_MIN_QUERY_TOKENS or more) used to run torch's SDPA, whose CPU
 flash kernel runs causal attention far below the dot-product peak of a CPU without AMX
@@ -7,6 +8,10 @@ products on avx512_bf16's dot-product instruction, reading each KV head's keys a
 once per call in the layout it wants, with the GQA group's heads sharing them. Whether it
 beats SDPA on a given CPU is measured, not assumed: `faster_than_sdpa` times both on the
 model's head shapes once, and the backend keeps the faster.
+
+An encoder's step is many short whole prompts, which SDPA takes one call each; the varlen
+entries attend them all in one call per layer, in bf16 on the same dot-product
+instruction, in fp32 on AVX-512F's FMA (`varlen_faster_than_sdpa` times them the same way).
 """
 
 from __future__ import annotations
@@ -25,10 +30,15 @@ from plugserve.ops.kernel_timing import median_ms_in_turns
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
-# The head sizes the kernel's register tiles are written for.
+_FP32_SOURCE = Path(__file__).with_name("cpu_varlen_attention_f32.cpp")
+# The head sizes the kernels' register tiles are written for.
 HEAD_DIMS = (32, 64, 128)
-# The instructions the kernel is written in (-march=native builds them where the CPU has them).
+# The instructions the kernels are written in (-march=native builds them where the CPU has
+# them).
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+FP32_REQUIRED_CPU_FLAGS = ("avx512f",)
+# The dtypes the varlen (bidirectional) entry takes.
+VARLEN_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def load() -> bool:
@@ -43,10 +53,34 @@ def load() -> bool:
 def unavailable_reason() -> str | None:
     """None where the kernel is built and loaded (load()), else why it is not: the CPU's
     missing flags, or the build's or loader's error."""
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in ops.cpu_flags().split()]
+    return _unavailable_reason(_SOURCE, REQUIRED_CPU_FLAGS)
+
+
+def load_fp32() -> bool:
+    """Make torch.ops.plugserve_varlen_f32.varlen_bidirectional available; False where the
+    CPU lacks AVX-512F or the kernel cannot be built or loaded (the reason logged once)."""
+    if not set(FP32_REQUIRED_CPU_FLAGS) <= set(ops.cpu_flags().split()):
+        return False
+    return ops.load(_FP32_SOURCE)
+
+
+def fp32_unavailable_reason() -> str | None:
+    """None where the fp32 varlen kernel is built and loaded (load_fp32()), else why not."""
+    return _unavailable_reason(_FP32_SOURCE, FP32_REQUIRED_CPU_FLAGS)
+
+
+def load_varlen(dtype: torch.dtype) -> bool:
+    """Whether `varlen_bidirectional_attention` runs here in `dtype` (loading its kernel)."""
+    if dtype == torch.bfloat16:
+        return load()
+    return dtype == torch.float32 and load_fp32()
+
+
+def _unavailable_reason(source: Path, flags: tuple[str, ...]) -> str | None:
+    missing = [flag for flag in flags if flag not in ops.cpu_flags().split()]
     if missing:
         return f"the CPU lacks {' and '.join(missing)}"
-    return ops.unavailable_reason(_SOURCE)
+    return ops.unavailable_reason(source)
 
 
 def prefill_attention(
@@ -72,11 +106,11 @@ def varlen_bidirectional_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Whole prompts attending within themselves (an encoder's layer), in one call: the
-    tokens [cu_seqlens[b], cu_seqlens[b + 1]) of q [T, H, D] and k/v [T, KVH, D] (bf16)
-    are prompt b's, and each of its queries attends to all of its keys."""
-    return torch.ops.plugserve_prefill.varlen_bidirectional(
-        q, k, v, cu_seqlens, scale, softcap or 0.0
-    )
+    tokens [cu_seqlens[b], cu_seqlens[b + 1]) of q [T, H, D] and k/v [T, KVH, D] (bf16 or
+    fp32, whose kernel load_varlen loaded) are prompt b's, and each of its queries attends
+    to all of its keys."""
+    ns = torch.ops.plugserve_varlen_f32 if q.dtype == torch.float32 else torch.ops.plugserve_prefill
+    return ns.varlen_bidirectional(q, k, v, cu_seqlens, scale, softcap or 0.0)
 
 
 def _kernel_is_faster(kernel: Callable[[], None], sdpa: Callable[[], None]) -> tuple[bool, str]:
@@ -131,17 +165,20 @@ def faster_than_sdpa(num_heads: int, num_kv_heads: int, head_dim: int, tokens: i
 ENCODER_TIMING_LENGTHS = (9, 17, 30, 48, 64, 80, 100, 127) * 2
 
 
-def varlen_faster_than_sdpa(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def varlen_faster_than_sdpa(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16
+) -> bool:
     """Times the varlen kernel (one call for a batch of whole prompts) against SDPA (one
     unmasked call per prompt, as the torch backend runs an encoder's layer without it) on
-    these head shapes, bf16, and says whether the kernel was faster; logs both timings."""
+    these head shapes in `dtype` (load_varlen(dtype) first), and says whether the kernel
+    was faster; logs both timings."""
     generator = torch.Generator().manual_seed(0)
     cu_seqlens = [0]
     for length in ENCODER_TIMING_LENGTHS:
         cu_seqlens.append(cu_seqlens[-1] + length)
 
     def rand(heads: int) -> torch.Tensor:
-        return torch.randn(cu_seqlens[-1], heads, head_dim, generator=generator).to(torch.bfloat16)
+        return torch.randn(cu_seqlens[-1], heads, head_dim, generator=generator).to(dtype)
 
     q, k, v = rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
     scale = head_dim**-0.5
@@ -159,7 +196,8 @@ def varlen_faster_than_sdpa(num_heads: int, num_kv_heads: int, head_dim: int) ->
 
     faster, timings = _kernel_is_faster(kernel, sdpa)
     logger.info(
-        "bidirectional attention over %d prompts (%d/%d heads, head_dim %d): %s",
+        "bidirectional attention in %s over %d prompts (%d/%d heads, head_dim %d): %s",
+        str(dtype).removeprefix("torch."),
         len(ENCODER_TIMING_LENGTHS),
         num_heads,
         num_kv_heads,

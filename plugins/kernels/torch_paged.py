@@ -43,7 +43,7 @@ An encoder's layers (bidirectional) run only whole prompts and never read the ca
 nothing is written to it; each prompt attends to all of itself, through one SDPA call per
 prompt or, under the same `prefill_kernel` option and its own timing
 (cpu_prefill_attention.varlen_faster_than_sdpa), through one varlen call of the prefill
-kernel for the whole step.
+kernel for the whole step: in bf16 on avx512_bf16, in fp32 on avx512f.
 """
 
 from __future__ import annotations
@@ -254,31 +254,31 @@ class TorchPagedAttention:
 
     def _use_prefill_kernel(self, choice: str) -> bool:
         """Whether long prefill rows (an encoder's steps: all their prompts) go through
-        cpu_prefill_attention: where it runs here (CPU, bf16, its head sizes, avx512_bf16)
-        and, under auto, timed faster than SDPA."""
+        cpu_prefill_attention: where it runs here (CPU, its head sizes, and for causal rows
+        bf16 on avx512_bf16; an encoder's varlen entry also fp32 on avx512f) and, under
+        auto, timed faster than SDPA."""
         if choice == "off":
             return False
         s = self.spec
-        usable = (
-            self.device.type == "cpu"
-            and s.dtype == torch.bfloat16
-            and s.head_dim in cpu_prefill_attention.HEAD_DIMS
-            and cpu_prefill_attention.load()
-        )
+        kernels = cpu_prefill_attention
+        if self.bidirectional:
+            usable = s.dtype in kernels.VARLEN_DTYPES and kernels.load_varlen(s.dtype)
+            needs = "bfloat16 on a CPU with avx512_bf16 or float32 on one with avx512f"
+        else:
+            usable = s.dtype == torch.bfloat16 and kernels.load()
+            needs = "bfloat16 on a CPU with avx512_bf16"
+        usable = usable and self.device.type == "cpu" and s.head_dim in kernels.HEAD_DIMS
         if choice == "on":
             if not usable:
                 raise ValueError(
-                    "prefill_kernel 'on' needs a CPU with avx512_bf16, bfloat16 and head_dim "
-                    f"in {cpu_prefill_attention.HEAD_DIMS}"
+                    f"prefill_kernel 'on' needs {needs}, and head_dim in {kernels.HEAD_DIMS}"
                 )
             return True
         if not usable:
             return False
         if self.bidirectional:
-            return cpu_prefill_attention.varlen_faster_than_sdpa(
-                s.num_heads, s.num_kv_heads, s.head_dim
-            )
-        return cpu_prefill_attention.faster_than_sdpa(s.num_heads, s.num_kv_heads, s.head_dim)
+            return kernels.varlen_faster_than_sdpa(s.num_heads, s.num_kv_heads, s.head_dim, s.dtype)
+        return kernels.faster_than_sdpa(s.num_heads, s.num_kv_heads, s.head_dim)
 
     # ------------------------------------------------------------------ per step
 

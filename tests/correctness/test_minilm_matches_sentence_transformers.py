@@ -3,10 +3,10 @@ of the same folder: BERT's layers, the mean pooling its 1_Pooling config names a
 Normalize module, read from the checkpoint's own files.
 
 fp32 is held to a cosine of 0.99999 with every reference vector (what differs is
-summation order: fused q/k/v, SDPA over unpadded prompts); bf16 rounds every matmul's
-inputs and is held to 0.9995. truncate_prompt_tokens cuts a prompt as the tokenizer
-truncates at sentence-transformers' max_seq_length: [CLS] and [SEP] kept, the text cut
-at its end. An encoder's KV pool holds one step of whole prompts, not a generation's
+summation order: fused q/k/v, attention over unpadded prompts, through SDPA or the varlen
+kernel); bf16 rounds every matmul's inputs and is held to 0.9995. truncate_prompt_tokens
+cuts a prompt as the tokenizer truncates at sentence-transformers' max_seq_length: [CLS]
+and [SEP] kept, the text cut at its end. An encoder's KV pool holds one step of whole prompts, not a generation's
 worth of sequences.
 """
 
@@ -74,8 +74,16 @@ def cosines(got: list[np.ndarray], expected: np.ndarray) -> np.ndarray:
     return dots / np.linalg.norm(got_matrix, axis=1) / np.linalg.norm(expected, axis=1)
 
 
-def test_fp32_equals_sentence_transformers(fp32_llm, reference):
-    llm = fp32_llm
+@pytest.mark.parametrize("prefill_kernel", ["on", "off"], ids=["varlen-kernel", "sdpa"])
+def test_fp32_equals_sentence_transformers(prefill_kernel, reference):
+    """Through either attention path (auto takes whichever timed faster)."""
+    from plugserve_plugins.kernels import cpu_prefill_attention
+
+    if prefill_kernel == "on" and not cpu_prefill_attention.load_fp32():
+        pytest.skip(f"the fp32 varlen kernel: {cpu_prefill_attention.fp32_unavailable_reason()}")
+    llm = LLM(
+        "all-minilm-l6-v2", dtype="float32", **{"plugins.torch.prefill_kernel": prefill_kernel}
+    )
     batched = llm.encode(SENTENCES)  # every sentence in one step
     alone = [llm.encode(s)[0] for s in SENTENCES[:3]]
     assert all(v.shape == (384,) and v.dtype == np.float32 for v in batched)
@@ -83,6 +91,7 @@ def test_fp32_equals_sentence_transformers(fp32_llm, reference):
     assert cosines(alone, reference[:3]).min() >= FP32_MIN_COSINE
     # The checkpoint's Normalize module: unit vectors, as sentence-transformers'.
     np.testing.assert_allclose(np.linalg.norm(np.stack(batched), axis=1), 1.0, rtol=1e-5)
+    llm.engine.shutdown()
 
 
 def test_bf16_agrees_with_sentence_transformers(reference):

@@ -50,6 +50,19 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_scalef_ps(~zero, p, n);
 }
 
+// cap * tanh(s / cap), through tanh|y| = (1 - e^-2|y|) / (1 + e^-2|y|).
+inline __m512 soft_cap16(__m512 s, float cap) {
+  __m512 y = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / cap));
+  __m512 a = _mm512_abs_ps(y);
+  __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+  __m512 one = _mm512_set1_ps(1.0f);
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  // tanh's sign is y's: copy y's sign bit onto t.
+  __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x80000000));
+  t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+
 // SiLU(g) * u = g / (1 + e^-g) * u for 16 lanes.
 inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));

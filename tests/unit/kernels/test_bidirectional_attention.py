@@ -1,6 +1,6 @@
 """Bidirectional layers (an encoder's): the torch backend attends every query of a prompt
 to every key of it, later ones included, in a batch of prompts of mixed lengths (SDPA
-per prompt, or in bf16 the prefill kernel's varlen call for all of them), and writes
+per prompt, or the prefill kernel's varlen call for all of them, bf16 or fp32), and writes
 nothing to the KV cache, which no step of an encoder reads; a backend that cannot is
 refused by name (flashinfer, whose prefill kernel is causal)."""
 
@@ -77,17 +77,24 @@ def test_each_prompt_attends_to_all_of_itself_and_nothing_is_cached(kernel: str)
     attend_prompts(backend, [5, 1, 9], HEAD_DIM, torch.float32)
 
 
+VARLEN_UNAVAILABLE = {
+    torch.bfloat16: cpu_prefill_attention.unavailable_reason,
+    torch.float32: cpu_prefill_attention.fp32_unavailable_reason,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("prefill_kernel", ["on", "off"])
-def test_in_bf16_the_varlen_kernel_or_sdpa_attends_every_prompt_in_the_step(
-    prefill_kernel: str,
+def test_the_varlen_kernel_or_sdpa_attends_every_prompt_in_the_step(
+    prefill_kernel: str, dtype: torch.dtype
 ) -> None:
-    if prefill_kernel == "on" and not cpu_prefill_attention.load():
-        pytest.skip(f"the varlen kernel: {cpu_prefill_attention.unavailable_reason()}")
+    if prefill_kernel == "on" and not cpu_prefill_attention.load_varlen(dtype):
+        pytest.skip(f"the varlen kernel: {VARLEN_UNAVAILABLE[dtype]()}")
     backend = TorchPagedAttention(
-        spec=spec(dtype=torch.bfloat16, head_dim=32),
+        spec=spec(dtype=dtype, head_dim=32),
         options=TorchPagedAttention.Options(prefill_kernel=prefill_kernel),
     )
-    attend_prompts(backend, [5, 1, 9, 14], 32, torch.bfloat16)
+    attend_prompts(backend, [5, 1, 9, 14], 32, dtype)
     assert (backend._plan.cu_seqlens is not None) == (prefill_kernel == "on")
 
 

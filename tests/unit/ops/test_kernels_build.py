@@ -42,6 +42,11 @@ KERNELS = (
         cpu_prefill_attention.unavailable_reason,
     ),
     CompiledKernel(
+        "cpu_varlen_attention_f32.cpp",
+        cpu_prefill_attention.FP32_REQUIRED_CPU_FLAGS,
+        cpu_prefill_attention.fp32_unavailable_reason,
+    ),
+    CompiledKernel(
         "int8_weight_only.cpp",
         int8_weight_only.REQUIRED_CPU_FLAGS,
         int8_weight_only.Int8WeightOnly.unavailable_reason,
