@@ -146,7 +146,11 @@ class Scheduler:
         return finished
 
     def has_requests(self) -> bool:
-        return bool(self.requests) or bool(self._finished_req_ids)
+        """Whether a step has work. Requests that finished wait for the next step to tell
+        the runners they are gone: a step for that alone, as the engine goes idle, would
+        cost a pass and a stats message at every request's end (what an idle engine's
+        runners keep of them until then is a few rows)."""
+        return bool(self.requests)
 
     @property
     def num_waiting(self) -> int:
