@@ -24,8 +24,9 @@ STACK_SLOTS = tuple(
     slot for slot in SLOT_HOOKS if slot not in ("model", "model_pass", "spec_proposer")
 )
 # stack.linear_method left unset: each linear layer runs the first of these for bf16 on a
-# CPU (the packed bf16 kernels), the second elsewhere (F.linear): worker/linear_methods.py.
-AUTOMATIC_LINEAR_METHODS = ("cpu_bf16", "plain")
+# CPU (the packed bf16 kernels), the second for fp32 on a CPU (oneDNN or F.linear, as
+# timed), the third elsewhere (F.linear): worker/linear_methods.py.
+AUTOMATIC_LINEAR_METHODS = ("cpu_bf16", "cpu_fp32", "plain")
 # stack.model_passes left unset: these, in this order, those of them registered (the
 # bundled ones only, so that an installed third-party pass never applies unasked; each
 # pass declines what it cannot run: worker/model_passes.py).

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import gc
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,20 @@ if "PLUGSERVE_CPU_BF16_KERNEL" not in os.environ:
     from tests.kernel_support import pinned_plan, plan_setting
 
     os.environ["PLUGSERVE_CPU_BF16_KERNEL"] = plan_setting(pinned_plan())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def return_freed_memory_after_each_module() -> Any:
+    """A test worker runs module after module in one process, each loading its own models
+    and engines; glibc keeps what they freed mapped (fragments of its heaps), so the
+    worker's memory only ever grows, and two workers plus the servers they start came
+    within reach of the machine's memory. After each module (its own module fixtures
+    torn down first), the garbage goes and the free heap goes back to the kernel."""
+    yield
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

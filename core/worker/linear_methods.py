@@ -10,8 +10,9 @@ every matmul of a step and packs them into one buffer). Model files take no part
 only wire layers.
 
 `stack.linear_method` names one method for every layer; left unset, the dtype and the
-device decide: the packed bf16 kernels for bf16 on a CPU, the plain method (F.linear)
-elsewhere (config.AUTOMATIC_LINEAR_METHODS).
+device decide: the packed bf16 kernels for bf16 on a CPU, for fp32 on a CPU the reordered
+oneDNN weights where they time faster than F.linear (with engine.batch_invariant, F.linear),
+the plain method (F.linear) elsewhere (config.AUTOMATIC_LINEAR_METHODS).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from plugserve.worker.layers.linear import Linear
 logger = logging.getLogger(__name__)
 
 SLOT = "linear_method"
-PACKED_CPU_BF16, PLAIN = AUTOMATIC_LINEAR_METHODS
+PACKED_CPU_BF16, CPU_FP32, PLAIN = AUTOMATIC_LINEAR_METHODS
 
 
 class LinearMethodChooser:
     """Picks the linear method of each layer: `selected` (stack.linear_method) for all of
-    them, or, where None, PACKED_CPU_BF16 for bf16 on a CPU (PLAIN where no plugin
-    registers it) and PLAIN elsewhere. Each method is built once, from the registry with
+    them, or, where None, PACKED_CPU_BF16 for bf16 on a CPU and CPU_FP32 for fp32 on one
+    (either PLAIN where no plugin registers it; CPU_FP32 not where batch_invariant asks for
+    one sum order) and PLAIN elsewhere. Each method is built once, from the registry with
     its block of `plugin_options`, and shared by the layers it runs. `batch_invariant`
     (engine.batch_invariant): each method is asked to keep one reduction order
     (capabilities.SupportsBatchInvariance) as it is built, and one that cannot is
@@ -80,14 +82,18 @@ class LinearMethodChooser:
         )
 
     def _automatic(self) -> str:
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+        if self.device.type != "cpu":
             return PLAIN
-        if PACKED_CPU_BF16 not in self.registry.implementations(SLOT):
-            logger.info(
-                "no %r linear method registered: bf16 linears run F.linear", PACKED_CPU_BF16
-            )
+        if self.dtype == torch.bfloat16:
+            name = PACKED_CPU_BF16
+        elif self.dtype == torch.float32 and not self.batch_invariant:
+            name = CPU_FP32
+        else:
             return PLAIN
-        return PACKED_CPU_BF16
+        if name not in self.registry.implementations(SLOT):
+            logger.info("no %r linear method registered: linears run F.linear", name)
+            return PLAIN
+        return name
 
     def method_for(self, layer: nn.Module) -> LinearMethod:
         """The method of `layer` (a Linear, or an embedding that is also the LM head)."""

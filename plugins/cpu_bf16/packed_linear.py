@@ -13,7 +13,7 @@ kernel_choice.py: the plan measured per machine). Three kernel libraries:
   tile kernels run batches and prefill.
 - ATen's `F.linear` over the weight as loaded.
 
-float32 is never packed: the fp32 path keeps `F.linear`, bit for bit with Hugging Face.
+float32 is never packed here: it runs the cpu_fp32 linear method (plugins/linear_methods).
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ of the same folder: BERT's layers, the mean pooling its 1_Pooling config names a
 Normalize module, read from the checkpoint's own files.
 
 fp32 is held to a cosine of 0.99999 with every reference vector (what differs is
-summation order: fused q/k/v, attention over unpadded prompts, through SDPA or the varlen
-kernel); bf16 rounds every matmul's inputs and is held to 0.9995. truncate_prompt_tokens
-cuts a prompt as the tokenizer truncates at sentence-transformers' max_seq_length: [CLS]
-and [SEP] kept, the text cut at its end. An encoder's KV pool holds one step of whole prompts, not a generation's
-worth of sequences.
+summation order: fused q/k/v, attention over unpadded prompts through SDPA or the varlen
+kernel, matmuls through oneDNN or F.linear); bf16 rounds every matmul's inputs and is
+held to 0.9995. truncate_prompt_tokens cuts a prompt as the tokenizer truncates at
+sentence-transformers' max_seq_length: [CLS] and [SEP] kept, the text cut at its end. An
+encoder's KV pool holds one step of whole prompts, not a generation's worth of sequences.
 """
 
 from __future__ import annotations
@@ -74,15 +74,28 @@ def cosines(got: list[np.ndarray], expected: np.ndarray) -> np.ndarray:
     return dots / np.linalg.norm(got_matrix, axis=1) / np.linalg.norm(expected, axis=1)
 
 
-@pytest.mark.parametrize("prefill_kernel", ["on", "off"], ids=["varlen-kernel", "sdpa"])
-def test_fp32_equals_sentence_transformers(prefill_kernel, reference):
-    """Through either attention path (auto takes whichever timed faster)."""
+@pytest.mark.parametrize(
+    ("prefill_kernel", "linear_kernel"),
+    [("on", "onednn"), ("off", "aten")],
+    ids=["varlen-kernel-onednn", "sdpa-aten"],
+)
+def test_fp32_equals_sentence_transformers(prefill_kernel, linear_kernel, reference):
+    """Through either attention path and either fp32 matmul (auto takes whichever timed
+    faster)."""
     from plugserve_plugins.kernels import cpu_prefill_attention
+    from plugserve_plugins.linear_methods import cpu_fp32
 
     if prefill_kernel == "on" and not cpu_prefill_attention.load_fp32():
         pytest.skip(f"the fp32 varlen kernel: {cpu_prefill_attention.fp32_unavailable_reason()}")
+    if linear_kernel == "onednn" and not cpu_fp32.onednn_available():
+        pytest.skip("this torch is built without oneDNN")
     llm = LLM(
-        "all-minilm-l6-v2", dtype="float32", **{"plugins.torch.prefill_kernel": prefill_kernel}
+        "all-minilm-l6-v2",
+        dtype="float32",
+        **{
+            "plugins.torch.prefill_kernel": prefill_kernel,
+            "plugins.cpu_fp32.kernel": linear_kernel,
+        },
     )
     batched = llm.encode(SENTENCES)  # every sentence in one step
     alone = [llm.encode(s)[0] for s in SENTENCES[:3]]

@@ -1,8 +1,9 @@
 """The plain linear method: the weight as the checkpoint has it, multiplied by F.linear.
 
 Every linear layer is built with it, so a layer computes without a plugin registry (a
-model built directly, by a test or a tool) and the fp32 path stays F.linear, bit for bit
-with Hugging Face. It lives in the core rather than in plugins/ for that reason: the core
+model built directly, by a test or a tool), and it is F.linear, bit for bit with Hugging
+Face (fp32 on a CPU runs the cpu_fp32 method unless `stack.linear_method: plain` asks
+for this one). It lives in the core rather than in plugins/ for that reason: the core
 never imports a plugin, and a layer needs a method the moment it exists. It is registered
 as the `plain` linear method (plugserve.builtin_linear_methods) like any plugin's, and the
 bundled methods that keep the checkpoint's layout until they repack it after loading

@@ -28,6 +28,7 @@ from plugserve.worker.linear_methods import (
 from plugserve.worker.models.llama import LlamaForCausalLM
 from plugserve.worker.parallel import ParallelContext
 from plugserve_plugins.cpu_bf16.linear_method import PackedCpuBf16
+from plugserve_plugins.linear_methods.cpu_fp32 import CpuFp32LinearMethod
 from plugserve_plugins.linear_methods.int8_w8a8 import Int8W8A8
 
 CPU = torch.device("cpu")
@@ -89,10 +90,11 @@ def test_a_layer_starts_with_the_plain_method_and_computes_f_linear() -> None:
     ("dtype", "device", "expected"),
     [
         (torch.bfloat16, CPU, PackedCpuBf16),
-        (torch.float32, CPU, PlainLinearMethod),
+        (torch.float32, CPU, CpuFp32LinearMethod),
         (torch.bfloat16, torch.device("cuda"), PlainLinearMethod),
+        (torch.float32, torch.device("cuda"), PlainLinearMethod),
     ],
-    ids=["bf16-cpu", "fp32-cpu", "bf16-cuda"],
+    ids=["bf16-cpu", "fp32-cpu", "bf16-cuda", "fp32-cuda"],
 )
 def test_left_unset_the_dtype_and_device_choose_the_method(
     dtype: torch.dtype, device: torch.device, expected: type
