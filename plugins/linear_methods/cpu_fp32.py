@@ -2,13 +2,13 @@
 loading, into the blocked layout that matmul reads (torch.ops.mkldnn, in torch's CPU
 build). F.linear hands the weight as loaded to a GEMM that packs its panels again at
 every call; at an encoder's or a prefill's row counts the reordered weight runs the same
-sums faster (docs/benchmarks-history.md, "fp32 linears through oneDNN").
+sums faster (docs/benchmarks-history.md, "Encoders in fp32").
 
 Which of the two runs is measured, not assumed: under `kernel: auto` the method times
-both once on the model's own weights (one of each shape), at a prefill's and at one row's
-count, logs the timings and keeps the faster in total; `onednn` and `aten` pin one. The plain method
-(F.linear over the weights as loaded) stays the one that matches Hugging Face bit for
-bit; oneDNN sums in another order, a few fp32 ulps apart.
+both once on the model's own weights (one of each shape), at a prefill's and at one
+row's count, logs the timings and keeps the faster in total; `onednn` and `aten` pin
+one. The plain method (F.linear over the weights as loaded) stays the one that matches
+Hugging Face bit for bit; oneDNN sums in another order, a few fp32 ulps apart.
 """
 
 from __future__ import annotations
