@@ -11,8 +11,7 @@ only wire layers.
 
 `stack.linear_method` names one method for every layer; left unset, the dtype and the
 device decide: the packed bf16 kernels for bf16 on a CPU, for fp32 on a CPU the reordered
-oneDNN weights where they time faster than F.linear (with engine.batch_invariant, F.linear),
-the plain method (F.linear) elsewhere (config.AUTOMATIC_LINEAR_METHODS).
+oneDNN weights where they time faster than F.linear, the plain method (F.linear) elsewhere (config.AUTOMATIC_LINEAR_METHODS).
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ PACKED_CPU_BF16, CPU_FP32, PLAIN = AUTOMATIC_LINEAR_METHODS
 class LinearMethodChooser:
     """Picks the linear method of each layer: `selected` (stack.linear_method) for all of
     them, or, where None, PACKED_CPU_BF16 for bf16 on a CPU and CPU_FP32 for fp32 on one
-    (either PLAIN where no plugin registers it; CPU_FP32 not where batch_invariant asks for
-    one sum order) and PLAIN elsewhere. Each method is built once, from the registry with
+    (either PLAIN where no plugin registers it) and PLAIN elsewhere. Each method is built once, from the registry with
     its block of `plugin_options`, and shared by the layers it runs. `batch_invariant`
     (engine.batch_invariant): each method is asked to keep one reduction order
     (capabilities.SupportsBatchInvariance) as it is built, and one that cannot is
@@ -86,7 +84,7 @@ class LinearMethodChooser:
             return PLAIN
         if self.dtype == torch.bfloat16:
             name = PACKED_CPU_BF16
-        elif self.dtype == torch.float32 and not self.batch_invariant:
+        elif self.dtype == torch.float32:
             name = CPU_FP32
         else:
             return PLAIN
@@ -108,7 +106,11 @@ class LinearMethodChooser:
                     raise ValueError(
                         f"engine.batch_invariant: linear method {name!r} cannot keep a "
                         "row's sums in one order across batch sizes"
-                        + (" (bf16 on a CPU runs 'cpu_bf16', which can)" if name == PLAIN else "")
+                        + (
+                            " (bf16 on a CPU runs 'cpu_bf16', which can)"
+                            if name in (PLAIN, CPU_FP32)
+                            else ""
+                        )
                     )
                 method.use_batch_invariant_order()
             self._built[name] = method

@@ -172,8 +172,8 @@ def test_a_row_parallel_shard_leaves_its_bias_to_after_the_all_reduce() -> None:
 
 @pytest.mark.parametrize(
     "dtype,selected,named",
-    [(torch.float32, None, "plain"), (torch.bfloat16, "int8", "int8")],
-    ids=["fp32-plain", "int8"],
+    [(torch.float32, None, "cpu_fp32"), (torch.bfloat16, "int8", "int8")],
+    ids=["fp32-cpu_fp32", "int8"],
 )
 def test_batch_invariance_refuses_a_method_that_cannot_keep_one_order(
     dtype: torch.dtype, selected: str | None, named: str
