@@ -33,6 +33,13 @@ if "PLUGSERVE_CPU_BF16_KERNEL" not in os.environ:
 
     os.environ["PLUGSERVE_CPU_BF16_KERNEL"] = plan_setting(pinned_plan())
 
+# fp32 linears likewise: oneDNN where this torch has it, never timed (the cpu_fp32 tests
+# run each kernel, and auto, explicitly).
+if "PLUGSERVE_CPU_FP32_KERNEL" not in os.environ:
+    from plugserve_plugins.linear_methods.cpu_fp32 import onednn_available
+
+    os.environ["PLUGSERVE_CPU_FP32_KERNEL"] = "onednn" if onednn_available() else "aten"
+
 
 @pytest.fixture(scope="module", autouse=True)
 def return_freed_memory_after_each_module() -> Any:

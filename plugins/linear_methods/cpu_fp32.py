@@ -7,13 +7,16 @@ sums faster (docs/benchmarks-history.md, "Encoders in fp32").
 Which of the two runs is measured, not assumed: under `kernel: auto` the method times
 both once on the model's own weights (one of each shape), at a prefill's and at one
 row's count, logs the timings and keeps the faster in total; `onednn` and `aten` pin
-one. The plain method (F.linear over the weights as loaded) stays the one that matches
+one (PLUGSERVE_CPU_FP32_KERNEL sets the default where stack.yaml does not: the tests pin
+it, so that no outcome hangs on a timing). The plain method (F.linear over the weights
+as loaded) stays the one that matches
 Hugging Face bit for bit; oneDNN sums in another order, a few fp32 ulps apart.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -28,6 +31,8 @@ from plugserve.worker.layers.plain_linear import PlainLinearMethod
 
 logger = logging.getLogger(__name__)
 
+# The kernel when the plugin's options do not name one (auto where unset).
+KERNEL_ENV = "PLUGSERVE_CPU_FP32_KERNEL"
 # The row counts the timing runs each matmul at: a prefill's (or an encoder step's) and a
 # decode's.
 TIMING_ROWS = (64, 1)
@@ -60,7 +65,9 @@ class CpuFp32LinearMethod(PlainLinearMethod):
     class Options(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
         # auto: whichever timed faster on the model's matmuls; onednn or aten: that one.
-        kernel: Literal["auto", "onednn", "aten"] = "auto"
+        kernel: Literal["auto", "onednn", "aten"] = pydantic.Field(
+            default_factory=lambda: os.environ.get(KERNEL_ENV, "auto"), validate_default=True
+        )
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or self.Options()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import pydantic
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +114,20 @@ def test_auto_keeps_the_kernel_that_timed_faster(caplog: pytest.LogCaptureFixtur
     [line] = [r.getMessage() for r in caplog.records if "using" in r.getMessage()]
     method = model.model.layers[0].mlp.gate_up_proj.method
     assert method.kernel == ("onednn" if line.endswith("using oneDNN") else "aten")
+
+
+@pytest.mark.parametrize("setting", ["onednn", "aten", "auto"])
+def test_the_environment_sets_the_kernel_where_the_options_do_not(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cpu_fp32.KERNEL_ENV, setting)
+    assert CpuFp32LinearMethod.Options().kernel == setting
+    assert CpuFp32LinearMethod.Options(kernel="aten").kernel == "aten"
+    monkeypatch.delenv(cpu_fp32.KERNEL_ENV)
+    assert CpuFp32LinearMethod.Options().kernel == "auto"
+
+
+def test_a_kernel_the_method_has_not_got_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_fp32.KERNEL_ENV, "mkl")
+    with pytest.raises(pydantic.ValidationError, match="kernel"):
+        CpuFp32LinearMethod.Options()
