@@ -3,7 +3,7 @@
 Whole prompts of mixed lengths side by side, each query attending to every key of its
 own prompt: lengths on both sides of the kernel's 16-key groups and 64-query chunks, GQA,
 soft-capping, each head size it takes, rows strided as split from one projection. The
-kernel computes in fp32 with an exact softmax; measured errors are under 2e-6.
+kernel computes in fp32 with an exact softmax, so it is held to 1e-5.
 """
 
 from __future__ import annotations
