@@ -20,6 +20,7 @@ from plugserve.messages import EngineCoreRequest
 from plugserve.pooling_params import PoolingParams
 from plugserve.prompt_truncation import PromptTruncation
 from plugserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.kernel_support import require_kernel
 
 SENTENCES = [
     "A man is eating food.",
@@ -85,8 +86,13 @@ def test_fp32_equals_sentence_transformers(prefill_kernel, linear_kernel, refere
     from plugserve_plugins.kernels import cpu_prefill_attention
     from plugserve_plugins.linear_methods import cpu_fp32
 
-    if prefill_kernel == "on" and not cpu_prefill_attention.load_fp32():
-        pytest.skip(f"the fp32 varlen kernel: {cpu_prefill_attention.fp32_unavailable_reason()}")
+    if prefill_kernel == "on":
+        cpu_prefill_attention.load_fp32()
+        require_kernel(
+            "the fp32 varlen kernel",
+            cpu_prefill_attention.FP32_REQUIRED_CPU_FLAGS,
+            cpu_prefill_attention.fp32_unavailable_reason(),
+        )
     if linear_kernel == "onednn" and not cpu_fp32.onednn_available():
         pytest.skip("this torch is built without oneDNN")
     llm = LLM(

@@ -16,6 +16,7 @@ from plugserve.worker.model_runner import check_layer_attention
 from plugserve_plugins.kernels import cpu_prefill_attention
 from plugserve_plugins.kernels.flashinfer import FlashInferAttention
 from plugserve_plugins.kernels.torch_paged import TorchPagedAttention
+from tests.kernel_support import require_kernel
 
 BIDIRECTIONAL = LayerAttention(bidirectional=True)
 HEADS, HEAD_DIM, BLOCK = 4, 16, 4
@@ -77,10 +78,25 @@ def test_each_prompt_attends_to_all_of_itself_and_nothing_is_cached(kernel: str)
     attend_prompts(backend, [5, 1, 9], HEAD_DIM, torch.float32)
 
 
-VARLEN_UNAVAILABLE = {
-    torch.bfloat16: cpu_prefill_attention.unavailable_reason,
-    torch.float32: cpu_prefill_attention.fp32_unavailable_reason,
+# Each dtype's varlen kernel: the instructions it needs, and why it is not loaded.
+VARLEN_KERNELS = {
+    torch.bfloat16: (
+        cpu_prefill_attention.REQUIRED_CPU_FLAGS,
+        cpu_prefill_attention.unavailable_reason,
+    ),
+    torch.float32: (
+        cpu_prefill_attention.FP32_REQUIRED_CPU_FLAGS,
+        cpu_prefill_attention.fp32_unavailable_reason,
+    ),
 }
+
+
+def require_varlen_kernel(dtype: torch.dtype) -> None:
+    """Skip only where the CPU lacks the kernel's instructions (or there is no compiler);
+    a kernel that should load and does not fails the test."""
+    flags, unavailable_reason = VARLEN_KERNELS[dtype]
+    cpu_prefill_attention.load_varlen(dtype)
+    require_kernel(f"the {dtype} varlen kernel", flags, unavailable_reason())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -88,8 +104,8 @@ VARLEN_UNAVAILABLE = {
 def test_the_varlen_kernel_or_sdpa_attends_every_prompt_in_the_step(
     prefill_kernel: str, dtype: torch.dtype
 ) -> None:
-    if prefill_kernel == "on" and not cpu_prefill_attention.load_varlen(dtype):
-        pytest.skip(f"the varlen kernel: {VARLEN_UNAVAILABLE[dtype]()}")
+    if prefill_kernel == "on":
+        require_varlen_kernel(dtype)
     backend = TorchPagedAttention(
         spec=spec(dtype=dtype, head_dim=32),
         options=TorchPagedAttention.Options(prefill_kernel=prefill_kernel),
@@ -100,8 +116,8 @@ def test_the_varlen_kernel_or_sdpa_attends_every_prompt_in_the_step(
 
 @pytest.mark.parametrize("prefill_kernel", ["on", "off"])
 def test_a_prompt_continuing_a_cached_prefix_is_refused(prefill_kernel: str) -> None:
-    if prefill_kernel == "on" and not cpu_prefill_attention.load():
-        pytest.skip(f"the varlen kernel: {cpu_prefill_attention.unavailable_reason()}")
+    if prefill_kernel == "on":
+        require_varlen_kernel(torch.bfloat16)
     backend = TorchPagedAttention(
         spec=spec(dtype=torch.bfloat16, head_dim=32),
         options=TorchPagedAttention.Options(prefill_kernel=prefill_kernel),
