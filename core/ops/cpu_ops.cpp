@@ -1,5 +1,6 @@
-// The small ops of a decoder layer, fused for the CPU: RMSNorm (with the residual add, or
-// over each q and k head), neox RoPE in place, SiLU(gate) * up, and the greedy argmax over
+// The small ops of a transformer layer, fused for the CPU: a decoder's RMSNorm (with the
+// residual add, or over each q and k head), neox RoPE in place and SiLU(gate) * up; an
+// encoder's GELU in place and LayerNorm over the residual add; the greedy argmax over
 // logits; and the process's one row pool (row_pool.h).
 //
 // Through ATen each of these is several passes over the activations plus a cast to fp32
@@ -60,11 +61,14 @@ int64_t row_pool_late_items_dropped() {
 int64_t row_pool_jobs_shared() { return plugserve::shared_row_pool()->jobs_shared(); }
 #endif
 
+using plugserve::add_layer_norm_impl;
+using plugserve::check_add_layer_norm;
 using plugserve::check_norm;
 using plugserve::check_norm_heads;
 using plugserve::check_rotary;
 using plugserve::check_rows;
 using plugserve::fused_add_rms_norm_impl;
+using plugserve::gelu_bf16_impl;
 using plugserve::rms_norm_heads_impl;
 using plugserve::rms_norm_impl;
 using plugserve::rotary_embedding_impl;
@@ -146,6 +150,18 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+void gelu_(at::Tensor x, bool tanh_form) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16");
+  gelu_bf16_impl(x, tanh_form);
+}
+
+void add_layer_norm_(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight,
+                     const at::Tensor& bias, double eps) {
+  check_add_layer_norm(x, residual, weight, bias);
+  dispatch(x, [&](auto t) { add_layer_norm_impl<decltype(t)>(x, residual, weight, bias, eps); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(plugserve_ops, m) {
@@ -158,6 +174,10 @@ TORCH_LIBRARY(plugserve_ops, m) {
       "rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos_sin, int num_heads, "
       "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_(Tensor(a!) x, bool tanh_form) -> ()");
+  m.def(
+      "add_layer_norm_(Tensor(a!) x, Tensor residual, Tensor weight, Tensor bias, float eps) -> "
+      "()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
 #ifdef PLUGSERVE_HAS_ROW_POOL
   m.def("row_pool_address() -> int", &row_pool_address);
@@ -177,5 +197,7 @@ TORCH_LIBRARY_IMPL(plugserve_ops, CPU, m) {
   m.impl("rms_norm_heads", &rms_norm_heads);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_", &gelu_);
+  m.impl("add_layer_norm_", &add_layer_norm_);
   m.impl("argmax_rows", &argmax_rows);
 }

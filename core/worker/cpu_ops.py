@@ -1,5 +1,6 @@
-"""Fused small ops for a CPU decoder layer (cpu_ops.cpp): RMSNorm with the residual add or
-over each q and k head, RoPE in place, SiLU(gate) * up; and the sampler's greedy argmax.
+"""Fused small ops for a CPU transformer layer (cpu_ops.cpp): a decoder's RMSNorm with the
+residual add or over each q and k head, RoPE in place, SiLU(gate) * up; an encoder's GELU
+in place and LayerNorm over the residual add; and the sampler's greedy argmax.
 
 Used for bfloat16 on CPU, where the unfused ATen versions cost more in per-op dispatch
 and fp32 round trips than in arithmetic. float32 keeps ATen's ops, which match Hugging
@@ -20,6 +21,11 @@ def supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the fused ops run for activations of this dtype on this device (built on
     first call)."""
     return device.type == "cpu" and dtype == torch.bfloat16 and ops.load(_SOURCE)
+
+
+def supported_for(x: torch.Tensor) -> bool:
+    """supported() for x's dtype and device."""
+    return supported(x.dtype, x.device)
 
 
 def load() -> bool:
@@ -70,6 +76,22 @@ def rotary_embedding(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate columns, then up) → silu(gate) * up, a new [T, I] tensor."""
     return torch.ops.plugserve_ops.silu_and_mul(gate_up)
+
+
+def gelu_(x: torch.Tensor, tanh_form: bool) -> torch.Tensor:
+    """In place: x [T, N] (row stride free, last dim dense) = GELU(x), the erf form or the
+    tanh approximation. Returns x."""
+    torch.ops.plugserve_ops.gelu_(x, tanh_form)
+    return x
+
+
+def add_layer_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """In place: x [T, hidden] = LayerNorm(x + residual) * weight + bias, the sum in fp32
+    (not rounded before the norm, as an unfused add would). Returns x."""
+    torch.ops.plugserve_ops.add_layer_norm_(x, residual, weight, bias, eps)
+    return x
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

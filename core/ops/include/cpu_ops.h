@@ -1,6 +1,7 @@
-// The elementwise kernels of a bf16/fp32 decoder layer on CPU: RMSNorm (with the residual
-// add, or over each head of q and k), neox RoPE in place, SiLU(gate) * up. One pass each,
-// in fp32, rounded once on store. Core's cpu_ops.cpp registers them as ops; a plugin's
+// The elementwise kernels of a bf16/fp32 transformer layer on CPU: a decoder's RMSNorm
+// (with the residual add, or over each head of q and k), neox RoPE in place and SiLU(gate)
+// * up; an encoder's GELU in place (bf16, by table) and LayerNorm over the residual add. One
+// pass each, in fp32, rounded once on store. Core's cpu_ops.cpp registers them as ops; a plugin's
 // fused decoder (the bf16 CPU fast path's cpu_decoder.cpp) runs them inside its own ops;
 // both check their arguments with the checks at the end. Public: in namespace plugserve,
 // included as "cpu_ops.h" (plugserve.ops' docstring).
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace plugserve {
 
@@ -151,6 +153,90 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
+// GELU of every bf16 value, rounded to bf16 (the erf form, or with tanh_form the tanh
+// approximation), built once in double: a lookup is cheaper than evaluating erf in fp32
+// and is exact for a bf16 input. One spare entry past the end, so a 4-byte read at the
+// last index stays inside.
+inline const uint16_t* gelu_bf16_table(bool tanh_form) {
+  static const std::vector<uint16_t>* tables[2] = {nullptr, nullptr};
+  static const bool built = [] {
+    for (int form = 0; form < 2; ++form) {
+      auto* table = new std::vector<uint16_t>(65537);
+      for (uint32_t bits = 0; bits < 65536; ++bits) {
+        c10::BFloat16 in;
+        in.x = static_cast<uint16_t>(bits);
+        const double v = to_float(in);
+        // x/2 (1 + erf(x / sqrt 2)) and x/2 (1 + tanh y) in forms that keep their
+        // accuracy where 1 + erf and 1 + tanh cancel (x far below zero).
+        const double y = 0.7978845608028654 * (v + 0.044715 * v * v * v);
+        const double g = form ? v / (1.0 + std::exp(-2.0 * y))
+                              : 0.5 * v * std::erfc(-v * 0.7071067811865476);
+        c10::BFloat16 out;
+        store(&out, static_cast<float>(g));
+        (*table)[bits] = out.x;
+      }
+      tables[form] = table;
+    }
+    return true;
+  }();
+  (void)built;
+  return tables[tanh_form ? 1 : 0]->data();
+}
+
+// In place: x = GELU(x) over each row of bf16 x, through gelu_bf16_table.
+inline void gelu_bf16_impl(at::Tensor& x, bool tanh_form) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto* xp = reinterpret_cast<uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const int64_t stride = x.stride(0);
+  const uint16_t* table = gelu_bf16_table(tanh_form);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* row = xp + r * stride;
+      int64_t i = 0;
+#ifdef PLUGSERVE_HAS_VEC_MATH
+      for (; i + 16 <= n; i += 16) {
+        const __m512i index =
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
+        const __m512i found = _mm512_i32gather_epi32(index, table, 2);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i), _mm512_cvtepi32_epi16(found));
+      }
+#endif
+      for (; i < n; ++i) row[i] = table[row[i]];
+    }
+  });
+}
+
+// In place: x = LayerNorm(x + residual) * weight + bias over each row (a post-norm
+// encoder's add and norm), the sum kept in fp32 for the statistics and the output.
+template <typename T>
+void add_layer_norm_impl(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                         const at::Tensor& bias, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  const T* bp = bias.data_ptr<T>();
+  const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * x_stride;
+      const T* rr = rp + r * r_stride;
+      float total = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        sum[i] = to_float(xr[i]) + to_float(rr[i]);
+        total += sum[i];
+      }
+      const float mean = total / static_cast<float>(n);
+      float squares = 0.0f;
+      for (int64_t i = 0; i < n; ++i) squares += (sum[i] - mean) * (sum[i] - mean);
+      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i)
+        store(xr + i, (sum[i] - mean) * scale * to_float(wp[i]) + to_float(bp[i]));
+    }
+  });
+}
+
 // Argument checks, shared by the ops that run these kernels.
 inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with a dense last dim");
@@ -173,6 +259,16 @@ inline void check_norm(const at::Tensor& x, const at::Tensor& other, const char*
   TORCH_CHECK(other.sizes() == x.sizes() && other.scalar_type() == x.scalar_type(), other_name,
               " must match x");
   check_norm_weight(weight, x);
+}
+
+// Checks for a LayerNorm over x + residual: residual shaped and typed as x, weight and
+// bias [hidden] of x's dtype.
+inline void check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                                 const at::Tensor& weight, const at::Tensor& bias) {
+  check_norm(x, residual, "residual", weight);
+  TORCH_CHECK(bias.is_contiguous() && bias.numel() == x.size(1) &&
+                  bias.scalar_type() == x.scalar_type(),
+              "bias must be contiguous [hidden] of x's dtype");
 }
 
 // Checks for RoPE over the first num_heads heads of each row of qk.

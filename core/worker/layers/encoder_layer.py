@@ -2,6 +2,9 @@
 embeddings, and the post-LayerNorm transformer layer (attention, add, LayerNorm; dense,
 GELU, dense, add, LayerNorm) whose attention is bidirectional.
 
+In bf16 on a CPU the GELU and the add + LayerNorm run as cpu_ops' in-place ops (one pass
+each, in fp32, rounded once); elsewhere as ATen's.
+
 Module names follow transformers' BERT (`attention.self`, `attention.output.dense`,
 `intermediate.dense`, `output.LayerNorm`, ...), so a checkpoint loads by name; q, k and v
 load into one fused projection (ENCODER_QKV).
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugserve.interfaces.model import AttentionBackend
+from plugserve.worker import cpu_ops
 from plugserve.worker.layers.checkpoint import PackedModulesMapping
 from plugserve.worker.layers.direct_call import direct_call
 from plugserve.worker.layers.embedding import VocabParallelEmbedding
@@ -39,6 +43,8 @@ ENCODER_ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+# The GELUs cpu_ops runs in place on bf16 (by table): whether each is the tanh form.
+_CPU_OPS_GELU_TANH = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
 class EncoderEmbeddings(nn.Module):
@@ -120,7 +126,11 @@ class DenseAddNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(hf_config.hidden_size, eps=hf_config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        out = self.dense(x)
+        if cpu_ops.supported_for(out):  # one pass, the sum unrounded
+            norm = self.LayerNorm
+            return cpu_ops.add_layer_norm_(out, residual, norm.weight, norm.bias, norm.eps)
+        return self.LayerNorm(out + residual)
 
 
 class EncoderAttentionBlock(nn.Module):
@@ -154,9 +164,13 @@ class Intermediate(nn.Module):
             hf_config.hidden_size, hf_config.intermediate_size, True, parallel
         )
         self.act = ENCODER_ACTIVATIONS[act]
+        self.cpu_ops_tanh = _CPU_OPS_GELU_TANH.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        h = self.dense(x)
+        if self.cpu_ops_tanh is not None and cpu_ops.supported_for(h):
+            return cpu_ops.gelu_(h, self.cpu_ops_tanh)
+        return self.act(h)
 
 
 class EncoderLayer(nn.Module):

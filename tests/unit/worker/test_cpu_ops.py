@@ -7,6 +7,8 @@ which is at least as close to the fp32 reference as ATen's op-by-op bf16 roundin
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,54 @@ def test_silu_and_mul_matches_aten(dtype: torch.dtype, width: int) -> None:
     gate_up = gate_up.to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("tanh_form", [False, True])
+def test_gelu_is_every_bf16_value_gelu_rounded_once_in_place(tanh_form: bool) -> None:
+    """All 65536 bf16 bit patterns (a 16-wide row and a scalar tail), each mapped to the
+    float64 GELU of its value rounded once to bf16; NaN stays NaN. The reference is
+    written as x * sigmoid(2y) and x/2 * erfc(-x / sqrt 2), which keep their accuracy far
+    below zero, where 1 + tanh and 1 + erf cancel."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    every = bits.view(torch.bfloat16).reshape(-1, 16)
+    x = torch.cat([every, every[:, :5]], dim=1).contiguous()  # 21 wide: 16 + a tail of 5
+    v = x.double()
+    if tanh_form:
+        exact = v * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))
+    else:
+        exact = 0.5 * v * torch.special.erfc(-v / math.sqrt(2))
+    expected = exact.to(x.dtype)
+
+    out = cpu_ops.gelu_(x, tanh_form)
+
+    assert out.data_ptr() == x.data_ptr()
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan], expected[~nan])
+
+
+def test_gelu_takes_bf16_only() -> None:
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        cpu_ops.gelu_(torch.zeros(2, 16), False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_layer_norm_normalizes_the_unrounded_sum_in_place(
+    dtype: torch.dtype, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    x, residual = torch.randn(rows, 384).to(dtype), torch.randn(rows, 384).to(dtype)
+    weight, bias = torch.randn(384).to(dtype), torch.randn(384).to(dtype)
+    summed = x.float() + residual.float()
+    expected = F.layer_norm(summed, (384,), weight.float(), bias.float(), EPS)
+    kept = residual.clone()
+
+    out = cpu_ops.add_layer_norm_(x, residual, weight, bias, EPS)
+
+    assert out.data_ptr() == x.data_ptr()
+    assert torch.equal(residual, kept)
+    close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,6 +215,14 @@ def test_ops_reject_mismatched_shapes() -> None:
         cpu_ops.rms_norm(torch.zeros(2, 8), torch.zeros(4), EPS)
     with pytest.raises(RuntimeError, match="gate_up must be"):
         cpu_ops.silu_and_mul(torch.zeros(2, 9))
+    with pytest.raises(RuntimeError, match="residual must match x"):
+        cpu_ops.add_layer_norm_(
+            torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), torch.zeros(8), EPS
+        )
+    with pytest.raises(RuntimeError, match="bias must be contiguous"):
+        cpu_ops.add_layer_norm_(
+            torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(8), torch.zeros(4), EPS
+        )
 
 
 def test_argmax_is_torchs_first_index_of_the_maximum() -> None:
