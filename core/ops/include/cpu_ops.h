@@ -1,10 +1,10 @@
 // The elementwise kernels of a bf16/fp32 transformer layer on CPU: a decoder's RMSNorm
 // (with the residual add, or over each head of q and k), neox RoPE in place and SiLU(gate)
-// * up; an encoder's GELU in place (bf16, by table) and LayerNorm over the residual add. One
-// pass each, in fp32, rounded once on store. Core's cpu_ops.cpp registers them as ops; a plugin's
-// fused decoder (the bf16 CPU fast path's cpu_decoder.cpp) runs them inside its own ops;
-// both check their arguments with the checks at the end. Public: in namespace plugserve,
-// included as "cpu_ops.h" (plugserve.ops' docstring).
+// * up; an encoder's GELU in place (bf16, by table) and LayerNorm over the residual add.
+// One pass each, in fp32, rounded once on store. Core's cpu_ops.cpp registers them as ops;
+// a plugin's fused decoder (the bf16 CPU fast path's cpu_decoder.cpp) runs them inside
+// its own ops; both check their arguments with the checks at the end. Public: in namespace
+// plugserve, included as "cpu_ops.h" (plugserve.ops' docstring).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -153,15 +153,15 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
-// GELU of every bf16 value, rounded to bf16 (the erf form, or with tanh_form the tanh
-// approximation), built once in double: a lookup is cheaper than evaluating erf in fp32
-// and is exact for a bf16 input. One spare entry past the end, so a 4-byte read at the
-// last index stays inside.
+// GELU of every bf16 value, rounded to bf16: the erf form's 65536 entries, one spare (a
+// 4-byte read at the last index stays inside), then the tanh form's. Built once in double:
+// a lookup is cheaper than evaluating erf in fp32, and exact for a bf16 input.
+constexpr int64_t kGeluTableEntries = 65537;
+
 inline const uint16_t* gelu_bf16_table(bool tanh_form) {
-  static const std::vector<uint16_t>* tables[2] = {nullptr, nullptr};
-  static const bool built = [] {
-    for (int form = 0; form < 2; ++form) {
-      auto* table = new std::vector<uint16_t>(65537);
+  static const std::vector<uint16_t> tables = [] {
+    std::vector<uint16_t> built(2 * kGeluTableEntries, 0);
+    for (int form = 0; form < 2; ++form)
       for (uint32_t bits = 0; bits < 65536; ++bits) {
         c10::BFloat16 in;
         in.x = static_cast<uint16_t>(bits);
@@ -173,14 +173,11 @@ inline const uint16_t* gelu_bf16_table(bool tanh_form) {
                               : 0.5 * v * std::erfc(-v * 0.7071067811865476);
         c10::BFloat16 out;
         store(&out, static_cast<float>(g));
-        (*table)[bits] = out.x;
+        built[form * kGeluTableEntries + bits] = out.x;
       }
-      tables[form] = table;
-    }
-    return true;
+    return built;
   }();
-  (void)built;
-  return tables[tanh_form ? 1 : 0]->data();
+  return tables.data() + (tanh_form ? kGeluTableEntries : 0);
 }
 
 // In place: x = GELU(x) over each row of bf16 x, through gelu_bf16_table.
@@ -230,7 +227,8 @@ void add_layer_norm_impl(at::Tensor& x, const at::Tensor& residual, const at::Te
       const float mean = total / static_cast<float>(n);
       float squares = 0.0f;
       for (int64_t i = 0; i < n; ++i) squares += (sum[i] - mean) * (sum[i] - mean);
-      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
+      const float variance = squares / static_cast<float>(n);
+      const float scale = 1.0f / std::sqrt(variance + static_cast<float>(eps));
       for (int64_t i = 0; i < n; ++i)
         store(xr + i, (sum[i] - mean) * scale * to_float(wp[i]) + to_float(bp[i]));
     }
