@@ -153,28 +153,68 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
-// GELU of every bf16 value, rounded to bf16: the erf form's 65536 entries, one spare (a
-// 4-byte read at the last index stays inside), then the tanh form's. Built once in double:
-// a lookup is cheaper than evaluating erf in fp32, and exact for a bf16 input.
+// The value of a finite bf16 bit pattern, decoded with integer arithmetic: a subnormal
+// widened through float reads as zero on a thread with DAZ set, and GCC's crtfastmath sets
+// FTZ/DAZ on the thread that loads a -ffast-math library (this one included).
+inline double bf16_finite_value(uint16_t bits) {
+  const int exponent = (bits >> 7) & 0xFF, fraction = bits & 0x7F;
+  const double magnitude = exponent == 0 ? std::ldexp(fraction, -133)
+                                         : std::ldexp(0x80 | fraction, exponent - 134);
+  return (bits & 0x8000) ? -magnitude : magnitude;
+}
+
+// The bf16 bit pattern (sign bit clear) nearest to a finite magnitude >= 0, ties to even:
+// rounded once from double, with no float in between (that would round twice, and flush
+// subnormals under FTZ).
+inline uint16_t bf16_nearest_magnitude_bits(double magnitude) {
+  if (magnitude == 0.0) return 0;
+  int exponent;
+  std::frexp(magnitude, &exponent);  // magnitude in [2^(exponent-1), 2^exponent)
+  // 8 significant bits, and no unit finer than the subnormal step 2^-133.
+  const int unit = std::max(exponent - 8, -133);
+  const auto units = static_cast<uint32_t>(std::nearbyint(std::ldexp(magnitude, -unit)));
+  // A subnormal's pattern is its count of 2^-133 units; a normal's is its biased exponent
+  // then 7 fraction bits, where a count rounded up to 256 carries into the exponent.
+  const uint32_t pattern = unit == -133 ? units : ((exponent + 126) << 7) + units - 128;
+  return static_cast<uint16_t>(std::min<uint32_t>(pattern, 0x7F80));
+}
+
+// GELU of a bf16 bit pattern, as a bf16 bit pattern: the erf form x/2 erfc(-x / sqrt 2)
+// or the tanh form x sigmoid(2y), which keep their accuracy where 1 + erf and 1 + tanh
+// cancel (x far below zero). +inf gives +inf; -inf gives NaN (-inf * 0, as ATen's GELU);
+// a NaN stays itself. Only finite doubles occur: infinities are undefined under
+// -ffast-math.
+inline uint16_t gelu_bf16_bits(uint16_t bits, bool tanh_form) {
+  if (((bits >> 7) & 0xFF) == 0xFF) {
+    const bool negative_infinity = bits == 0xFF80;
+    return negative_infinity ? 0xFFC0 : bits;
+  }
+  const double v = bf16_finite_value(bits);
+  double g;
+  if (tanh_form) {
+    const double t = 2.0 * 0.7978845608028654 * (v + 0.044715 * v * v * v);
+    const double e = std::exp(-std::fabs(t));
+    g = v * (t >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e));
+  } else {
+    g = 0.5 * v * std::erfc(-v * 0.7071067811865476);
+  }
+  // GELU(x) = x Phi(x) has x's sign, a zero's included: taken from the input, since
+  // -ffast-math does not keep the sign of a zero.
+  return (bits & 0x8000) | bf16_nearest_magnitude_bits(std::fabs(g));
+}
+
+// GELU of every bf16 value: the erf form's 65536 entries, one spare (a 4-byte read at the
+// last index stays inside), then the tanh form's. A lookup is cheaper than evaluating erf
+// in fp32, and exact for a bf16 input; the entries do not depend on the building thread's
+// FTZ/DAZ.
 constexpr int64_t kGeluTableEntries = 65537;
 
 inline const uint16_t* gelu_bf16_table(bool tanh_form) {
   static const std::vector<uint16_t> tables = [] {
     std::vector<uint16_t> built(2 * kGeluTableEntries, 0);
     for (int form = 0; form < 2; ++form)
-      for (uint32_t bits = 0; bits < 65536; ++bits) {
-        c10::BFloat16 in;
-        in.x = static_cast<uint16_t>(bits);
-        const double v = to_float(in);
-        // x/2 (1 + erf(x / sqrt 2)) and x/2 (1 + tanh y) in forms that keep their
-        // accuracy where 1 + erf and 1 + tanh cancel (x far below zero).
-        const double y = 0.7978845608028654 * (v + 0.044715 * v * v * v);
-        const double g = form ? v / (1.0 + std::exp(-2.0 * y))
-                              : 0.5 * v * std::erfc(-v * 0.7071067811865476);
-        c10::BFloat16 out;
-        store(&out, static_cast<float>(g));
-        built[form * kGeluTableEntries + bits] = out.x;
-      }
+      for (uint32_t bits = 0; bits < 65536; ++bits)
+        built[form * kGeluTableEntries + bits] = gelu_bf16_bits(bits, form == 1);
     return built;
   }();
   return tables.data() + (tanh_form ? kGeluTableEntries : 0);

@@ -7,7 +7,11 @@ which is at least as close to the fp32 reference as ATen's op-by-op bf16 roundin
 
 from __future__ import annotations
 
+import bisect
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,28 +81,117 @@ def test_silu_and_mul_matches_aten(dtype: torch.dtype, width: int) -> None:
     close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
-@pytest.mark.parametrize("tanh_form", [False, True])
-def test_gelu_is_every_bf16_value_gelu_rounded_once_in_place(tanh_form: bool) -> None:
-    """All 65536 bf16 bit patterns (a 16-wide row and a scalar tail), each mapped to the
-    float64 GELU of its value rounded once to bf16; NaN stays NaN. The reference is
-    written as x * sigmoid(2y) and x/2 * erfc(-x / sqrt 2), which keep their accuracy far
-    below zero, where 1 + tanh and 1 + erf cancel."""
+def bf16_value(pattern: int) -> float:
+    """The value of a bf16 bit pattern, decoded from its fields with integers (widening a
+    subnormal through float reads it as zero on a thread with DAZ set)."""
+    sign = -1.0 if pattern & 0x8000 else 1.0
+    exponent, fraction = (pattern >> 7) & 0xFF, pattern & 0x7F
+    if exponent == 0xFF:
+        return sign * math.inf if fraction == 0 else math.nan
+    if exponent == 0:
+        return sign * math.ldexp(fraction, -133)
+    return sign * math.ldexp(0x80 | fraction, exponent - 134)
+
+
+# Every non-negative finite bf16 value in pattern order (which is value order), then 2^128
+# for infinity's pattern: a value rounds to infinity where 2^128 is nearer, ties to even.
+MAGNITUDES = [bf16_value(p) for p in range(0x7F80)] + [math.ldexp(1.0, 128)]
+
+
+def nearest_bf16_pattern(g: float) -> int:
+    """The bf16 pattern nearest to float64 g, ties to the even pattern: rounded once."""
+    sign = 0x8000 if math.copysign(1.0, g) < 0 else 0
+    if math.isnan(g):
+        return 0x7FC0
+    hi = bisect.bisect_left(MAGNITUDES, abs(g))
+    if hi == len(MAGNITUDES) or MAGNITUDES[hi] == abs(g):
+        return sign | min(hi, 0x7F80)
+    # Both differences are exact: neighbours lie within a factor of two of abs(g).
+    below, above = abs(g) - MAGNITUDES[hi - 1], MAGNITUDES[hi] - abs(g)
+    nearer = hi - 1 if below < above or (below == above and (hi - 1) % 2 == 0) else hi
+    return sign | nearer
+
+
+def gelu_float64(v: float, tanh_form: bool) -> float:
+    """GELU in float64, as x sigmoid(2y) and x/2 erfc(-x / sqrt 2): forms that keep their
+    accuracy far below zero, where 1 + tanh and 1 + erf cancel."""
+    if not tanh_form:
+        return 0.5 * v * math.erfc(-v / math.sqrt(2))
+    t = 2 * math.sqrt(2 / math.pi) * (v + 0.044715 * v**3) if math.isfinite(v) else v
+    sigmoid = 1 / (1 + math.exp(-t)) if t >= 0 else math.exp(t) / (1 + math.exp(t))
+    return v * sigmoid
+
+
+def expected_gelu_patterns(tanh_form: bool) -> torch.Tensor:
+    """int16 [65536]: for each bf16 pattern from 0x8000 up through 0x7FFF (as int16 counts),
+    its GELU's pattern; NaN where GELU is NaN (a NaN, and -inf: -inf * 0)."""
+    patterns = [p & 0xFFFF for p in range(-(2**15), 2**15)]
+    out = [nearest_bf16_pattern(gelu_float64(bf16_value(p), tanh_form)) for p in patterns]
+    return torch.tensor(out, dtype=torch.int32).to(torch.int16)
+
+
+def every_bf16_pattern_with_a_tail() -> torch.Tensor:
+    """All 65536 bf16 patterns as rows of 16, each row with its first 5 again (21 wide: one
+    16-lane vector and a scalar tail of 5)."""
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     every = bits.view(torch.bfloat16).reshape(-1, 16)
-    x = torch.cat([every, every[:, :5]], dim=1).contiguous()  # 21 wide: 16 + a tail of 5
-    v = x.double()
-    if tanh_form:
-        exact = v * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))
-    else:
-        exact = 0.5 * v * torch.special.erfc(-v / math.sqrt(2))
-    expected = exact.to(x.dtype)
+    return torch.cat([every, every[:, :5]], dim=1).contiguous()
+
+
+def assert_gelu_of_every_pattern(x: torch.Tensor, tanh_form: bool) -> None:
+    """x: every_bf16_pattern_with_a_tail() after GELU; each value is the float64 GELU of
+    its input rounded once to bf16, bit for bit (zero's sign included), NaN where NaN."""
+    expected = expected_gelu_patterns(tanh_form).reshape(-1, 16)
+    expected = torch.cat([expected, expected[:, :5]], dim=1)
+    nan = expected.view(torch.bfloat16).isnan()
+    assert torch.equal(x.isnan(), nan)
+    assert torch.equal(x.view(torch.int16)[~nan], expected[~nan])
+
+
+@pytest.mark.parametrize("tanh_form", [False, True])
+def test_gelu_is_every_bf16_value_gelu_rounded_once_in_place(tanh_form: bool) -> None:
+    x = every_bf16_pattern_with_a_tail()
 
     out = cpu_ops.gelu_(x, tanh_form)
 
     assert out.data_ptr() == x.data_ptr()
-    nan = expected.isnan()
-    assert torch.equal(out.isnan(), nan)
-    assert torch.equal(out[~nan], expected[~nan])
+    assert_gelu_of_every_pattern(out, tanh_form)
+
+
+FLUSHING_THREAD = """
+import sys, threading, torch
+from plugserve.worker import cpu_ops
+sys.path.insert(0, sys.argv[1])
+from test_cpu_ops import every_bf16_pattern_with_a_tail
+
+def gelu_on_the_loading_thread():
+    assert cpu_ops.load()
+    tiny = sys.float_info.min / 2
+    flushes = tiny * 1.0 == 0.0
+    x = every_bf16_pattern_with_a_tail()
+    forms = [cpu_ops.gelu_(x.clone(), tanh_form) for tanh_form in (False, True)]
+    torch.save({"flushes": flushes, "forms": forms}, sys.argv[2])
+
+thread = threading.Thread(target=gelu_on_the_loading_thread)
+thread.start()
+thread.join()
+"""
+
+
+def test_gelu_tables_built_on_a_thread_that_flushes_subnormals_are_the_same(tmp_path) -> None:
+    """Loading a -ffast-math library turns on FTZ/DAZ on the loading thread (GCC's
+    crtfastmath); a table first built there still holds every subnormal's GELU."""
+    result = tmp_path / "gelu.pt"
+    subprocess.run(
+        [sys.executable, "-c", FLUSHING_THREAD, str(Path(__file__).parent), str(result)],
+        check=True,
+        timeout=300,
+    )
+    built = torch.load(result)
+    if not built["flushes"]:
+        pytest.skip("this compiler's -ffast-math libraries leave FTZ/DAZ off")
+    for tanh_form, x in zip((False, True), built["forms"], strict=True):
+        assert_gelu_of_every_pattern(x, tanh_form)
 
 
 def test_gelu_takes_bf16_only() -> None:
