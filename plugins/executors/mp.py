@@ -82,6 +82,10 @@ from plugserve_plugins.executors.mp_worker import (
 
 logger = logging.getLogger(__name__)
 
+# How long a rank's reported error waits for another rank's death to show (its pipe's
+# end closing): the error path's only cost where no rank died, cut short by any event.
+_DEATH_GRACE_S = 0.5
+
 _Output = ModelRunnerOutput | None
 
 
@@ -374,17 +378,35 @@ class MultiprocExecutor:
         named first: another rank's error (a broken collective) follows from theirs. The
         `reporter`, which exits after sending its error, is not one of them."""
         if self._failure is None:
-            dead = [
-                self._death(rank)
-                for rank, proc in enumerate(self._procs)
-                if rank != reporter and not proc.is_alive()
-            ]
+            dead = [self._death(rank) for rank in self._gone_ranks(reporter)]
             # dict.fromkeys: the reason may be one of the deaths already listed.
             self._failure = "; ".join(dict.fromkeys([*dead, reason]))
             logger.error("workers failed: %s", self._failure)
             self._finalizer.detach()
             stop_workers(self._procs, self._conns, 0.0, self._heartbeats)
         raise RuntimeError(self._failure)
+
+    def _gone_ranks(self, reporter: int | None) -> list[int]:
+        """The local ranks other than `reporter` that have died. A rank killed by a signal
+        closes its files (this pipe's end and its collective's sockets alike) before its
+        exit status exists, so the rank whose collective broke can report first: a closed
+        pipe counts as a death, and a reporter's error waits a moment for one to show."""
+        others = [rank for rank in range(len(self._procs)) if rank != reporter]
+        if reporter is not None:
+            watched = [self._conns[r] for r in others] + [self._procs[r].sentinel for r in others]
+            wait(watched, _DEATH_GRACE_S)
+        return [rank for rank in others if not self._procs[rank].is_alive() or self._closed(rank)]
+
+    def _closed(self, rank: int) -> bool:
+        """Whether rank's end of its pipe is closed (messages waiting there are read and
+        dropped: the engine is failing)."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll(0):
+                conn.recv_bytes()
+        except (EOFError, OSError):
+            return True
+        return False
 
     def _await_nodes(self) -> None:
         """Once the ranks are up, every other node has dialled in its heartbeats (its
