@@ -387,26 +387,30 @@ class MultiprocExecutor:
         raise RuntimeError(self._failure)
 
     def _gone_ranks(self, reporter: int | None) -> list[int]:
-        """The local ranks other than `reporter` that have died. A rank killed by a signal
-        closes its files (this pipe's end and its collective's sockets alike) before its
-        exit status exists, so the rank whose collective broke can report first: a closed
-        pipe counts as a death, and a reporter's error waits a moment for one to show."""
+        """The local ranks other than `reporter` that died without reporting an error. A
+        rank killed by a signal closes its files (this pipe's end and its collective's
+        sockets alike) before its exit status exists, so the rank whose collective broke
+        can report first: a closed pipe counts as a death, and a reporter's error waits a
+        moment for one to show. A rank that sent its own error (the same bad step, or a
+        collective broken by the reporter's exit) is a consequence, not a death."""
         others = [rank for rank in range(len(self._procs)) if rank != reporter]
         if reporter is not None:
             watched = [self._conns[r] for r in others] + [self._procs[r].sentinel for r in others]
             wait(watched, _DEATH_GRACE_S)
-        return [rank for rank in others if not self._procs[rank].is_alive() or self._closed(rank)]
+        return [rank for rank in others if self._died_silently(rank)]
 
-    def _closed(self, rank: int) -> bool:
-        """Whether rank's end of its pipe is closed (messages waiting there are read and
-        dropped: the engine is failing)."""
+    def _died_silently(self, rank: int) -> bool:
+        """Whether rank is gone (exited, or its end of the pipe closed) with no error
+        message of its own; what waits in its pipe is read and dropped, as the engine is
+        failing."""
         conn = self._conns[rank]
+        reported = closed = False
         try:
             while conn.poll(0):
-                conn.recv_bytes()
+                reported |= conn.recv_bytes()[:1] == ERROR
         except (EOFError, OSError):
-            return True
-        return False
+            closed = True
+        return not reported and (closed or not self._procs[rank].is_alive())
 
     def _await_nodes(self) -> None:
         """Once the ranks are up, every other node has dialled in its heartbeats (its

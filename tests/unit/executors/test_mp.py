@@ -170,29 +170,51 @@ def test_tp2_in_bf16_runs_the_fused_cpu_layers_and_follows_uni() -> None:
         assert best.logprob - runner_up.logprob <= NEAR_TIE, (parted, best, runner_up)
 
 
+def ghost_step() -> SchedulerOutput:
+    """A step naming a request the workers never saw: each rank's ModelRunner raises
+    KeyError('ghost')."""
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["ghost"], new_block_ids=[[]], num_computed_tokens=[0]
+        ),
+        num_scheduled_tokens={"ghost": 1},
+        total_num_scheduled_tokens=1,
+        finished_req_ids=set(),
+    )
+
+
 def test_tp1_matches_uni_and_a_worker_exception_surfaces(uni_tokens: list[list[int]]) -> None:
     llm = LLM(executor="mp", tensor_parallel_size=1, **ENGINE)
     try:
         (proc,) = workers(llm)
         assert generate(llm) == uni_tokens
-        # A step naming a request the worker never saw: its ModelRunner raises KeyError.
-        bad = SchedulerOutput(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=["ghost"], new_block_ids=[[]], num_computed_tokens=[0]
-            ),
-            num_scheduled_tokens={"ghost": 1},
-            total_num_scheduled_tokens=1,
-            finished_req_ids=set(),
-        )
         executor = llm.engine.executor
-        future = executor.execute_model(bad, non_block=True)
+        future = executor.execute_model(ghost_step(), non_block=True)
         with pytest.raises(RuntimeError, match=r"Worker_TP0 failed: KeyError: 'ghost'"):
             future.result()
         proc.join(timeout=5)
         assert proc.exitcode is not None  # it exits after reporting; the executor stops it too
         with pytest.raises(RuntimeError, match="KeyError"):
             executor.check_health()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_step_both_ranks_refuse_fails_with_the_error_not_with_deaths() -> None:
+    """Every rank raises on the same bad step and exits after reporting: the failure is
+    that error, and no rank is named as having died."""
+    llm = LLM(executor="mp", tensor_parallel_size=2, **ENGINE)
+    try:
+        procs = workers(llm)
+        executor = llm.engine.executor
+        future = executor.execute_model(ghost_step(), non_block=True)
+        with pytest.raises(RuntimeError, match=r"Worker_TP[01] failed: KeyError: 'ghost'") as info:
+            future.result()
+        assert "died" not in str(info.value)
+        for proc in procs:
+            proc.join(timeout=5)
+            assert proc.exitcode is not None
     finally:
         llm.engine.shutdown()
 
