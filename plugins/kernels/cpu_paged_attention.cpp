@@ -53,18 +53,15 @@ constexpr int64_t kRunTokens = 16;
 // How much of the next work item's context a thread streams in ahead, in tokens.
 constexpr int64_t kAheadTokens = 512;
 
+// Prefetches `bytes` from p, a line at a time, into every cache level (Locality 3, T0),
+// or with 1 (T2, the outer caches) for what is read a work item later: with T0 there,
+// the next item's context competed with the current item's own loads for L1 and its fill
+// buffers, and a step's attention ran slower (docs/benchmarks-history.md, "Decode
+// attention's read-ahead").
+template <int Locality = 3>
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
-
-// prefetch for what is read a work item later, with the T2 hint (the outer caches): with
-// T0's, the next item's context competed with the current item's own loads for L1 and
-// its fill buffers, and a step's attention ran slower (docs/benchmarks-history.md,
-// "Decode attention's read-ahead").
-inline void prefetch_to_l2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, Locality);
 }
 
 // s[t] = cap * tanh(s[t] / cap) over n scores, in place (Gemma 2's logit soft-capping);
@@ -473,8 +470,8 @@ void paged_attention_impl(const at::Tensor& out, const at::Tensor& q, const at::
       auto stream_next = [&] {
         ++runs_done;
         for (; streamed < ahead && streamed * runs < runs_done * ahead; ++streamed) {
-          prefetch_to_l2(token_of(k_ptr, next, streamed), item_bytes);
-          prefetch_to_l2(token_of(v_ptr, next, streamed), item_bytes);
+          prefetch<1>(token_of(k_ptr, next, streamed), item_bytes);
+          prefetch<1>(token_of(v_ptr, next, streamed), item_bytes);
         }
       };
       // Grown, never cleared: pass 1 writes every score before anything reads it.
