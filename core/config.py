@@ -30,7 +30,7 @@ AUTOMATIC_LINEAR_METHODS = ("cpu_bf16", "cpu_fp32", "plain")
 # stack.model_passes left unset: these, in this order, those of them registered (the
 # bundled ones only, so that an installed third-party pass never applies unasked; each
 # pass declines what it cannot run: worker/model_passes.py).
-AUTOMATIC_MODEL_PASSES = ("fused_cpu_decoder",)
+AUTOMATIC_MODEL_PASSES = ("fused_cpu_decoder", "fused_cpu_encoder")
 
 
 class _Section(BaseModel):

@@ -26,6 +26,6 @@ frontend module. Each name has one home, its module here:
   worker (capabilities.ProposesInWorker) ProposerModel and WorkerDraftRequests
 - model: AttentionBackend (with LayerAttention, FULL_ATTENTION, AttentionSpec,
   AttentionBatch), LinearMethod (with LinearLayer, LinearCompute, TiedLmHead), CausalLM,
-  ModelPass (with DecoderFrame, WholeStack, LayerRoute)
+  ModelPass (with DecoderFrame, WholeStack, EncoderFrame, WholeEncoderStack, LayerRoute)
 - pooling: Pooler (with PoolerTokens)
 """

@@ -324,6 +324,44 @@ class DecoderFrame(Protocol):
         ...
 
 
+class WholeEncoderStack(Protocol):
+    """A replacement for an encoder frame's layer loop that a model pass installs
+    (EncoderFrame.install_stack), called as (x [T, hidden]: the embeddings' output) → the
+    last layer's hidden states [T, hidden]: the frame calls it for the steps whose token
+    count it `runs`, and its own loop for the others."""
+
+    def runs(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens runs here."""
+        ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class EncoderFrame(Protocol):
+    """What a model pass sees of an encoder (a BERT-style model: embeddings, then layers
+    that attend bidirectionally; plugserve.worker.models.bert.BertModel offers it): the
+    layer modules as built and loaded and the tensor-parallel world size; a pass may
+    install a WholeEncoderStack running every layer at once."""
+
+    @property
+    def layers(self) -> Sequence[torch.nn.Module]:
+        """The encoder layers, in order, as the model file built them."""
+        ...
+
+    # The whole-stack replacement a pass installed (install_stack), or None.
+    whole_stack: WholeEncoderStack | None
+
+    @property
+    def world_size(self) -> int:
+        """Tensor-parallel ranks the model is sharded over (1: unsharded)."""
+        ...
+
+    def install_stack(self, stack: WholeEncoderStack | None) -> None:
+        """Run the layers through `stack` where it `runs` a step (None: never)."""
+        ...
+
+
 @runtime_checkable
 class ModelPass(Protocol):
     """A rewrite of how a loaded model's layers run, selected by `stack.model_passes`
@@ -337,7 +375,8 @@ class ModelPass(Protocol):
     as they are; it never changes what a layer computes beyond rounding. A later pass
     sees what earlier ones installed."""
 
-    def apply(self, model: DecoderFrame) -> Sequence[LayerRoute]:
+    def apply(self, model: DecoderFrame | EncoderFrame) -> Sequence[LayerRoute]:
         """Rewrite `model`'s layers; returns one LayerRoute per layer, in order (taken,
-        and what runs it now; or declined, and why)."""
+        and what runs it now; or declined, and why). A pass written for one kind of frame
+        returns no routes at all for the other: it does not look at that model."""
         ...

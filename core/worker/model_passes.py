@@ -1,14 +1,15 @@
 """The model passes a model load applies (interfaces.model.ModelPass), and the start-up
-log of which path runs each decoder layer and why.
+log of which path runs each layer and why.
 
 The model runner builds the passes that `stack.model_passes` selects (`build_model_passes`;
 None: the bundled automatic ones, config.AUTOMATIC_MODEL_PASSES, where registered) and
 hands them to the model loader, which applies them in order once the linear methods
 processed the weights (model_loader.finish_loading). A pass sees the model through its
 decoder frame (interfaces.model.DecoderFrame: the layers, what the forward pass calls
-per layer, the final norm, the rotary table, a whole-stack replacement) and answers, per
-layer, whether it took it and what runs it now, or why it declined it. Model files take
-no part: they only wire layers.
+per layer, the final norm, the rotary table, a whole-stack replacement) or its encoder
+frame (interfaces.model.EncoderFrame: the layers, a whole-stack replacement) and
+answers, per layer, whether it took it and what runs it now, or why it declined it.
+Model files take no part: they only wire layers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from plugserve.config import AUTOMATIC_MODEL_PASSES, StackConfig
-from plugserve.interfaces.model import DecoderFrame, LayerRoute, ModelPass
+from plugserve.interfaces.model import DecoderFrame, EncoderFrame, LayerRoute, ModelPass
 from plugserve.plugins import PluginRegistry, get_registry
 
 logger = logging.getLogger(__name__)
@@ -69,13 +70,13 @@ def model_passes_from_config(
 
 def apply_model_passes(model: nn.Module, passes: Sequence[NamedPass]) -> list[LayerRoute]:
     """Apply `passes` to `model` in order and log, once, which path runs each layer and
-    why; returns that per layer (empty for a model without a decoder frame, which the
-    passes cannot see into)."""
-    if not isinstance(model, DecoderFrame):
+    why; returns that per layer (empty for a model without a decoder or encoder frame,
+    which the passes cannot see into)."""
+    if not isinstance(model, (DecoderFrame, EncoderFrame)):
         if passes:
             logger.info(
-                "%s has no decoder frame (interfaces.model.DecoderFrame): no model pass "
-                "applies, its forward runs its layers",
+                "%s has no decoder or encoder frame (interfaces.model.DecoderFrame, "
+                "EncoderFrame): no model pass applies, its forward runs its layers",
                 type(model).__name__,
             )
         return []
@@ -83,6 +84,8 @@ def apply_model_passes(model: nn.Module, passes: Sequence[NamedPass]) -> list[La
     results: list[tuple[str, Sequence[LayerRoute]]] = []
     for named in passes:
         routes = list(named.model_pass.apply(model))
+        if not routes and num_layers:
+            continue  # a pass for the other kind of frame: it does not look at this model
         if len(routes) != num_layers:
             raise ValueError(
                 f"model pass {named.name!r} returned {len(routes)} layer routes for "
@@ -93,7 +96,7 @@ def apply_model_passes(model: nn.Module, passes: Sequence[NamedPass]) -> list[La
     logger.info(
         "%s, which path runs each layer (model passes: %s):\n%s",
         type(model).__name__,
-        ", ".join(named.name for named in passes) or "none",
+        ", ".join(name for name, _ in results) or "none",
         describe_routes(routes),
     )
     return routes

@@ -1,9 +1,10 @@
 """What this machine offers the bf16 CPU kernels: whether cpu_gemm.cpp (and the fused
-decoder's cpu_decoder.cpp, built on it) build and run here, oneDNN's bf16 matmuls, AMX
+decoder's cpu_decoder.cpp and the fused encoder's cpu_encoder.cpp, built on it) build and
+run here, oneDNN's bf16 matmuls, AMX
 tiles, and whether OpenMP lets the one-row matmuls share their work with the row pool's
 helper thread.
 
-cpu_gemm.cpp and cpu_decoder.cpp are this package's C++ (beside this file), compiled once
+cpu_gemm.cpp, cpu_decoder.cpp and cpu_encoder.cpp are this package's C++ (beside this file), compiled once
 per machine by plugserve.ops' build helper against its public headers (cpu_bf16.h,
 cpu_vec_math.h, cpu_ops.h, row_pool.h, layer_attention.h).
 """
@@ -21,6 +22,7 @@ from plugserve import ops
 _HERE = Path(__file__).parent
 GEMM_SOURCE = _HERE / "cpu_gemm.cpp"
 DECODER_SOURCE = _HERE / "cpu_decoder.cpp"
+ENCODER_SOURCE = _HERE / "cpu_encoder.cpp"
 
 # What cpu_gemm.cpp's kernel needs of the CPU (cpu_gemm.h: PLUGSERVE_HAS_BF16_GEMM).
 OWN_KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16")
@@ -69,6 +71,20 @@ def decoder_unavailable_reason() -> str | None:
         return f"cpu_decoder.cpp cannot be built or loaded: {error}"
     if not hasattr(torch.ops.plugserve_decoder, "decode_layers"):
         return "cpu_decoder.cpp was built without its ops"
+    return None
+
+
+def encoder_unavailable_reason() -> str | None:
+    """None where cpu_encoder.cpp (an encoder layer's stretch as one op) builds and loads
+    here (it needs cpu_gemm.cpp's kernel), else why not."""
+    reason = own_kernel_unavailable_reason()
+    if reason is not None:
+        return reason
+    error = ops.unavailable_reason(ENCODER_SOURCE)
+    if error is not None:
+        return f"cpu_encoder.cpp cannot be built or loaded: {error}"
+    if not hasattr(torch.ops.plugserve_encoder, "encode_stretch"):
+        return "cpu_encoder.cpp was built without its ops"
     return None
 
 

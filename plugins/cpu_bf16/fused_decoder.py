@@ -26,7 +26,7 @@ from torch import nn
 
 from plugserve import ops
 from plugserve.capabilities import has_kernel_plan
-from plugserve.interfaces.model import DecoderFrame, LayerRoute
+from plugserve.interfaces.model import DecoderFrame, EncoderFrame, LayerRoute
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.mlp import GatedMLP
@@ -43,8 +43,10 @@ FUSED_LAYER = "fused bf16 CPU layer"
 class FusedCpuDecoderPass:
     """interfaces.model.ModelPass: the fused bf16 CPU decoder (see the module docstring)."""
 
-    def apply(self, model: DecoderFrame) -> list[LayerRoute]:
+    def apply(self, model: DecoderFrame | EncoderFrame) -> list[LayerRoute]:
         layers = list(model.layers)
+        if not isinstance(model, DecoderFrame):
+            return []  # an encoder: fused_encoder.py's
         reason = model_unsupported_reason(model)
         if reason is not None:
             return [LayerRoute(False, FUSED_LAYER, reason)] * len(layers)

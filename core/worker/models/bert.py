@@ -7,13 +7,13 @@ CLS state, then the classifier) runs in `classify`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from plugserve.interfaces.model import AttentionBackend, LayerAttention
+from plugserve.interfaces.model import AttentionBackend, LayerAttention, WholeEncoderStack
 from plugserve.worker.layers.checkpoint import PackedModulesMapping, load_checkpoint
 from plugserve.worker.layers.encoder_layer import ENCODER_QKV, EncoderEmbeddings, EncoderLayer
 from plugserve.worker.layers.linear import Linear
@@ -32,7 +32,8 @@ class Encoder(nn.Module):
 
 class BertModel(nn.Module):
     """interfaces.model.CausalLM's shape for an encoder without an LM head: forward gives
-    the final hidden states a pooler reads."""
+    the final hidden states a pooler reads. A model pass sees it as an
+    interfaces.model.EncoderFrame and may install a whole-stack replacement."""
 
     packed_modules_mapping: ClassVar[PackedModulesMapping] = ENCODER_QKV
     # The prefix a task model's checkpoint puts before the encoder's names.
@@ -57,6 +58,7 @@ class BertModel(nn.Module):
             EncoderLayer(hf_config, i, attention, self.parallel)
             for i in range(hf_config.num_hidden_layers)
         )
+        self.whole_stack: WholeEncoderStack | None = None
 
     @classmethod
     def position_offset(cls, hf_config: Any) -> int:
@@ -72,6 +74,19 @@ class BertModel(nn.Module):
         """capabilities.HasContextLimit: the position ids the embedding table holds."""
         return hf_config.max_position_embeddings - cls.position_offset(hf_config)
 
+    # ------------------------------------------------------------------ interfaces.model.EncoderFrame
+
+    @property
+    def layers(self) -> Sequence[nn.Module]:
+        return self.encoder.layer
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    def install_stack(self, stack: WholeEncoderStack | None) -> None:
+        self.whole_stack = stack
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -79,6 +94,9 @@ class BertModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embeddings(input_ids, positions, token_type_ids)
+        stack = self.whole_stack
+        if stack is not None and stack.runs(x.shape[0]):
+            return stack(x)
         for layer in self.encoder.layer:
             x = layer(x)
         return x

@@ -34,6 +34,11 @@ KERNELS = (
         cpu_features.OWN_KERNEL_CPU_FLAGS,
         cpu_features.decoder_unavailable_reason,
     ),
+    CompiledKernel(
+        "cpu_encoder.cpp",
+        cpu_features.OWN_KERNEL_CPU_FLAGS,
+        cpu_features.encoder_unavailable_reason,
+    ),
     CompiledKernel("cpu_ops.cpp", (), cpu_ops.unavailable_reason),
     CompiledKernel("cpu_paged_attention.cpp", (), cpu_paged_attention.unavailable_reason),
     CompiledKernel(
