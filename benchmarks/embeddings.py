@@ -11,11 +11,21 @@ vocabulary, lengths drawn uniformly, a fixed seed), the same for every system.
   request as soon as its previous one is answered, base64-encoded as the openai SDK asks
   by default, over aiohttp: the client's CPU time is taken from the server's.
 
-Reported per system and concurrency (1, 16, 64): sentences/s and p50 latency; then
-plugserve's ratios against each. Every system computes in --dtype (float32 by default).
+Every server is up for the whole run, and at each concurrency the systems take turns:
+the sentences are dealt into --rounds parts of a like mix of lengths, and each part is
+run by every system before the next part starts (the first system of a round rotates).
+A machine whose speed drifts over minutes (a shared host) so slows every system alike,
+where one system after the other would hand the drift to whichever ran in the slow spell.
+Each turn starts once the machine is idle (a server's threads may spin on after its
+last request: vLLM's worker polls for seconds).
+
+Reported per system and concurrency (1, 16, 64): sentences/s over all rounds and p50
+latency; then plugserve's ratios against each, with the lowest and highest of the
+rounds' ratios. Every system computes in --dtype (float32 by default).
 
     .venv/bin/python benchmarks/embeddings.py [--systems "plugserve st vllm"]
-        [--concurrency "1 16 64"] [--sentences 512] [--dtype bfloat16] [--json out.json]
+        [--concurrency "1 16 64"] [--sentences 512] [--rounds 4] [--dtype bfloat16]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -33,6 +44,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -92,25 +104,47 @@ def make_sentences(folder: Path, count: int, seed: int = 0) -> list[str]:
 # -- the systems -------------------------------------------------------------------------
 
 
-def run_sentence_transformers(
-    folder: Path, sentences: list[str], concurrency: int, dtype: str
-) -> dict[str, float]:
-    import torch
-    from sentence_transformers import SentenceTransformer
+class Timed:
+    """One system's share of a round: its wall time and each sentence's latency."""
 
-    model = SentenceTransformer(str(folder), device="cpu").to(getattr(torch, dtype))
-    model.encode(sentences[:concurrency], batch_size=concurrency)  # warm-up
-    latencies = []
-    started = time.perf_counter()
-    for lo in range(0, len(sentences), concurrency):
-        part = sentences[lo : lo + concurrency]
-        call_started = time.perf_counter()
-        model.encode(part, batch_size=concurrency)
-        latencies += [time.perf_counter() - call_started] * len(part)
-    return summary(len(sentences), time.perf_counter() - started, latencies)
+    def __init__(self, seconds: float, latencies: list[float]) -> None:
+        self.seconds = seconds
+        self.latencies = latencies
 
 
-async def drive(url: str, model: str, sentences: list[str], concurrency: int) -> dict[str, float]:
+class SentenceTransformersSystem:
+    """`encode` in this process, c sentences per call."""
+
+    def __init__(self, folder: Path, dtype: str) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(str(folder), device="cpu").to(getattr(torch, dtype))
+
+    def run(self, sentences: list[str], concurrency: int) -> Timed:
+        self.model.encode(sentences[:concurrency], batch_size=concurrency)  # warm-up
+        latencies = []
+        started = time.perf_counter()
+        for lo in range(0, len(sentences), concurrency):
+            part = sentences[lo : lo + concurrency]
+            call_started = time.perf_counter()
+            self.model.encode(part, batch_size=concurrency)
+            latencies += [time.perf_counter() - call_started] * len(part)
+        return Timed(time.perf_counter() - started, latencies)
+
+
+class ServedSystem:
+    """A running server, driven over HTTP."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.model = served_model(url)
+
+    def run(self, sentences: list[str], concurrency: int) -> Timed:
+        return asyncio.run(drive(self.url, self.model, sentences, concurrency))
+
+
+async def drive(url: str, model: str, sentences: list[str], concurrency: int) -> Timed:
     """c clients posting one sentence each, as the openai SDK does (base64 vectors),
     over aiohttp (vLLM's benchmark client's library): on two cores the client's own CPU
     time is taken from the server's, so the client is kept as light as it can be."""
@@ -140,14 +174,7 @@ async def drive(url: str, model: str, sentences: list[str], concurrency: int) ->
         await post(sentences[0])
         started = time.perf_counter()
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        return summary(len(sentences), time.perf_counter() - started, latencies)
-
-
-def summary(count: int, seconds: float, latencies: list[float]) -> dict[str, float]:
-    return {
-        "sentences_per_s": count / seconds,
-        "p50_latency_ms": 1e3 * statistics.median(latencies),
-    }
+        return Timed(time.perf_counter() - started, latencies)
 
 
 def served_model(url: str) -> str:
@@ -207,31 +234,81 @@ def make_server(
     )
 
 
-def run_server(
-    system: str, folder: Path, sentences: list[str], concs: list[int], dtype: str, log_dir: Path
-) -> dict[int, dict[str, float]]:
-    server = make_server(system, folder, max(concs), dtype, log_dir)
-    print(f"$ {server.command_line()}  (log: {server.log_path})", flush=True)
-    results = {}
-    with server.running(check_exit=system == "plugserve", startup_timeout=600.0):
-        model = served_model(server.base_url)
-        for conc in concs:
-            results[conc] = asyncio.run(drive(server.base_url, model, sentences, conc))
-            print(f"{system} c={conc}: {results[conc]}", flush=True)
-    return results
+def deal(sentences: list[str], rounds: int) -> list[list[str]]:
+    """The sentences dealt into `rounds` parts, in their drawn order: each part a like mix
+    of lengths, and each batch of sentence-transformers' a random one, which it pads to
+    its longest sentence (sorted by length, its batches would pad far less than a
+    client's mixed requests let it)."""
+    return [sentences[r::rounds] for r in range(rounds)]
+
+
+def busy_fraction(seconds: float) -> float:
+    """The share of this machine's CPU time spent running (not idle) over `seconds`."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            ticks = [int(field) for field in stat.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle and iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    busy0, total0 = sample()
+    time.sleep(seconds)
+    busy1, total1 = sample()
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def wait_until_quiet(limit_s: float = 20.0) -> None:
+    """Until the machine is idle: a server keeps its threads spinning or polling for a
+    while after its last request (vLLM's worker for seconds), and whoever took the next
+    turn would share the cores with that tail."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and busy_fraction(0.25) > 0.1:
+        pass
+
+
+def in_turns(
+    systems: dict[str, SentenceTransformersSystem | ServedSystem],
+    sentences: list[str],
+    concurrency: int,
+    rounds: int,
+) -> dict[str, list[Timed]]:
+    """Every part of the sentences run by every system before the next part starts; the
+    system that goes first rotates from round to round."""
+    names = list(systems)
+    timed: dict[str, list[Timed]] = {name: [] for name in names}
+    for r, part in enumerate(deal(sentences, rounds)):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if os.path.exists("/proc/stat"):
+                wait_until_quiet()
+            timed[name].append(systems[name].run(part, concurrency))
+        print(
+            f"c={concurrency} round {r + 1}/{rounds}: "
+            + ", ".join(f"{name} {len(part) / timed[name][-1].seconds:.1f}/s" for name in names),
+            flush=True,
+        )
+    return timed
+
+
+def summary(rounds: list[Timed]) -> dict[str, float]:
+    count = sum(len(t.latencies) for t in rounds)
+    return {
+        "sentences_per_s": count / sum(t.seconds for t in rounds),
+        "p50_latency_ms": 1e3 * statistics.median(x for t in rounds for x in t.latencies),
+        "rounds_sentences_per_s": [len(t.latencies) / t.seconds for t in rounds],
+    }
 
 
 # -- the table ---------------------------------------------------------------------------
 
 
-def table(results: dict[str, dict[int, dict[str, float]]], concs: list[int]) -> str:
+def table(results: dict[str, dict[int, dict[str, Any]]], concs: list[int]) -> str:
     systems = [s for s in SYSTEMS if s in results]
     head = ["c"]
     for system in systems:
         head += [f"{SHOWN[system]} sent/s", f"{SHOWN[system]} p50 ms"]
     others = [s for s in systems if s != "plugserve"]
     if "plugserve" in results:
-        head += [f"vs {SHOWN[s]}" for s in others]
+        head += [f"vs {SHOWN[s]} (rounds)" for s in others]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for conc in concs:
         cells = [str(conc)]
@@ -239,8 +316,19 @@ def table(results: dict[str, dict[int, dict[str, float]]], concs: list[int]) -> 
             figures = results[system][conc]
             cells += [f"{figures['sentences_per_s']:.1f}", f"{figures['p50_latency_ms']:.1f}"]
         if "plugserve" in results:
-            ours = results["plugserve"][conc]["sentences_per_s"]
-            cells += [f"{ours / results[s][conc]['sentences_per_s']:.2f}x" for s in others]
+            ours = results["plugserve"][conc]
+            for other in others:
+                theirs = results[other][conc]
+                per_round = [
+                    a / b
+                    for a, b in zip(
+                        ours["rounds_sentences_per_s"],
+                        theirs["rounds_sentences_per_s"],
+                        strict=True,
+                    )
+                ]
+                ratio = ours["sentences_per_s"] / theirs["sentences_per_s"]
+                cells.append(f"{ratio:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -250,13 +338,16 @@ def main() -> int:
     parser.add_argument("--systems", default=" ".join(SYSTEMS))
     parser.add_argument("--concurrency", default="1 16 64")
     parser.add_argument("--sentences", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    systems = args.systems.split()
-    if unknown := set(systems) - set(SYSTEMS):
+    names = args.systems.split()
+    if unknown := set(names) - set(SYSTEMS):
         parser.error(f"unknown system(s): {', '.join(sorted(unknown))}")
     concs = [int(c) for c in args.concurrency.split()]
+    if args.rounds < 1 or args.sentences < args.rounds * max(concs):
+        parser.error("--sentences must give every round at least the highest concurrency")
     folder = minilm_folder()
     sentences = make_sentences(folder, args.sentences)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -266,24 +357,32 @@ def main() -> int:
     print(f"CPU: {cpu_name()}; torch threads {torch.get_num_threads()}; {args.dtype}", flush=True)
     log_dir = cache_root() / "bench" / "embeddings"
     log_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[int, dict[str, float]]] = {}
-    for system in systems:
-        if system == "st":
-            results[system] = {
-                conc: run_sentence_transformers(folder, sentences, conc, args.dtype)
-                for conc in concs
-            }
-            print(f"st: {results[system]}", flush=True)
-        elif system == "vllm" and not (ANCHORS / "venv-vllm" / "bin" / "vllm").is_file():
-            print(f"vLLM's CPU build is not set up in {ANCHORS}: skipped", flush=True)
-        else:
-            results[system] = run_server(system, folder, sentences, concs, args.dtype, log_dir)
+    if "vllm" in names and not (ANCHORS / "venv-vllm" / "bin" / "vllm").is_file():
+        print(f"vLLM's CPU build is not set up in {ANCHORS}: skipped", flush=True)
+        names.remove("vllm")
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    with contextlib.ExitStack() as running:
+        systems: dict[str, SentenceTransformersSystem | ServedSystem] = {}
+        for name in names:
+            if name == "st":
+                systems[name] = SentenceTransformersSystem(folder, args.dtype)
+                continue
+            server = make_server(name, folder, max(concs), args.dtype, log_dir)
+            print(f"$ {server.command_line()}  (log: {server.log_path})", flush=True)
+            running.enter_context(
+                server.running(check_exit=name == "plugserve", startup_timeout=600.0)
+            )
+            systems[name] = ServedSystem(server.base_url)
+        for conc in concs:
+            for name, rounds in in_turns(systems, sentences, conc, args.rounds).items():
+                results[name][conc] = summary(rounds)
     print("\n" + table(results, concs))
     if args.json:
         report = {
             "date": datetime.date.today().isoformat(),
             "cpu": cpu_name(),
             "dtype": args.dtype,
+            "rounds": args.rounds,
             **results,
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
