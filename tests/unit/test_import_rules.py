@@ -99,7 +99,7 @@ LAYER_PLUGINS = ("plugserve_plugins.linear_methods", "plugserve_plugins.cpu_bf16
 LAYER_PLUGIN_ALSO_MAY_IMPORT = ("plugserve.worker.layers",)
 # The CPU kernels (rule e): the bf16 CPU fast path's package and its C++ sources.
 CPU_KERNELS = "plugserve_plugins.cpu_bf16"
-CPU_KERNEL_SOURCES = re.compile(r"^(cpu_gemm|cpu_decoder)\w*\.(cpp|h)$")
+CPU_KERNEL_SOURCES = re.compile(r"^(cpu_gemm|cpu_decoder|cpu_encoder)\w*\.(cpp|h)$")
 MODEL_FILES = "plugserve.worker.models"
 API_SERVER = "plugserve.frontend"
 NEVER_IN_API_SERVER = (
