@@ -5,7 +5,10 @@ builds it."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -120,3 +123,24 @@ def bf16_model(
 def automatic_passes() -> list[NamedPass]:
     """The model passes an engine applies when stack.model_passes is unset."""
     return build_model_passes(None)
+
+
+def write_embedder_files(folder: Path, smollm2_path: Path, *, normalize: bool) -> None:
+    """Beside a saved encoder checkpoint: a tokenizer (SmolLM2's: tests feed token ids)
+    and sentence-transformers' files naming mean pooling (and, with `normalize`, the
+    Normalize module)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(smollm2_path / name, folder / name)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]  # fmt: skip
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )  # fmt: skip
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True})
+    )

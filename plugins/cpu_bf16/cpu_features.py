@@ -88,6 +88,18 @@ def encoder_unavailable_reason() -> str | None:
     return None
 
 
+def fused_layers_unsupported_reason(weight: torch.Tensor) -> str | None:
+    """Why a model whose norm has this `weight` cannot run fused layers (None where it
+    can): they run bf16 on a CPU, over core's fused CPU ops."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        dtype = str(weight.dtype).removeprefix("torch.")
+        return f"the fused layers run bf16 on a CPU, the model {dtype} on {weight.device.type}"
+    reason = ops.unavailable_reason(ops.OPS_SOURCE)
+    if reason is not None:
+        return f"core's fused CPU ops (cpu_ops.cpp) are unavailable: {reason}"
+    return None
+
+
 def onednn_bf16_supported() -> bool:
     """Whether torch's oneDNN has bf16 matmuls on this CPU."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -24,13 +24,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from plugserve import ops
 from plugserve.capabilities import has_kernel_plan
 from plugserve.interfaces.model import DecoderFrame, EncoderFrame, LayerRoute
 from plugserve.worker.layers.attention import Attention
 from plugserve.worker.layers.decoder_layer import PreNormDecoderLayer
 from plugserve.worker.layers.mlp import GatedMLP
 from plugserve.worker.layers.norm import RMSNorm
+from plugserve_plugins.cpu_bf16.cpu_features import fused_layers_unsupported_reason
 from plugserve_plugins.cpu_bf16.fused_layer import FusedCpuDecoderLayer
 from plugserve_plugins.cpu_bf16.fused_mlp import FusedMLP
 from plugserve_plugins.cpu_bf16.fused_stack import FusedCpuDecoder
@@ -99,12 +99,9 @@ def model_unsupported_reason(model: DecoderFrame) -> str | None:
     weight = _norm_weight(model)
     if weight is None:
         return "the model has no norm weight to tell its dtype and device by"
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        dtype = str(weight.dtype).removeprefix("torch.")
-        return f"the fused layers run bf16 on a CPU, the model {dtype} on {weight.device.type}"
-    reason = ops.unavailable_reason(ops.OPS_SOURCE)
+    reason = fused_layers_unsupported_reason(weight)
     if reason is not None:
-        return f"core's fused CPU ops (cpu_ops.cpp) are unavailable: {reason}"
+        return reason
     if not hasattr(torch.ops.plugserve_ops, "rms_norm_heads"):
         return "core's fused CPU ops (cpu_ops.cpp) lack rms_norm_heads"
     return None

@@ -19,12 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plugserve import ops
 from plugserve.capabilities import has_kernel_plan
 from plugserve.interfaces.model import AttentionBackend, DecoderFrame, EncoderFrame, LayerRoute
 from plugserve.ops.kernel_timing import bucket_index
 from plugserve.worker.layers.encoder_layer import EncoderLayer
-from plugserve_plugins.cpu_bf16.cpu_features import encoder_unavailable_reason
+from plugserve_plugins.cpu_bf16.cpu_features import (
+    encoder_unavailable_reason,
+    fused_layers_unsupported_reason,
+)
 from plugserve_plugins.cpu_bf16.kernel_plan import ROW_BUCKETS, KernelPlan
 from plugserve_plugins.cpu_bf16.packed_linear import PackedLinear
 
@@ -61,13 +63,7 @@ def model_unsupported_reason(model: DecoderFrame | EncoderFrame) -> str | None:
     weight = getattr(getattr(norm, "LayerNorm", None), "weight", None)
     if not isinstance(weight, torch.Tensor):
         return "its first layer has no output LayerNorm to tell its dtype and device by"
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        dtype = str(weight.dtype).removeprefix("torch.")
-        return f"the fused layers run bf16 on a CPU, the model {dtype} on {weight.device.type}"
-    reason = ops.unavailable_reason(ops.OPS_SOURCE)
-    if reason is not None:
-        return f"core's fused CPU ops (cpu_ops.cpp) are unavailable: {reason}"
-    return encoder_unavailable_reason()
+    return fused_layers_unsupported_reason(weight) or encoder_unavailable_reason()
 
 
 def layer_unsupported_reason(layer: nn.Module) -> str | None:

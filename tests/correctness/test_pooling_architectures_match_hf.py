@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from model_support import write_embedder_files
 
 from plugserve import LLM
 from plugserve.pooling_params import PoolingParams
@@ -158,19 +159,11 @@ def write_checkpoint(case: Case, folder: Path, smollm2_path: Path) -> Path:
         config = json.loads((folder / "config.json").read_text())
         config["architectures"] = [case.config_architecture]
         (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(smollm2_path / name, folder / name)
     if case.pooling == "mean":  # sentence-transformers' files name the pooling
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-        ]  # fmt: skip
-        (folder / "modules.json").write_text(json.dumps(modules))
-        (folder / "1_Pooling").mkdir()
-        (folder / "1_Pooling" / "config.json").write_text(
-            json.dumps({"pooling_mode_mean_tokens": True})
-        )
+        write_embedder_files(folder, smollm2_path, normalize=True)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(smollm2_path / name, folder / name)
     return folder
 
 

@@ -6,9 +6,7 @@ why, what it cannot run (fp32, ReLU); the decoder pass does not look at encoders
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ from plugserve import LLM
 from plugserve.worker import cpu_ops
 from plugserve_plugins.cpu_bf16 import cpu_features
 from plugserve_plugins.cpu_bf16.fused_encoder import FusedCpuEncoder
+from tests.model_support import write_embedder_files
 
 OPS_MISSING = cpu_ops.unavailable_reason()
 ENCODER_MISSING = cpu_features.encoder_unavailable_reason()
@@ -54,17 +53,7 @@ def bert_folder(folder: Path, smollm2_path: Path, hidden_act: str) -> Path:
             centre = 1.0 if ("LayerNorm" in name and name.endswith("weight")) else 0.0
             param.normal_(centre, 0.1)
     model.save_pretrained(str(folder))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(smollm2_path / name, folder / name)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]  # fmt: skip
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"pooling_mode_mean_tokens": True})
-    )
+    write_embedder_files(folder, smollm2_path, normalize=False)
     return folder
 
 
