@@ -132,7 +132,7 @@ struct Problem {
   const uint16_t* q;  // [Tq, H, D], token stride q_stride
   int64_t q_stride;
   uint16_t* out;  // [Tq, H, D] contiguous
-  const uint16_t* kp;  // per KV head: keys packed by 16 (see scores_tile), padded to blocks
+  const uint16_t* kp;  // per KV head: keys packed by 16 (see scores_tile), padded to 16
   const uint16_t* vp;  // per KV head: values packed by key pair (see values_tile)
   int64_t head_packed;  // bf16 per KV head in kp / vp
   int64_t Tq, Tk, H, KVH, D;
@@ -167,6 +167,8 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
     // Keys past Tk (zero-padded in kp and vp) are masked below; whole groups and pairs
     // of them are skipped.
     const int64_t keys = std::min(kKeyBlock, P.Tk - k0);
+    // The vectors of 16 keys that hold any: a short prompt's block is mostly past its end.
+    const int vectors = static_cast<int>((keys + 15) / 16);
     scores_rows_upto<kRows<ND>>(keys, static_cast<int>(rows), qt, D, kp + k0 * D, s);
     // Every row sees every key of the block: no masks to build.
     const bool whole = k0 + kKeyBlock - 1 <= first_pos &&
@@ -176,7 +178,7 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
       const int64_t pos = P.causal ? first_pos + r / G : first_pos;
       __m512 v[4];
       __m512 peak = _mm512_set1_ps(m[r]);
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < vectors; ++c) {
         v[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(P.scale));
         if (P.softcap > 0) v[c] = soft_cap16(v[c], P.softcap);
         if (!whole) {
@@ -198,7 +200,7 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
       }
       const __m512 mv = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < vectors; ++c) {
         __m512 e = exp16(_mm512_sub_ps(v[c], mv));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c * 16),
@@ -230,24 +232,43 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
 }
 
 // Packs KV head h's keys [Tk, D] (token stride) into groups of 16 keys, each
-// [D/2 pairs][16 keys][2], and its values into [key pairs][D][2]; zero past Tk.
+// [D/2 pairs][16 keys][2], and its values into [key pairs][D][2]; zero past Tk up to
+// `padded` keys (a multiple of 16). A short prompt's packing is a good share of its
+// attention: a key group's pair j is one gather of 16 keys' j-th pair, a value pair two
+// rows interleaved by two permutes per 32 dimensions.
 void pack_head(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_stride,
                int64_t Tk, int64_t D, int64_t padded, uint16_t* kp, uint16_t* vp) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i pairs_stride = _mm512_set1_epi32(static_cast<int>(k_stride / 2));
   for (int64_t g = 0; g < padded / 16; ++g) {
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(g * 16)));
+    const __mmask16 live = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(Tk)),
+                                                 _MM_CMPINT_LT);
+    const __m512i row = _mm512_mullo_epi32(_mm512_maskz_mov_epi32(live, key), pairs_stride);
     uint16_t* dst = kp + g * 16 * D;
-    for (int64_t t = 0; t < 16; ++t) {
-      const int64_t key = g * 16 + t;
-      for (int64_t j = 0; j < D / 2; ++j) {
-        dst[j * 32 + 2 * t] = key < Tk ? k[key * k_stride + 2 * j] : 0;
-        dst[j * 32 + 2 * t + 1] = key < Tk ? k[key * k_stride + 2 * j + 1] : 0;
-      }
+    for (int64_t j = 0; j < D / 2; ++j) {
+      const __m512i index = _mm512_add_epi32(row, _mm512_set1_epi32(static_cast<int>(j)));
+      _mm512_storeu_si512(dst + j * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
+                                                                      live, index, k, 4));
     }
   }
+  // Output lanes 0..31 take a[0], b[0], a[1], b[1], ... a[15], b[15]; lanes 32..63 the rest.
+  alignas(64) int16_t low[32], high[32];
+  for (int i = 0; i < 32; ++i) {
+    low[i] = static_cast<int16_t>((i % 2) * 32 + i / 2);
+    high[i] = static_cast<int16_t>((i % 2) * 32 + 16 + i / 2);
+  }
+  const __m512i low_index = _mm512_load_si512(low), high_index = _mm512_load_si512(high);
   for (int64_t t = 0; t < padded / 2; ++t) {
     uint16_t* dst = vp + t * 2 * D;
-    for (int64_t e = 0; e < 2; ++e) {
-      const int64_t key = 2 * t + e;
-      for (int64_t d = 0; d < D; ++d) dst[2 * d + e] = key < Tk ? v[key * v_stride + d] : 0;
+    const int64_t a_key = 2 * t, b_key = 2 * t + 1;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = a_key < Tk ? _mm512_loadu_si512(v + a_key * v_stride + d)
+                                   : _mm512_setzero_si512();
+      const __m512i b = b_key < Tk ? _mm512_loadu_si512(v + b_key * v_stride + d)
+                                   : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, low_index, b));
+      _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, high_index, b));
     }
   }
 }
@@ -279,11 +300,12 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
               "prefill attention: mismatched q, k, v shapes");
   at::Tensor out = at::empty({q.size(0), H, D}, q.options());
 
-  // Each sequence's keys and values packed per KV head, padded to whole key blocks.
+  // Each sequence's keys and values packed per KV head, padded to whole groups of 16 keys.
   const int64_t num_seqs = static_cast<int64_t>(sequences.size());
   std::vector<int64_t> packed_at(num_seqs + 1, 0);
   for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t padded = (sequences[b].Tk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    // Whole groups of 16 keys: the blocks of the online softmax read no group past Tk.
+    const int64_t padded = (sequences[b].Tk + 15) / 16 * 16;
     packed_at[b + 1] = packed_at[b] + KVH * padded * D;
   }
   // Reused from call to call (pack_head writes every element, padding included): a
