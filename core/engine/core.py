@@ -54,19 +54,22 @@ class EngineCore:
             )
             info = dataclasses.replace(info, max_model_len=capacity)
         self.kv_cache_info: KVCacheInfo = info
+        self.pooling_setup: PoolingSetup = pooling_setup(
+            resolve_model_path(config.model), config.engine.runner, stack.pooler
+        )
         kv_allocator = registry.build(
             "kv_allocator",
             stack.kv_allocator,
             config.plugin_options(stack.kv_allocator),
             num_blocks=info.num_blocks,
             block_size=info.block_size,
-            enable_prefix_caching=config.engine.enable_prefix_caching,
+            # An encoder's prompt runs whole and its layers keep no K/V: no block of it is
+            # ever a prefix another request could start from, so none is hashed.
+            enable_prefix_caching=config.engine.enable_prefix_caching
+            and not self.pooling_setup.is_encoder,
         )
         policy = registry.build(
             "scheduler", stack.scheduler, config.plugin_options(stack.scheduler)
-        )
-        self.pooling_setup: PoolingSetup = pooling_setup(
-            resolve_model_path(config.model), config.engine.runner, stack.pooler
         )
         pooling = None
         if self.pooling_setup.is_pooling:

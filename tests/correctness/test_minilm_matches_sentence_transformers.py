@@ -7,7 +7,8 @@ summation order: fused q/k/v, attention over unpadded prompts through SDPA or th
 kernel, matmuls through oneDNN or F.linear); bf16 rounds every matmul's inputs and is
 held to 0.9995. truncate_prompt_tokens cuts a prompt as the tokenizer truncates at
 sentence-transformers' max_seq_length: [CLS] and [SEP] kept, the text cut at its end. An
-encoder's KV pool holds one step of whole prompts, not a generation's worth of sequences.
+encoder's KV pool holds one step of whole prompts, not a generation's worth of sequences,
+and none of its blocks goes into the prefix cache.
 """
 
 from __future__ import annotations
@@ -153,6 +154,16 @@ def test_an_encoders_kv_pool_holds_one_step_of_whole_prompts(fp32_llm):
     # What 1 GiB would hold, and every sequence at full length would use: far more.
     per_sequence = -(-info.max_model_len // engine.block_size)
     assert info.num_blocks < engine.max_num_seqs * per_sequence / 4
+
+
+def test_an_encoder_caches_no_prefix_blocks(fp32_llm):
+    # Its prompts run whole and its layers keep no K/V: a block of one is never a prefix
+    # another request starts from, so none is hashed into the prefix cache.
+    assert fp32_llm.config.engine.enable_prefix_caching
+    kv = fp32_llm.engine.scheduler.kv
+    assert not kv.enable_prefix_caching
+    fp32_llm.encode(SENTENCES[:2])
+    assert kv.stats().prefix_cache_queries == 0
 
 
 def test_a_pooling_request_asking_to_sample_is_refused_by_name(fp32_llm):
