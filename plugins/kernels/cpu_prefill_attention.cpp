@@ -141,6 +141,60 @@ struct Problem {
   bool causal;
 };
 
+// One key block's online-softmax step for each of `rows` rows: scores s → bf16
+// probabilities pb, the running max m and sum l, and o rescaled where the max grew. C: the
+// block's vectors of 16 keys that hold any (a short prompt's last block has fewer).
+template <int C>
+void softmax_block(const Problem& P, int64_t rows, int64_t k0, int64_t first_pos, bool whole,
+                   const float* s, uint16_t* pb, float* o, float* m, float* l) {
+  const int64_t D = P.D, G = P.H / P.KVH;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sr = s + r * kKeyBlock;
+    const int64_t pos = P.causal ? first_pos + r / G : first_pos;
+    __m512 v[C];
+    __m512 peak = _mm512_set1_ps(m[r]);
+    for (int c = 0; c < C; ++c) {
+      v[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(P.scale));
+      if (P.softcap > 0) v[c] = soft_cap16(v[c], P.softcap);
+      if (!whole) {
+        __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + c * 16)));
+        __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)),
+                                               _MM_CMPINT_LE);
+        if (P.window > 0)
+          seen &= _mm512_cmp_epi32_mask(
+              key, _mm512_set1_epi32(static_cast<int>(pos - P.window)), _MM_CMPINT_GT);
+        v[c] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kMasked), v[c]);
+      }
+      peak = _mm512_max_ps(peak, v[c]);
+    }
+    const float m_new = _mm512_reduce_max_ps(peak);
+    uint16_t* pr = pb + r * kKeyBlock;
+    if (m_new <= kMasked * 0.5f) {  // nothing seen yet: no probabilities
+      std::memset(pr, 0, kKeyBlock * 2);
+      continue;
+    }
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      __m512 e = exp16(_mm512_sub_ps(v[c], mv));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (m_new > m[r]) {  // rescale what the earlier blocks summed
+      const float alpha = m[r] <= kMasked * 0.5f ? 0.0f : std::exp(m[r] - m_new);
+      l[r] *= alpha;
+      float* orow = o + r * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d),
+                                                 _mm512_set1_ps(alpha)));
+      m[r] = m_new;
+    }
+    l[r] += _mm512_reduce_add_ps(sum);
+  }
+}
+
 // One work item: query tokens [t0, t0 + n) of KV head h, with all G heads of its group.
 template <int ND>
 void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* qt, float* s,
@@ -161,7 +215,6 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
   const int64_t k_end = last_pos + 1;
   const uint16_t* kp = P.kp + h * P.head_packed;
   const uint16_t* vp = P.vp + h * P.head_packed;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyBlock) {
     // Keys past Tk (zero-padded in kp and vp) are masked below; whole groups and pairs
@@ -173,49 +226,11 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
     // Every row sees every key of the block: no masks to build.
     const bool whole = k0 + kKeyBlock - 1 <= first_pos &&
                        (P.window <= 0 || k0 > last_pos - P.window);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s + r * kKeyBlock;
-      const int64_t pos = P.causal ? first_pos + r / G : first_pos;
-      __m512 v[4];
-      __m512 peak = _mm512_set1_ps(m[r]);
-      for (int c = 0; c < vectors; ++c) {
-        v[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(P.scale));
-        if (P.softcap > 0) v[c] = soft_cap16(v[c], P.softcap);
-        if (!whole) {
-          __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + c * 16)));
-          __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)),
-                                                 _MM_CMPINT_LE);
-          if (P.window > 0)
-            seen &= _mm512_cmp_epi32_mask(
-                key, _mm512_set1_epi32(static_cast<int>(pos - P.window)), _MM_CMPINT_GT);
-          v[c] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kMasked), v[c]);
-        }
-        peak = _mm512_max_ps(peak, v[c]);
-      }
-      const float m_new = _mm512_reduce_max_ps(peak);
-      uint16_t* pr = pb + r * kKeyBlock;
-      if (m_new <= kMasked * 0.5f) {  // nothing seen yet: no probabilities
-        std::memset(pr, 0, kKeyBlock * 2);
-        continue;
-      }
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < vectors; ++c) {
-        __m512 e = exp16(_mm512_sub_ps(v[c], mv));
-        sum = _mm512_add_ps(sum, e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c * 16),
-                            (__m256i)_mm512_cvtneps_pbh(e));
-      }
-      if (m_new > m[r]) {  // rescale what the earlier blocks summed
-        const float alpha = m[r] <= kMasked * 0.5f ? 0.0f : std::exp(m[r] - m_new);
-        l[r] *= alpha;
-        float* orow = o + r * D;
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d),
-                                                   _mm512_set1_ps(alpha)));
-        m[r] = m_new;
-      }
-      l[r] += _mm512_reduce_add_ps(sum);
+    switch (vectors) {  // the count a compile-time constant, as the loops unroll on it
+      case 1: softmax_block<1>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
+      case 2: softmax_block<2>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
+      case 3: softmax_block<3>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
+      default: softmax_block<4>(P, rows, k0, first_pos, whole, s, pb, o, m, l);
     }
     values_rows<kRows<ND>, ND>(static_cast<int>(rows), pb, vp + k0 * D, o, D, (keys + 1) / 2);
   }
