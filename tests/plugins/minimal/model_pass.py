@@ -3,8 +3,9 @@ inside `torch.profiler.record_function("layer <i>")`, so a profiler trace of the
 shows one span per layer (and the kernels each ran under it) instead of one flat run of
 ops. It changes no number: every span calls what ran there before it, the fused bf16 CPU
 layers included; where a pass before it installed a whole-stack replacement, the steps
-that run it show one "decoder stack" span. Written against plugserve.interfaces (ModelPass
-and the DecoderFrame it is given) and `hookimpl` only.
+that run it show one "decoder stack" span; an encoder it leaves alone (no routes). Written
+against plugserve.interfaces (ModelPass and the DecoderFrame it is given) and `hookimpl`
+only.
 
 Loaded through PLUGSERVE_PLUGIN_MODULES=tests.plugins.minimal.model_pass;
 tests/plugins/test_minimal_plugins.py selects it (stack.model_passes: [layer_spans]).
@@ -18,7 +19,7 @@ import torch
 
 from plugserve import hookimpl
 from plugserve.hookspecs import Register
-from plugserve.interfaces.model import DecoderFrame, LayerRoute, WholeStack
+from plugserve.interfaces.model import DecoderFrame, EncoderFrame, LayerRoute, WholeStack
 
 
 class Span:
@@ -43,7 +44,9 @@ class StackSpan(Span):
 class LayerSpans:
     """interfaces.model.ModelPass: a profiler span around every layer."""
 
-    def apply(self, model: DecoderFrame) -> list[LayerRoute]:
+    def apply(self, model: DecoderFrame | EncoderFrame) -> list[LayerRoute]:
+        if not isinstance(model, DecoderFrame):
+            return []  # an encoder: this pass looks at decoders only
         for index, layer in enumerate(model.layer_fns):
             model.layer_fns[index] = Span(f"layer {index}", layer)
         if model.whole_stack is not None:
