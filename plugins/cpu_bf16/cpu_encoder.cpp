@@ -5,10 +5,11 @@
 //   x' = LayerNorm(down(GELU(up(h))) + h)
 //   then, unless this was the last layer: qkv = the next layer's qkv_proj(x')
 //
-// A sentence embedder serves one short prompt at a time as readily as many: at a few dozen
-// tokens a layer's matmuls take tens of microseconds each, and calling each op from Python
-// (with its module, its checks, the gap in which OpenMP's threads fall asleep) costs a
-// good share of that. Seven calls and their frames per layer become one. The arithmetic is
+// A sentence embedder serves one short prompt at a time as readily as many: over a short
+// prompt a layer's matmuls are short too, and calling each op from Python (with its
+// module, its checks, the gap in which OpenMP's threads fall asleep) costs a share of
+// them (docs/benchmarks-history.md, "The fused encoder and the embeddings benchmark in
+// turns"). Seven calls and their frames per layer become one. The arithmetic is
 // cpu_gemm.h's and cpu_ops.h's, in the same order, so the results equal the per-op path's
 // (fused_encoder.py; tested).
 //

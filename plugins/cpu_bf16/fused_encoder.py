@@ -7,10 +7,10 @@ the steps whose row count the kernel plan gives cpu_gemm. The other steps, and e
 model it declines (fp32, tensor-parallel ranks, ReLU, a linear another method computes),
 run the modules the model file built.
 
-A sentence embedder serves many requests of one short prompt: at a few dozen tokens each
-op of a layer takes tens of microseconds, and the module path's Python between them
-(frames, nn.Module lookups, the gap in which OpenMP's threads fall asleep) is a share of
-the forward. The op runs the same kernels in the same order, so the two paths' outputs
+A sentence embedder serves many requests of one short prompt: over a short prompt each
+op of a layer is short too, and the module path's Python between them (frames, nn.Module
+lookups, the gap in which OpenMP's threads fall asleep) is a share of the forward
+(docs/benchmarks-history.md, "The fused encoder and the embeddings benchmark in turns"). The op runs the same kernels in the same order, so the two paths' outputs
 are equal (tests/unit/cpu_bf16/test_fused_encoder.py).
 """
 
