@@ -122,23 +122,6 @@ struct LayerStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim;
 };
 
-// The step's cpu_gemm mode (cpu_gemm.h's OneRowMode), which its kernel plan gives the step's
-// row count: how one row runs, or kAmx, every row count on AMX tiles.
-void check_mode(int64_t mode) {
-  TORCH_CHECK(mode >= plugserve::kStreamNonTemporal && mode <= plugserve::kAmx,
-              "mode must be a plugserve::OneRowMode");
-  TORCH_CHECK(mode != plugserve::kAmx || plugserve::amx_available(),
-              "mode kAmx needs AMX tiles, which this CPU or build lacks");
-}
-
-// The mode a weight runs in: AMX tiles need K divisible by 32, and a weight that is not
-// runs the vector kernel, as packed_linear.PackedLinear runs it outside the stack.
-int64_t mode_for(const at::Tensor& packed, int64_t one_row_mode) {
-  return one_row_mode == plugserve::kAmx && packed.size(1) % 16 != 0
-             ? plugserve::kStreamNonTemporal
-             : one_row_mode;
-}
-
 // One of a layer's linears (slot: o, gate_up, down, next qkv): its call where another
 // library computes it, else cpu_gemm's packed weight.
 at::Tensor matmul(const LayerStack::Layer& layer, int slot, const at::Tensor& x,
@@ -150,7 +133,7 @@ at::Tensor matmul(const LayerStack::Layer& layer, int slot, const at::Tensor& x,
     return call(reinterpret_cast<const void*>(layer.call_context[slot]), x);
   }
   return plugserve::linear_bf16(x, packed, out_features, bias, c10::nullopt, coded,
-                                mode_for(packed, mode));
+                                plugserve::mode_for(packed, mode));
 }
 
 // Layer `layer`'s stretch: its attention output [T, q heads * D] → the next layer's rotated
@@ -202,7 +185,7 @@ at::Tensor decode_stretch(const c10::intrusive_ptr<LayerStack>& stack, int64_t i
                           const at::Tensor& positions, int64_t mode) {
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(stack->layers.size()), "layer ",
               index, " is not in the stack");
-  check_mode(mode);
+  plugserve::check_step_mode(mode);
   return stretch(*stack, stack->layers[index], attention_out, residual, positions, mode);
 }
 
@@ -211,7 +194,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<LayerStack>& stack, at::Tensor
                          at::Tensor residual, const at::Tensor& positions,
                          int64_t attention_fn, int64_t attention_context, int64_t mode) {
   TORCH_CHECK(attention_fn != 0, "no attention call");
-  check_mode(mode);
+  plugserve::check_step_mode(mode);
   TORCH_CHECK(!stack->layers.empty() && !stack->layers.back().next_qkv_proj.has_value(),
               "the stack must end with a layer that has no next qkv_proj");
   const auto attend = reinterpret_cast<plugserve::LayerAttentionFn>(attention_fn);

@@ -73,18 +73,10 @@ struct EncoderStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
 };
 
-// The step's cpu_gemm mode (cpu_gemm.h's OneRowMode) from its kernel plan; AMX tiles need K
-// divisible by 32, and a weight that is not runs the vector kernel, as
-// packed_linear.PackedLinear runs it outside the stack.
-int64_t mode_for(const at::Tensor& packed, int64_t mode) {
-  return mode == plugserve::kAmx && packed.size(1) % 16 != 0 ? plugserve::kStreamNonTemporal
-                                                              : mode;
-}
-
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                   const c10::optional<at::Tensor>& bias, int64_t mode) {
   return plugserve::linear_bf16(x, packed, out_features, bias, c10::nullopt, c10::nullopt,
-                                mode_for(packed, mode));
+                                plugserve::mode_for(packed, mode));
 }
 
 // Layer `index`'s stretch: its attention output [T, hidden] and input x [T, hidden] → the
@@ -94,10 +86,7 @@ std::vector<at::Tensor> encode_stretch(const c10::intrusive_ptr<EncoderStack>& s
                                        const at::Tensor& x, int64_t mode) {
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(stack->layers.size()), "layer ",
               index, " is not in the stack");
-  TORCH_CHECK(mode >= plugserve::kStreamNonTemporal && mode <= plugserve::kAmx,
-              "mode must be a plugserve::OneRowMode");
-  TORCH_CHECK(mode != plugserve::kAmx || plugserve::amx_available(),
-              "mode kAmx needs AMX tiles, which this CPU or build lacks");
+  plugserve::check_step_mode(mode);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
                   x.size(0) == attention_out.size(0),
               "x must be contiguous bfloat16 [tokens, hidden]");

@@ -443,6 +443,20 @@ inline bool amx_available() {
 #endif
 }
 
+// Checks a step's one_row_mode (OneRowMode), which its kernel plan gives the step's row
+// count, for an op that runs many linears in it (the fused decoder's and encoder's).
+inline void check_step_mode(int64_t mode) {
+  TORCH_CHECK(mode >= kStreamNonTemporal && mode <= kAmx, "mode must be a plugserve::OneRowMode");
+  TORCH_CHECK(mode != kAmx || amx_available(),
+              "mode kAmx needs AMX tiles, which this CPU or build lacks");
+}
+
+// The mode a packed weight runs a step's mode in: AMX tiles need K divisible by 32, and a
+// weight that is not runs the vector kernel, as packed_linear.PackedLinear runs it alone.
+inline int64_t mode_for(const at::Tensor& packed, int64_t mode) {
+  return mode == kAmx && packed.size(1) % 16 != 0 ? kStreamNonTemporal : mode;
+}
+
 // x [rows, K] bf16 @ the packed weight (+ bias) → [rows, out_features], in bf16 or, with
 // out_dtype float32, the fp32 sums unrounded. `coded`, the weight's exponent-coded copy
 // where it has one, is what a single row reads instead, unless one_row_mode (OneRowMode)
