@@ -254,17 +254,19 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
 void pack_head(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_stride,
                int64_t Tk, int64_t D, int64_t padded, uint16_t* kp, uint16_t* vp) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i pairs_stride = _mm512_set1_epi32(static_cast<int>(k_stride / 2));
+  // Each lane's key row, in pairs from its group's first key: the same for every group, and
+  // small whatever the prompt's length (offsets from k itself could overflow 32 bits).
+  const __m512i row = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(k_stride / 2)));
   for (int64_t g = 0; g < padded / 16; ++g) {
-    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(g * 16)));
-    const __mmask16 live = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(Tk)),
-                                                 _MM_CMPINT_LT);
-    const __m512i row = _mm512_mullo_epi32(_mm512_maskz_mov_epi32(live, key), pairs_stride);
+    const __mmask16 live = _mm512_cmp_epi32_mask(
+        lane, _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(Tk - g * 16, 16))),
+        _MM_CMPINT_LT);
+    const uint16_t* group = k + g * 16 * k_stride;
     uint16_t* dst = kp + g * 16 * D;
     for (int64_t j = 0; j < D / 2; ++j) {
       const __m512i index = _mm512_add_epi32(row, _mm512_set1_epi32(static_cast<int>(j)));
       _mm512_storeu_si512(dst + j * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
-                                                                      live, index, k, 4));
+                                                                      live, index, group, 4));
     }
   }
   // Output lanes 0..31 take a[0], b[0], a[1], b[1], ... a[15], b[15]; lanes 32..63 the rest.
