@@ -63,28 +63,26 @@ def _load_own_kernel() -> str | None:
 def decoder_unavailable_reason() -> str | None:
     """None where cpu_decoder.cpp (the layer stack as one op) builds and loads here (it
     needs cpu_gemm.cpp's kernel), else why not."""
-    reason = own_kernel_unavailable_reason()
-    if reason is not None:
-        return reason
-    error = ops.unavailable_reason(DECODER_SOURCE)
-    if error is not None:
-        return f"cpu_decoder.cpp cannot be built or loaded: {error}"
-    if not hasattr(torch.ops.plugserve_decoder, "decode_layers"):
-        return "cpu_decoder.cpp was built without its ops"
-    return None
+    return _built_on_gemm_reason(DECODER_SOURCE, "plugserve_decoder", "decode_layers")
 
 
 def encoder_unavailable_reason() -> str | None:
     """None where cpu_encoder.cpp (an encoder layer's stretch as one op) builds and loads
     here (it needs cpu_gemm.cpp's kernel), else why not."""
+    return _built_on_gemm_reason(ENCODER_SOURCE, "plugserve_encoder", "encode_stretch")
+
+
+def _built_on_gemm_reason(source: Path, namespace: str, op: str) -> str | None:
+    """None where `source`, a library over cpu_gemm.h, runs here (built and loaded, with
+    torch.ops.<namespace>.<op>), else why not."""
     reason = own_kernel_unavailable_reason()
     if reason is not None:
         return reason
-    error = ops.unavailable_reason(ENCODER_SOURCE)
+    error = ops.unavailable_reason(source)
     if error is not None:
-        return f"cpu_encoder.cpp cannot be built or loaded: {error}"
-    if not hasattr(torch.ops.plugserve_encoder, "encode_stretch"):
-        return "cpu_encoder.cpp was built without its ops"
+        return f"{source.name} cannot be built or loaded: {error}"
+    if not hasattr(getattr(torch.ops, namespace), op):
+        return f"{source.name} was built without its ops"
     return None
 
 

@@ -23,6 +23,7 @@ from plugserve.capabilities import has_kernel_plan
 from plugserve.interfaces.model import AttentionBackend, DecoderFrame, EncoderFrame, LayerRoute
 from plugserve.ops.kernel_timing import bucket_index
 from plugserve.worker.layers.encoder_layer import EncoderLayer
+from plugserve.worker.layers.linear import Linear
 from plugserve_plugins.cpu_bf16.cpu_features import (
     encoder_unavailable_reason,
     fused_layers_unsupported_reason,
@@ -104,6 +105,7 @@ class FusedCpuEncoder:
         self.runs_bucket = tuple(kernel.library == "own" for kernel in plan.by_bucket)
         self.mode_by_bucket = tuple(kernel.one_row_mode for kernel in plan.by_bucket)
         self.stack = torch.classes.plugserve_encoder.EncoderStack()
+        self.stretch = torch.ops.plugserve_encoder.encode_stretch
         for layer, following in zip(layers, [*layers[1:], None], strict=True):
             o, up, down = map(
                 _packed,
@@ -137,7 +139,6 @@ class FusedCpuEncoder:
         rows = x.shape[0]
         heads, head_dim = self.heads, self.head_dim
         mode = self.mode_by_bucket[bucket_index(rows)]
-        stretch = torch.ops.plugserve_encoder.encode_stretch
         qkv = self.first_qkv(x)
         for index, layer_idx in enumerate(self.layer_indices):
             by_head = qkv.view(rows, 3 * heads, head_dim)
@@ -147,19 +148,19 @@ class FusedCpuEncoder:
                 by_head[:, heads : 2 * heads],
                 by_head[:, 2 * heads :],
             )
-            x, *following = stretch(self.stack, index, attended.view(rows, -1), x, mode)
+            x, *following = self.stretch(self.stack, index, attended.view(rows, -1), x, mode)
             if following:
                 qkv = following[0]
         return x
 
 
-def _packed(linear: nn.Module) -> PackedLinear | None:
+def _packed(linear: Linear) -> PackedLinear | None:
     """The linear's cpu_gemm-packed weight, where its method installed one."""
-    compute = linear.kernel() if hasattr(linear, "kernel") else None
+    compute = linear.kernel()
     return compute if isinstance(compute, PackedLinear) and compute.own_kernel else None
 
 
-def _kernel_plan(linear: nn.Module) -> KernelPlan:
+def _kernel_plan(linear: Linear) -> KernelPlan:
     method = getattr(linear, "method", None)
     assert has_kernel_plan(method), "a packed linear's method has a kernel plan"
     return method.kernel_plan
