@@ -15,7 +15,7 @@ import torch
 
 from plugserve import LLM
 from plugserve.worker import cpu_ops
-from plugserve_plugins.cpu_bf16 import cpu_features
+from plugserve_plugins.cpu_bf16 import cpu_features, kernel_setting
 from plugserve_plugins.cpu_bf16.fused_encoder import FusedCpuEncoder
 from tests.model_support import write_embedder_files
 
@@ -87,10 +87,36 @@ def test_the_fused_encoder_computes_exactly_what_the_modules_compute(
     gelu_bert: Path, alone: bool
 ) -> None:
     fused, modules = engine(gelu_bert), engine(gelu_bert, model_passes=[])
-    assert isinstance(fused.engine.executor.runner.model.whole_stack, FusedCpuEncoder)
+    stack = fused.engine.executor.runner.model.whole_stack
+    assert isinstance(stack, FusedCpuEncoder)
+    # Every step of either way runs the stack (cpu_gemm at every row count here).
+    assert all(stack.runs(rows) for rows in (*LENGTHS, sum(LENGTHS)))
     assert modules.engine.executor.runner.model.whole_stack is None
     for ours, theirs in zip(embeddings(fused, alone), embeddings(modules, alone), strict=True):
         assert np.array_equal(ours, theirs)
+
+
+# cpu_gemm up to 8 rows, oneDNN above: longer prompts' steps run the modules, each linear
+# through its plan's kernel.
+MIXED_PLAN = "own,own,onednn,onednn,onednn"
+
+
+@needs_ops
+@needs_encoder_op
+def test_steps_the_plan_gives_another_kernel_run_the_modules(
+    tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not cpu_features.onednn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 matmuls on this CPU")
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, MIXED_PLAN)
+    folder = bert_folder(tmp_path / "bert", smollm2_path, "gelu")
+    fused, modules = engine(folder), engine(folder, model_passes=[])
+    stack = fused.engine.executor.runner.model.whole_stack
+    assert isinstance(stack, FusedCpuEncoder)
+    assert [stack.runs(rows) for rows in LENGTHS] == [True, True, False, False, False]
+    ours, theirs = embeddings(fused, alone=True), embeddings(modules, alone=True)
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.usefixtures("own_kernel")
@@ -112,7 +138,8 @@ def test_the_start_up_log_says_the_encoder_runs_fused(
     ("hidden_act", "dtype", "why"),
     [
         ("gelu", "float32", "the fused layers run bf16 on a CPU, the model float32 on cpu"),
-        ("relu", "bfloat16", "its activation is not a GELU"),
+        # Looked at once the encoder's op is known to run here.
+        pytest.param("relu", "bfloat16", "its activation is not a GELU", marks=needs_encoder_op),
     ],
 )
 @needs_ops
