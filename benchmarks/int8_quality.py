@@ -6,6 +6,9 @@ SmolLM2-135M: perplexity on a fixed text and greedy agreement (docs/benchmarks.m
   benchmarks/data/pride_and_prejudice_ch1.txt (public domain) given the tokens before
   it, through prompt_logprobs; with --chunk-tokens N, as llama.cpp's `llama-perplexity
   -c N` computes it instead: N-token chunks, each alone, the second half of each scored;
+- the mean and largest absolute difference between the quantized model's logprob of each
+  of those tokens and bf16's: steadier than the perplexity, which a few tokens' changes
+  move by tenths of a percent either way;
 - greedy agreement: 8 fixed prompts x 64 new tokens (EOS ignored) quantized against
   bf16: the fraction of positions holding the same token, and how many tokens each
   continuation keeps before its first difference.
@@ -42,33 +45,37 @@ PROMPTS = [
 NEW_TOKENS = 64
 
 
-def perplexity(llm: LLM, token_ids: list[int]) -> float:
+def scored_logprobs(llm: LLM, token_ids: list[int]) -> list[float]:
+    """The logprob of every token of the text given the tokens before it."""
     [out] = llm.generate(
         {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
     )
     assert out.prompt_logprobs is not None
-    logprobs = [
+    return [
         entry[token].logprob
         for token, entry in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)
         if entry is not None
     ]
-    return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def chunked_perplexity(llm: LLM, token_ids: list[int], chunk: int) -> float:
+def chunked_logprobs(llm: LLM, token_ids: list[int], chunk: int) -> list[float]:
     """llama-perplexity's protocol: each whole chunk of `chunk` tokens alone, the tokens of
     its second half scored."""
-    nll, count = 0.0, 0
+    logprobs = []
     for start in range(0, len(token_ids) - chunk + 1, chunk):
         tokens = token_ids[start : start + chunk]
         [out] = llm.generate(
             {"prompt_token_ids": tokens}, SamplingParams(max_tokens=1, prompt_logprobs=0)
         )
         assert out.prompt_logprobs is not None
-        for j in range(chunk // 2 + 1, chunk):
-            nll -= out.prompt_logprobs[j][tokens[j]].logprob
-            count += 1
-    return math.exp(nll / count)
+        logprobs += [
+            out.prompt_logprobs[j][tokens[j]].logprob for j in range(chunk // 2 + 1, chunk)
+        ]
+    return logprobs
+
+
+def perplexity(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def greedy(llm: LLM) -> list[list[int]]:
@@ -76,7 +83,7 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params)]
 
 
-def run(model: str, linear_method: str | None, chunk: int) -> tuple[float, list[list[int]]]:
+def run(model: str, linear_method: str | None, chunk: int) -> tuple[list[float], list[list[int]]]:
     settings: dict[str, Any] = {
         "dtype": "bfloat16",
         "kv_cache_memory": "64MiB",
@@ -87,8 +94,10 @@ def run(model: str, linear_method: str | None, chunk: int) -> tuple[float, list[
     llm = LLM(model=model, **settings)
     try:
         token_ids = llm.tokenizer.encode(TEXT.read_text())
-        score = chunked_perplexity(llm, token_ids, chunk) if chunk else perplexity(llm, token_ids)
-        return score, greedy(llm)
+        scored = (
+            chunked_logprobs(llm, token_ids, chunk) if chunk else scored_logprobs(llm, token_ids)
+        )
+        return scored, greedy(llm)
     finally:
         llm.engine.shutdown()
 
@@ -103,8 +112,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
 
-    ppl_bf16, tokens_bf16 = run(args.model, None, args.chunk_tokens)
-    ppl_q, tokens_q = run(args.model, args.linear_method, args.chunk_tokens)
+    scored_bf16, tokens_bf16 = run(args.model, None, args.chunk_tokens)
+    scored_q, tokens_q = run(args.model, args.linear_method, args.chunk_tokens)
+    ppl_bf16, ppl_q = perplexity(scored_bf16), perplexity(scored_q)
+    differences = [abs(a - b) for a, b in zip(scored_bf16, scored_q, strict=True)]
     same = sum(
         a == b
         for r, q in zip(tokens_bf16, tokens_q, strict=True)
@@ -122,12 +133,16 @@ def main() -> None:
         "perplexity_bf16": ppl_bf16,
         "perplexity_quantized": ppl_q,
         "perplexity_delta": ppl_q - ppl_bf16,
+        "mean_abs_logprob_difference": sum(differences) / len(differences),
+        "max_abs_logprob_difference": max(differences),
         "greedy_agreement": same / total,
         "tokens_before_first_difference": prefixes,
     }
     print(
         f"perplexity bf16 {ppl_bf16:.4f}, {args.linear_method} {ppl_q:.4f} "
         f"(delta {ppl_q - ppl_bf16:+.4f}, {100 * (ppl_q / ppl_bf16 - 1):+.2f} %)\n"
+        f"per token, |logprob - bf16's|: mean {result['mean_abs_logprob_difference']:.4f}, "
+        f"largest {result['max_abs_logprob_difference']:.3f}\n"
         f"greedy agreement {same}/{total} = {same / total:.3f}; "
         f"tokens before the first difference: {prefixes}"
     )

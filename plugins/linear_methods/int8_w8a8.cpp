@@ -9,8 +9,14 @@
 //
 // Activations: quantized per row (token) on the fly, asymmetric to uint8, as both
 // instructions take them: x ≈ (xq - zero) * x_scale with x_scale = (max - min) / 255 over
-// the row, the range widened to hold 0 so that zero is a code. Then
+// the row, the range widened to hold 0 so that zero is a code. A row's outliers, values
+// more than kOutlierRms times the row's root mean square from zero, are left out of that
+// range (their code is the zero point) and kept exactly: a transformer's activations carry a
+// few channels far larger than the rest, and one of them would otherwise set the step of
+// every other value of its row. Fewer than K / 36 values of a row can pass that bound (their
+// squares alone would exceed the row's sum), so each row has room for Kp / 32 of them. Then
 //   y[m, n] = x_scale[m] * w_scale[n] * (sum_k xq[m, k] q[n, k] - zero[m] * w_sum[n])
+//           + w_scale[n] * sum_o x[m, k_o] q[n, k_o]          (the row's outliers k_o)
 // where w_sum[n] = sum_k q[n, k] is computed once at load: the zero point's compensation
 // term. The int32 sums are exact (K * 255 * 127 stays far below 2^31 for any K below 65536).
 //
@@ -57,6 +63,8 @@
 namespace {
 
 constexpr int64_t kQuadBytes = 64;  // one quad of k for one 16-column block
+// A value this many times its row's root mean square from zero is an outlier (top of file).
+constexpr float kOutlierRms = 6.0f;
 constexpr int64_t kRowTile = 8;  // rows sharing a weight vector in registers
 constexpr int64_t kBlockTile = 3;  // 16-column blocks per register tile
 constexpr int kKernelVnni = 0, kKernelAmx = 1, kKernelIntMm = 2, kKernelVnniTiled = 3;
@@ -73,6 +81,10 @@ struct Args {
   const int32_t* w_sum;  // [N]
   const float* bias;  // [N] or nullptr
   int64_t n;  // out_features
+  const int32_t* outliers;  // [M]: how many of the row's values are kept exactly
+  const int32_t* outlier_k;  // [M, room]: their places, ascending
+  const float* outlier_x;  // [M, room]: their values
+  int64_t room;  // Kp / 32
 };
 
 inline __mmask16 mask_for(int64_t valid) {
@@ -89,21 +101,89 @@ inline void store16(c10::BFloat16* out, __mmask16 mask, __m512 v) {
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
-// Row m's int32 sums of columns [col, col + 16) → dequantized (+ bias) into dst[0..16).
+// Weight column k of the 16-column block at `block`, as floats: byte k % 4 of each column's
+// quad k / 4.
+inline __m512 weight_column(const int8_t* block, int32_t k) {
+  const __m512i quad = _mm512_loadu_si512(block + (k / 4) * kQuadBytes);
+  const __m512i to_top = _mm512_set1_epi32(24 - 8 * (k % 4));
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(quad, to_top), 24));
+}
+
+// Row m's outliers times their weight columns of the 16-column block at `col`, summed in
+// the outliers' order (the block's quads are in cache: the kernel has just read them). Apart
+// from finish16, which a row with no outlier passes through in a few instructions.
+__attribute__((noinline)) __m512 outlier_products(int64_t m, int64_t col, const Args& a) {
+  const int8_t* block = a.w + (col / 16) * a.block_stride;
+  __m512 products = _mm512_setzero_ps();
+  for (int32_t o = 0; o < a.outliers[m]; ++o) {
+    const int64_t at = m * a.room + o;
+    products = _mm512_fmadd_ps(_mm512_set1_ps(a.outlier_x[at]),
+                               weight_column(block, a.outlier_k[at]), products);
+  }
+  return products;
+}
+
+// Row m's int32 sums of columns [col, col + 16) → dequantized, its outliers' products (given
+// where `products_given`, else computed here) and the bias added, into dst[0..16).
 // Not inlined: under -ffast-math the compiler may regroup the products differently in each
 // caller, and every kernel must give the same bits.
 template <typename Out>
-__attribute__((noinline)) void finish16(__m512i acc, int64_t m, int64_t col, const Args& a, Out* dst) {
+__attribute__((noinline)) void finish16(__m512i acc, int64_t m, int64_t col, const Args& a,
+                                        Out* dst, __m512 products = _mm512_setzero_ps(),
+                                        bool products_given = false) {
   const __mmask16 mask = mask_for(a.n - col);
   const __m512i w_sum = _mm512_maskz_loadu_epi32(mask, a.w_sum + col);
   const __m512i exact =
       _mm512_sub_epi32(acc, _mm512_mullo_epi32(_mm512_set1_epi32(a.x_zero[m]), w_sum));
-  const __m512 scale =
-      _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m]), _mm512_maskz_loadu_ps(mask, a.w_scale + col));
-  __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale);
+  const __m512 w_scale = _mm512_maskz_loadu_ps(mask, a.w_scale + col);
+  __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(exact),
+                           _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m]), w_scale));
+  if (a.outliers[m] > 0)
+    y = _mm512_fmadd_ps(products_given ? products : outlier_products(m, col, a), w_scale, y);
   if (a.bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, a.bias + col));
   store16(dst, mask, y);
 }
+
+// The outliers of some rows side by side (tile, int_mm_rows): every place one of the rows
+// has an outlier at, ascending, and each row's value there, zero where it has none. A weight
+// column is then converted once for all the rows, and a row's products, summed over every
+// place in order, equal outlier_products': each zero adds nothing.
+struct RowsOutliers {
+  std::vector<int32_t> places;
+  std::vector<float> values;  // [places][rows]
+  int64_t rows = 0;
+
+  // Rows [r0, r0 + rows); false where none of them has an outlier.
+  bool gather(const Args& a, int64_t r0, int64_t count, int64_t width) {
+    places.clear();
+    for (int64_t i = 0; i < count; ++i)
+      places.insert(places.end(), a.outlier_k + (r0 + i) * a.room,
+                    a.outlier_k + (r0 + i) * a.room + a.outliers[r0 + i]);
+    if (places.empty()) return false;
+    std::sort(places.begin(), places.end());
+    places.erase(std::unique(places.begin(), places.end()), places.end());
+    rows = width;
+    values.assign(places.size() * width, 0.0f);
+    for (int64_t i = 0; i < count; ++i)
+      for (int32_t o = 0; o < a.outliers[r0 + i]; ++o) {
+        const int64_t at = (r0 + i) * a.room + o;
+        const auto p = std::lower_bound(places.begin(), places.end(), a.outlier_k[at]);
+        values[(p - places.begin()) * width + i] = a.outlier_x[at];
+      }
+    return true;
+  }
+
+  // The rows' products with the 16-column block at `block` (Rows = the width gathered).
+  template <int Rows>
+  void products(const int8_t* block, __m512 (&out)[Rows]) const {
+    for (auto& v : out) v = _mm512_setzero_ps();
+    for (size_t p = 0; p < places.size(); ++p) {
+      const __m512 w = weight_column(block, places[p]);
+      for (int i = 0; i < Rows; ++i)
+        out[i] = _mm512_fmadd_ps(_mm512_set1_ps(values[p * Rows + i]), w, out[i]);
+    }
+  }
+};
 
 inline __m512i broadcast_quad(const uint8_t* x) {
   int32_t quad;
@@ -142,7 +222,8 @@ void row_item(const void* args, int64_t b, void* out) {
 // the M rows' VPDPBUSD, M x NB accumulators in registers. Output column c of row m goes to
 // out[m * n + c - first_col].
 template <int M, int NB, typename Out>
-void tile(const Args& a, int64_t r0, int64_t b0, Out* out, int64_t first_col) {
+void tile(const Args& a, int64_t r0, int64_t b0, Out* out, int64_t first_col,
+          const RowsOutliers* outliers) {
   __m512i acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_si512();
@@ -159,6 +240,18 @@ void tile(const Args& a, int64_t r0, int64_t b0, Out* out, int64_t first_col) {
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbusd_epi32(acc[m][b], xb, wv[b]);
     }
   }
+  if (outliers != nullptr) {
+    __m512 products[NB][kRowTile];
+    for (int b = 0; b < NB; ++b)
+      outliers->products<kRowTile>(a.w + (b0 + b) * a.block_stride, products[b]);
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < NB; ++b) {
+        const int64_t col = (b0 + b) * 16;
+        finish16(acc[m][b], r0 + m, col, a, out + (r0 + m) * a.n + col - first_col,
+                 products[b][m], true);
+      }
+    return;
+  }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < NB; ++b) {
       const int64_t col = (b0 + b) * 16;
@@ -167,7 +260,7 @@ void tile(const Args& a, int64_t r0, int64_t b0, Out* out, int64_t first_col) {
 }
 
 template <typename Out>
-using TileFn = void (*)(const Args&, int64_t, int64_t, Out*, int64_t);
+using TileFn = void (*)(const Args&, int64_t, int64_t, Out*, int64_t, const RowsOutliers*);
 
 template <int M, typename Out>
 TileFn<Out> pick_blocks(int64_t nb) {
@@ -193,7 +286,8 @@ template <typename Out>
 void tile_item(const void* args, int64_t t, void* out) {
   const Args& a = *static_cast<const Args*>(args);
   const int64_t blocks = (a.n + 15) / 16, b0 = t * kBlockTile;
-  tile_for<Out>(1, std::min(kBlockTile, blocks - b0))(a, 0, b0, static_cast<Out*>(out), b0 * 16);
+  tile_for<Out>(1, std::min(kBlockTile, blocks - b0))(a, 0, b0, static_cast<Out*>(out), b0 * 16,
+                                                    nullptr);
 }
 
 // `stream`: one row as a stream of blocks (row_item), else through the register tiles as
@@ -222,13 +316,22 @@ void vnni_rows(const Args& a, int64_t rows, int64_t blocks, Out* out,
     });
     return;
   }
+  // Each row chunk's outliers side by side, gathered once for every tile.
+  std::vector<RowsOutliers> chunk_outliers((rows + kRowTile - 1) / kRowTile);
+  std::vector<const RowsOutliers*> outliers(chunk_outliers.size(), nullptr);
+  for (size_t c = 0; c < chunk_outliers.size(); ++c) {
+    const int64_t r = static_cast<int64_t>(c) * kRowTile;
+    if (chunk_outliers[c].gather(a, r, std::min(kRowTile, rows - r), kRowTile))
+      outliers[c] = &chunk_outliers[c];
+  }
   // Tiles of kBlockTile blocks, each running every row chunk while its weights are in cache.
   const int64_t tiles = (blocks + kBlockTile - 1) / kBlockTile;
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t b0 = t * kBlockTile, nb = std::min(kBlockTile, blocks - b0);
       for (int64_t r = 0; r < rows; r += kRowTile)
-        tile_for<Out>(std::min(kRowTile, rows - r), nb)(a, r, b0, out, 0);
+        tile_for<Out>(std::min(kRowTile, rows - r), nb)(a, r, b0, out, 0,
+                                                         outliers[r / kRowTile]);
     }
   });
 }
@@ -361,15 +464,46 @@ inline __m512 load16(const In* p, __mmask16 mask) {
   }
 }
 
-// Row x [K] → xq [Kp] (zeros past K), its scale and zero point (see the top of the file).
+// Row x [K] → xq [Kp] (zeros past K), its scale and zero point, and its outliers, kept
+// exactly (see the top of the file).
 template <typename In>
-void quantize_row(const In* x, int64_t K, int64_t Kp, uint8_t* xq, float* scale, int32_t* zero) {
+void quantize_row(const In* x, int64_t K, int64_t Kp, int64_t room, uint8_t* xq, float* scale,
+                  int32_t* zero, int32_t* outliers, int32_t* outlier_k, float* outlier_x) {
+  __m512 squares = _mm512_setzero_ps();
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();  // the range holds 0
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mask = mask_for(K - k);
     const __m512 v = load16(x + k, mask);
+    squares = _mm512_fmadd_ps(v, v, squares);
     lo = _mm512_mask_min_ps(lo, mask, lo, v);
     hi = _mm512_mask_max_ps(hi, mask, hi, v);
+  }
+  const float bound =
+      kOutlierRms * std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(K));
+  int32_t count = 0;
+  if (std::max(-_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)) > bound) {
+    // The outliers, and the range of the rest.
+    const __m512 bound_v = _mm512_set1_ps(bound);
+    const __m512i lanes =
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    lo = hi = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = mask_for(K - k);
+      const __m512 v = load16(x + k, mask);
+      __mmask16 far = _mm512_mask_cmp_ps_mask(mask, _mm512_abs_ps(v), bound_v, _CMP_GT_OQ);
+      const int far_count = __builtin_popcount(static_cast<unsigned>(far));
+      if (count + far_count > room) {
+        far = 0;  // past the bound's room only by rounding: these stay in the range
+      } else if (far != 0) {
+        _mm512_mask_compressstoreu_epi32(outlier_k + count, far,
+                                         _mm512_add_epi32(lanes, _mm512_set1_epi32(k)));
+        _mm512_mask_compressstoreu_ps(outlier_x + count, far, v);
+        count += far_count;
+      }
+      const __mmask16 near = mask & static_cast<__mmask16>(~far);
+      lo = _mm512_mask_min_ps(lo, near, lo, v);
+      hi = _mm512_mask_max_ps(hi, near, hi, v);
+    }
   }
   const float mn = _mm512_reduce_min_ps(lo), mx = _mm512_reduce_max_ps(hi);
   const float s = mx > mn ? (mx - mn) / 255.0f : 1.0f;
@@ -384,26 +518,57 @@ void quantize_row(const In* x, int64_t K, int64_t Kp, uint8_t* xq, float* scale,
     code = _mm512_maskz_mov_epi32(mask, code);  // padding: 0
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm512_cvtepi32_epi8(code));
   }
+  for (int32_t o = 0; o < count; ++o) xq[outlier_k[o]] = static_cast<uint8_t>(z);  // no share
   *scale = s;
   *zero = z;
+  *outliers = count;
 }
 
-// x [M, K] bf16 or fp32 → (xq uint8 [M, padded_k], scale fp32 [M], zero int32 [M]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x,
-                                                                  int64_t padded_k) {
+// A matmul's quantized rows, in one buffer: a row-pool job holds them alive through it (a
+// helper that comes back late still reads them).
+struct QuantizedRows {
+  at::Tensor buffer;
+  int64_t rows, padded_k, room;
+  uint8_t* xq;  // [rows, padded_k]
+  float* scale;  // [rows]
+  int32_t* zero;  // [rows]
+  int32_t* outliers;  // [rows]
+  int32_t* outlier_k;  // [rows, room]
+  float* outlier_x;  // [rows, room]
+
+  // A view of the buffer as `count` elements of `dtype` from byte `offset`.
+  at::Tensor part(int64_t offset, int64_t count, at::ScalarType dtype) const {
+    return buffer.narrow(0, offset, count * static_cast<int64_t>(c10::elementSize(dtype)))
+        .view(dtype);
+  }
+};
+
+inline int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// x [M, K] bf16 or fp32 → its rows quantized (see quantize_row).
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_k) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, K] with a dense last dim");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "x must be bfloat16 or float32");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(padded_k >= K && padded_k % 16 == 0, "padded_k must be >= K and a multiple of 16");
-  at::Tensor xq = at::empty({M, padded_k}, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({M}, x.options().dtype(at::kFloat));
-  at::Tensor zero = at::empty({M}, x.options().dtype(at::kInt));
+  TORCH_CHECK(padded_k >= K && padded_k % 64 == 0, "padded_k must be >= K and a multiple of 64");
+  const int64_t room = padded_k / 32;
+  const int64_t codes = aligned64(M * padded_k), per_row = aligned64(4 * M);
+  const int64_t per_outlier = aligned64(4 * M * room);
+  QuantizedRows q{at::empty({codes + 3 * per_row + 2 * per_outlier}, x.options().dtype(at::kByte)),
+                  M, padded_k, room};
+  uint8_t* base = q.buffer.data_ptr<uint8_t>();
+  q.xq = base;
+  q.scale = reinterpret_cast<float*>(base + codes);
+  q.zero = reinterpret_cast<int32_t*>(base + codes + per_row);
+  q.outliers = reinterpret_cast<int32_t*>(base + codes + 2 * per_row);
+  q.outlier_k = reinterpret_cast<int32_t*>(base + codes + 3 * per_row);
+  q.outlier_x = reinterpret_cast<float*>(base + codes + 3 * per_row + per_outlier);
   const int64_t stride = x.stride(0);
   const auto rows = [&](auto* xp, int64_t first, int64_t last) {
     for (int64_t m = first; m < last; ++m)
-      quantize_row(xp + m * stride, K, padded_k, xq.data_ptr<uint8_t>() + m * padded_k,
-                   scale.data_ptr<float>() + m, zero.data_ptr<int32_t>() + m);
+      quantize_row(xp + m * stride, K, padded_k, room, q.xq + m * padded_k, q.scale + m,
+                   q.zero + m, q.outliers + m, q.outlier_k + m * room, q.outlier_x + m * room);
   };
   // One row is a decode step's: too little work to wake the other threads for.
   const int64_t grain = M == 1 ? 1 : std::max<int64_t>(1, 4096 / K);
@@ -414,30 +579,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(const at::Tens
       rows(x.data_ptr<c10::BFloat16>(), first, last);
     }
   });
-  return {xq, scale, zero};
+  return q;
+}
+
+// For tests: (codes uint8 [M, padded_k], scale fp32 [M], zero int32 [M], outlier count int32
+// [M], their places int32 [M, padded_k / 32] and values fp32 [M, padded_k / 32]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+quantize_per_token(const at::Tensor& x, int64_t padded_k) {
+  const QuantizedRows q = quantize_rows(x, padded_k);
+  const int64_t M = q.rows, codes = aligned64(M * padded_k), per_row = aligned64(4 * M);
+  const int64_t per_outlier = aligned64(4 * M * q.room);
+  return {q.part(0, M * padded_k, at::kByte).view({M, padded_k}),
+          q.part(codes, M, at::kFloat),
+          q.part(codes + per_row, M, at::kInt),
+          q.part(codes + 2 * per_row, M, at::kInt),
+          q.part(codes + 3 * per_row, M * q.room, at::kInt).view({M, q.room}),
+          q.part(codes + 3 * per_row + per_outlier, M * q.room, at::kFloat).view({M, q.room})};
 }
 
 // The quantized rows through torch._int_mm over the plain quantized weight [N, K]: the
 // codes shifted to int8 (xq - 128), the shift given back through the weight row's sum,
 // sum(xq * q) = sum((xq - 128) * q) + 128 * w_sum, then finish16 as the other kernels, so
 // that every kernel gives the same bits.
+//
+// The outliers' products 16 rows at a time (RowsOutliers).
 template <typename Out>
-void int_mm_rows(const Args& a, const at::Tensor& xq, const at::Tensor& plain, int64_t rows,
+void int_mm_rows(const Args& a, const QuantizedRows& q, const at::Tensor& plain, int64_t rows,
                  Out* out) {
+  constexpr int64_t kChunk = 16;
   const int64_t K = plain.size(1);
+  const at::Tensor xq = q.part(0, q.rows * q.padded_k, at::kByte).view({q.rows, q.padded_k});
   const at::Tensor codes = (xq.narrow(1, 0, K).to(at::kShort) - 128).to(at::kChar);
   const at::Tensor sums = at::_int_mm(codes, plain.t()).contiguous();
   const int32_t* s = sums.data_ptr<int32_t>();
   const __m512i shift = _mm512_set1_epi32(128);
-  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
-    for (int64_t m = first; m < last; ++m)
-      for (int64_t col = 0; col < a.n; col += 16) {
-        const __mmask16 mask = mask_for(a.n - col);
-        const __m512i acc = _mm512_add_epi32(
-            _mm512_maskz_loadu_epi32(mask, s + m * a.n + col),
-            _mm512_mullo_epi32(shift, _mm512_maskz_loadu_epi32(mask, a.w_sum + col)));
-        finish16(acc, m, col, a, out + m * a.n + col);
+  const int64_t blocks = (a.n + 15) / 16;
+  at::parallel_for(0, (rows + kChunk - 1) / kChunk, 1, [&](int64_t first, int64_t last) {
+    RowsOutliers outliers;
+    std::vector<float> products(static_cast<size_t>(kChunk * 16 * blocks));  // [kChunk][N]
+    for (int64_t chunk = first; chunk < last; ++chunk) {
+      const int64_t r0 = chunk * kChunk, n_rows = std::min(rows - r0, kChunk);
+      const bool any = outliers.gather(a, r0, n_rows, kChunk);
+      if (any) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          __m512 sum[kChunk];
+          outliers.products<kChunk>(a.w + b * a.block_stride, sum);
+          for (int64_t i = 0; i < kChunk; ++i)
+            _mm512_storeu_ps(products.data() + (i * blocks + b) * 16, sum[i]);
+        }
       }
+      // Row by row, each row's sums read front to back.
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const int64_t m = r0 + i;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t col = 16 * b;
+          const __mmask16 mask = mask_for(a.n - col);
+          const __m512i acc = _mm512_add_epi32(
+              _mm512_maskz_loadu_epi32(mask, s + m * a.n + col),
+              _mm512_mullo_epi32(shift, _mm512_maskz_loadu_epi32(mask, a.w_sum + col)));
+          finish16(acc, m, col, a, out + m * a.n + col,
+                   any ? _mm512_loadu_ps(products.data() + (i * blocks + b) * 16)
+                       : _mm512_setzero_ps(),
+                   true);
+        }
+      }
+    }
   });
 }
 
@@ -506,28 +712,28 @@ struct W8A8Weight : torch::CustomClassHolder {
     } else {
       check_kernel(kernel);
     }
-    // Named tensors, not a structured binding: the lambda below captures them.
-    const auto quantized = quantize_per_token(x, 4 * quads);
-    const at::Tensor& xq = std::get<0>(quantized);
-    const at::Tensor& x_scale = std::get<1>(quantized);
-    const at::Tensor& x_zero = std::get<2>(quantized);
+    const QuantizedRows q = quantize_rows(x, 4 * quads);
     at::Tensor out = at::empty({M, out_features}, x.options().dtype(out_dtype));
     if (M == 0) return out;
-    const Args a{xq.data_ptr<uint8_t>(),
-                 xq.size(1),
+    const Args a{q.xq,
+                 q.padded_k,
                  packed.data_ptr<int8_t>(),
                  quads * kQuadBytes,
                  quads,
-                 x_scale.data_ptr<float>(),
-                 x_zero.data_ptr<int32_t>(),
+                 q.scale,
+                 q.zero,
                  w_scale.data_ptr<float>(),
                  w_sum.data_ptr<int32_t>(),
                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                 out_features};
-    const std::array<at::Tensor, 4> inputs{xq, packed, w_scale, w_sum};
+                 out_features,
+                 q.outliers,
+                 q.outlier_k,
+                 q.outlier_x,
+                 q.room};
+    const std::array<at::Tensor, 4> inputs{q.buffer, packed, w_scale, w_sum};
     const auto run = [&](auto* op) {
       if (kernel == kKernelIntMm) {
-        int_mm_rows(a, xq, *plain, M, op);
+        int_mm_rows(a, q, *plain, M, op);
         return;
       }
 #ifdef PLUGSERVE_HAS_AMX_INT8
@@ -579,7 +785,9 @@ TORCH_LIBRARY(plugserve_w8a8, m) {
                        c10::optional<at::Tensor>, int64_t, std::vector<int64_t>,
                        std::vector<int64_t>>())
       .def("address", &W8A8Weight::address);
-  m.def("quantize_per_token(Tensor x, int padded_k) -> (Tensor, Tensor, Tensor)",
+  m.def(
+      "quantize_per_token(Tensor x, int padded_k) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)",
         &quantize_per_token);
   m.def(
       "w8a8_apply(__torch__.torch.classes.plugserve_w8a8.W8A8Weight weight, Tensor x, "

@@ -5,7 +5,9 @@ Every linear weight [N, K] becomes int8 with one fp32 scale per output row, symm
 rounded to nearest (absmax / 127, int8_weight_only.quantize_rows). Each matmul quantizes
 its activations per row (token) on the fly, asymmetric to uint8 with a zero point, sums
 the int8 products exactly in int32 and dequantizes with the two scales, the zero point
-taken out through each weight row's sum (int8_w8a8.cpp). A batch-1 step reads one byte a
+taken out through each weight row's sum (int8_w8a8.cpp). A row's outliers (values more
+than six times its root mean square from zero, a few channels of a transformer's
+activations) stay out of the codes' range and are multiplied exactly. A batch-1 step reads one byte a
 weight, half of bf16's, and the dot products run on VPDPBUSD (or AMX TDPBUSD), not on a
 conversion to floats. Which kernel runs each row count is measured (w8a8_plan.py).
 Accuracy and speed: docs/benchmarks.md, "int8 (W8A8)".
