@@ -110,8 +110,8 @@ inline __m512 weight_column(const int8_t* block, int32_t k) {
 }
 
 // Row m's outliers times their weight columns of the 16-column block at `col`, summed in
-// the outliers' order (the block's quads are in cache: the kernel has just read them). Apart
-// from finish16, which a row with no outlier passes through in a few instructions.
+// the outliers' order (the block's quads are in cache: the kernel has just read them). Out
+// of finish16, which a row without outliers then passes through in a few instructions.
 __attribute__((noinline)) __m512 outlier_products(int64_t m, int64_t col, const Args& a) {
   const int8_t* block = a.w + (col / 16) * a.block_stride;
   __m512 products = _mm512_setzero_ps();
@@ -150,10 +150,10 @@ __attribute__((noinline)) void finish16(__m512i acc, int64_t m, int64_t col, con
 // place in order, equal outlier_products': each zero adds nothing.
 struct RowsOutliers {
   std::vector<int32_t> places;
-  std::vector<float> values;  // [places][rows]
-  int64_t rows = 0;
+  std::vector<float> values;  // [places][width]
 
-  // Rows [r0, r0 + rows); false where none of them has an outlier.
+  // Rows [r0, r0 + count), side by side in `width` (>= count) columns; false where none of
+  // them has an outlier.
   bool gather(const Args& a, int64_t r0, int64_t count, int64_t width) {
     places.clear();
     for (int64_t i = 0; i < count; ++i)
@@ -162,7 +162,6 @@ struct RowsOutliers {
     if (places.empty()) return false;
     std::sort(places.begin(), places.end());
     places.erase(std::unique(places.begin(), places.end()), places.end());
-    rows = width;
     values.assign(places.size() * width, 0.0f);
     for (int64_t i = 0; i < count; ++i)
       for (int32_t o = 0; o < a.outliers[r0 + i]; ++o) {
@@ -616,11 +615,12 @@ void int_mm_rows(const Args& a, const QuantizedRows& q, const at::Tensor& plain,
   const int64_t blocks = (a.n + 15) / 16;
   at::parallel_for(0, (rows + kChunk - 1) / kChunk, 1, [&](int64_t first, int64_t last) {
     RowsOutliers outliers;
-    std::vector<float> products(static_cast<size_t>(kChunk * 16 * blocks));  // [kChunk][N]
+    std::vector<float> products;  // [kChunk][N], once some chunk has outliers
     for (int64_t chunk = first; chunk < last; ++chunk) {
       const int64_t r0 = chunk * kChunk, n_rows = std::min(rows - r0, kChunk);
       const bool any = outliers.gather(a, r0, n_rows, kChunk);
       if (any) {
+        products.resize(static_cast<size_t>(kChunk * 16 * blocks));
         for (int64_t b = 0; b < blocks; ++b) {
           __m512 sum[kChunk];
           outliers.products<kChunk>(a.w + b * a.block_stride, sum);
