@@ -91,13 +91,15 @@ def test_outliers_are_kept_exactly_and_out_of_the_range_of_the_codes() -> None:
         assert ((rebuilt - rest).abs() <= scale[m] * (0.5 + 1e-4)).all()
 
 
-def test_a_row_has_room_for_every_value_that_can_be_an_outlier() -> None:
-    # K / 36 values at the bound's edge: each of 36 equal values is exactly 6 RMS.
-    x = torch.zeros(2, 144)
-    x[0, ::36] = 1.0  # four of 144: each sqrt(36) = 6 RMS, not more
-    x[1, 5] = 1.0  # one of 144: sqrt(144) > 6 RMS
-    _, _, _, outliers, places, _ = quantize(x.bfloat16(), 192)
-    assert outliers.tolist() == [0, 1] and places[1, 0] == 5
+def test_an_outlier_is_more_than_six_rms_from_zero_and_every_one_has_room() -> None:
+    x = torch.full((3, 320), 0.01)
+    x[0, ::40] = 1.0  # eight of 320: each sqrt(40) RMS, more than 6
+    x[1, :320:36] = 1.0  # nine, each sqrt(320 / 9) < 6 RMS
+    x[2, 5] = 1.0  # one: sqrt(320) RMS
+    _, _, _, outliers, places, _ = quantize(x.bfloat16(), 320)
+    # Fewer than K / 36 values can pass the bound: room for 320 / 32 = 10.
+    assert outliers.tolist() == [8, 0, 1]
+    assert places[0, :8].tolist() == list(range(0, 320, 40)) and places[2, 0] == 5
 
 
 def exact_reference(linear: W8A8Linear, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
