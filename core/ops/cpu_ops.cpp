@@ -59,6 +59,9 @@ int64_t row_pool_late_items_dropped() {
   return plugserve::shared_row_pool()->late_items_dropped();
 }
 int64_t row_pool_jobs_shared() { return plugserve::shared_row_pool()->jobs_shared(); }
+bool row_pool_release_inputs(int64_t wait_us) {
+  return plugserve::shared_row_pool()->release_inputs(std::chrono::microseconds(wait_us));
+}
 #endif
 
 using plugserve::add_layer_norm_impl;
@@ -183,6 +186,7 @@ TORCH_LIBRARY(plugserve_ops, m) {
   m.def("row_pool_address() -> int", &row_pool_address);
   m.def("row_pool_set_enabled(bool enabled) -> ()", &row_pool_set_enabled);
   m.def("row_pool_enabled() -> bool", &row_pool_enabled);
+  m.def("row_pool_release_inputs(int wait_us) -> bool", &row_pool_release_inputs);
   m.def("row_pool_stall_helper_once(int microseconds) -> ()", &row_pool_stall_helper_once);
   m.def("row_pool_release_helper() -> ()", &row_pool_release_helper);
   m.def("row_pool_items_taken_over() -> int", &row_pool_items_taken_over);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import sys
 
@@ -48,6 +49,20 @@ def adopt_engine_environment() -> None:
 
 # glibc's mallopt parameters that the MALLOC_*_ variables set at a process's start.
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
+
+
+def release_free_heap() -> None:
+    """Hand the kernel back the heap this process holds free: once, when an engine has
+    loaded and processed its weights (after collecting what cycles loading left). Loading
+    frees its transient copies (a layer's float copy while it is quantized, the loaded
+    weight once packed) into a heap that the engine's trim threshold then keeps mapped, as
+    it must for its steps' activations; on a 1 B model that was hundreds of MiB of
+    resident memory holding nothing."""
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def apply_malloc_environment() -> None:

@@ -42,6 +42,7 @@ from plugserve.device import choose_dtype, dtype_name, resolve_device
 from plugserve.interfaces.executor import KVCacheInfo
 from plugserve.interfaces.model import AttentionSpec
 from plugserve.model_files import check_architecture, resolve_model_path
+from plugserve.ops.process_env import release_free_heap
 from plugserve.plugins import get_registry
 from plugserve.pooling_setup import pooling_setup
 from plugserve.worker.batch_invariance import (
@@ -262,6 +263,7 @@ class ModelRunner:
             self.block_size,
         )
         self.vocab_size = hf_config.vocab_size
+        release_free_heap()
         return KVCacheInfo(
             num_blocks=num_blocks,
             block_size=self.block_size,

@@ -123,6 +123,16 @@ def row_pool_enabled() -> bool:
 # At most this many turns of spinning after a parallel region (GNU OpenMP's default is
 # 300000) for the one-row matmuls to use their helper thread.
 _BRIEF_SPIN_COUNT = 20000
+# How long a release of the row pool's inputs waits for its helper to go idle (microseconds).
+_HELPER_IDLE_WAIT_US = 50_000
+
+
+def release_row_pool_inputs() -> None:
+    """Let the row pool's job slots drop the tensors the last one-row jobs ran over (the
+    kernel choice's measured copies of the weights, a gigabyte on a 1 B model, would
+    otherwise stay mapped until later one-row jobs replaced them)."""
+    if ops.load(ops.OPS_SOURCE) and hasattr(torch.ops.plugserve_ops, "row_pool_release_inputs"):
+        torch.ops.plugserve_ops.row_pool_release_inputs(_HELPER_IDLE_WAIT_US)
 
 
 def openmp_spins_briefly() -> bool:

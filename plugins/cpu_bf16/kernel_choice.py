@@ -49,6 +49,7 @@ from plugserve_plugins.cpu_bf16.cpu_features import (
     GEMM_SOURCE,
     amx_available,
     own_kernel_unavailable_reason,
+    release_row_pool_inputs,
 )
 from plugserve_plugins.cpu_bf16.cpu_usage import cpu_usage, others_share
 from plugserve_plugins.cpu_bf16.fused_mlp import FusedMLP
@@ -306,6 +307,7 @@ def measure(steps: Sequence[Step], candidates: list[list[Kernel]]) -> Measuremen
     before = cpu_usage()
     times = time_candidates(bench.run, candidates)
     after = cpu_usage()
+    release_row_pool_inputs()  # the bench's weights go when it returns
     plan = choose(times, candidates)
     rounds = [_rounds(b) for b in range(len(ROW_BUCKETS))]
     return Measurement(

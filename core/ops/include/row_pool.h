@@ -106,6 +106,27 @@ class RowPool {
   // How many jobs were offered to the helper (not run alone by the caller) so far.
   int64_t jobs_shared() const { return shared_.load(std::memory_order_relaxed); }
 
+  // Drops the tensors the job slots still hold, once the helper is idle (it copies no slot
+  // until the next job): for a caller done with tensors that jobs ran over (the kernel
+  // choice's measured copies of the weights), which the last kSlots jobs would otherwise
+  // keep alive until later jobs replace them. Waits up to `wait` for the helper; false
+  // where it was still busy then, or another caller held the pool.
+  bool release_inputs(std::chrono::microseconds wait) {
+    if (busy_.test_and_set(std::memory_order_acquire)) return false;
+    const uint64_t g = generation_.load(std::memory_order_relaxed);
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    while (helper_idle_at_.load(std::memory_order_acquire) != g) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        busy_.clear(std::memory_order_release);
+        return false;
+      }
+      std::this_thread::yield();
+    }
+    for (Job& job : jobs_) job.inputs = {};
+    busy_.clear(std::memory_order_release);
+    return true;
+  }
+
   // Runs every item of `job`; returns once all of them are written to job.out.
   void run(const Job& job) {
     if (job.items < 2 || job.items > kMaxItems || job.item_bytes > kScratchBytes ||
@@ -203,10 +224,17 @@ class RowPool {
     sched_param param{};
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
     uint64_t seen = generation_.load(std::memory_order_acquire);
+    uint64_t idle_said = ~uint64_t{0};
     auto idle_since = std::chrono::steady_clock::now();
     while (true) {
       const uint64_t g = generation_.load(std::memory_order_acquire);
       if (g == seen) {
+        // Every job up to `seen` is done with, and no copy of its slot is held here (said
+        // once: a store every turn of the spin would keep the line moving).
+        if (idle_said != seen) {
+          helper_idle_at_.store(seen, std::memory_order_release);
+          idle_said = seen;
+        }
         if (std::chrono::steady_clock::now() - idle_since < kSpinBeforeSleep) {
           _mm_pause();
           continue;
@@ -270,6 +298,7 @@ class RowPool {
   std::atomic<bool> released_{false};
   std::atomic<int64_t> shared_{0};  // written by the caller holding busy_ only
   std::atomic<int64_t> copying_{-1};  // the job slot the helper is copying, or -1
+  alignas(64) std::atomic<uint64_t> helper_idle_at_{0};  // the newest job the helper is done with
   std::atomic<bool> enabled_{false};
   Job jobs_[kSlots]{};
   alignas(64) unsigned char scratch_[kScratchBytes];  // the helper's item before it commits it

@@ -7,6 +7,7 @@ result is the fp32 product rounded once to bf16, up to fp32 summation order.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from plugserve import ops
 from plugserve_plugins.cpu_bf16 import (
@@ -492,3 +494,30 @@ def test_a_plan_can_be_set_one_kernel_per_bucket(monkeypatch: pytest.MonkeyPatch
     assert plan is not None and plan.libraries() == {"aten"}
     assert kernel_setting.allowed_libraries() == ("aten",)
     assert kernel_setting.default_plan() == plan
+
+
+@on_own_kernel
+@pytest.mark.usefixtures("row_pool")
+def test_the_row_pool_lets_go_of_the_tensors_its_last_jobs_ran_over() -> None:
+    """A one-row job's slot holds references to its weight, so that a helper coming back
+    late still reads live memory; released (as after the kernel choice has timed its own
+    copies of the weights), the slots hold nothing, and a weight no one else holds is
+    freed."""
+    x = torch.randn(1, 576, dtype=torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        linear = packed_linear.PackedLinear(torch.randn(1000, 576, dtype=torch.bfloat16))
+        assert linear.weight is not None
+        weight = StorageWeakRef(linear.weight.untyped_storage())
+        shared = torch.ops.plugserve_ops.row_pool_jobs_shared()
+        linear(x)
+        assert torch.ops.plugserve_ops.row_pool_jobs_shared() > shared  # a job of the pool
+        del linear
+        gc.collect()
+        assert not weight.expired()  # in the job's slot
+        # Liveness only: the helper goes idle within microseconds of the job.
+        assert torch.ops.plugserve_ops.row_pool_release_inputs(30_000_000)
+        assert weight.expired()
+    finally:
+        torch.set_num_threads(previous)
