@@ -56,8 +56,8 @@ def release_free_heap() -> None:
     loaded and processed its weights (after collecting what cycles loading left). Loading
     frees its transient copies (a layer's float copy while it is quantized, the loaded
     weight once packed) into a heap that the engine's trim threshold then keeps mapped, as
-    it must for its steps' activations; on a 1 B model that was hundreds of MiB of
-    resident memory holding nothing."""
+    it must for its steps' activations: resident memory holding nothing
+    (docs/benchmarks.md, "Memory by kernel plan")."""
     gc.collect()
     if not sys.platform.startswith("linux"):
         return

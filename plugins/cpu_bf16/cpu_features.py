@@ -128,9 +128,9 @@ _HELPER_IDLE_WAIT_US = 50_000
 
 
 def release_row_pool_inputs() -> None:
-    """Let the row pool's job slots drop the tensors the last one-row jobs ran over (the
-    kernel choice's measured copies of the weights, a gigabyte on a 1 B model, would
-    otherwise stay mapped until later one-row jobs replaced them)."""
+    """Let the row pool's job slots drop the tensors the last one-row jobs ran over: the
+    kernel choice's measured copies of the weights would otherwise stay mapped until later
+    one-row jobs replaced them (docs/benchmarks.md, "Memory by kernel plan")."""
     if ops.load(ops.OPS_SOURCE) and hasattr(torch.ops.plugserve_ops, "row_pool_release_inputs"):
         torch.ops.plugserve_ops.row_pool_release_inputs(_HELPER_IDLE_WAIT_US)
 
