@@ -535,8 +535,9 @@ struct QuantizedRows {
   int32_t* outlier_k;  // [rows, room]
   float* outlier_x;  // [rows, room]
 
-  // A view of the buffer as `count` elements of `dtype` from byte `offset`.
-  at::Tensor part(int64_t offset, int64_t count, at::ScalarType dtype) const {
+  // A view of the buffer as `count` elements of `dtype` from `start`, one of its parts.
+  at::Tensor part(const void* start, int64_t count, at::ScalarType dtype) const {
+    const int64_t offset = static_cast<const uint8_t*>(start) - buffer.data_ptr<uint8_t>();
     return buffer.narrow(0, offset, count * static_cast<int64_t>(c10::elementSize(dtype)))
         .view(dtype);
   }
@@ -586,14 +587,13 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_k) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 quantize_per_token(const at::Tensor& x, int64_t padded_k) {
   const QuantizedRows q = quantize_rows(x, padded_k);
-  const int64_t M = q.rows, codes = aligned64(M * padded_k), per_row = aligned64(4 * M);
-  const int64_t per_outlier = aligned64(4 * M * q.room);
-  return {q.part(0, M * padded_k, at::kByte).view({M, padded_k}),
-          q.part(codes, M, at::kFloat),
-          q.part(codes + per_row, M, at::kInt),
-          q.part(codes + 2 * per_row, M, at::kInt),
-          q.part(codes + 3 * per_row, M * q.room, at::kInt).view({M, q.room}),
-          q.part(codes + 3 * per_row + per_outlier, M * q.room, at::kFloat).view({M, q.room})};
+  const int64_t M = q.rows;
+  return {q.part(q.xq, M * padded_k, at::kByte).view({M, padded_k}),
+          q.part(q.scale, M, at::kFloat),
+          q.part(q.zero, M, at::kInt),
+          q.part(q.outliers, M, at::kInt),
+          q.part(q.outlier_k, M * q.room, at::kInt).view({M, q.room}),
+          q.part(q.outlier_x, M * q.room, at::kFloat).view({M, q.room})};
 }
 
 // The quantized rows through torch._int_mm over the plain quantized weight [N, K]: the
@@ -607,7 +607,7 @@ void int_mm_rows(const Args& a, const QuantizedRows& q, const at::Tensor& plain,
                  Out* out) {
   constexpr int64_t kChunk = 16;
   const int64_t K = plain.size(1);
-  const at::Tensor xq = q.part(0, q.rows * q.padded_k, at::kByte).view({q.rows, q.padded_k});
+  const at::Tensor xq = q.part(q.xq, q.rows * q.padded_k, at::kByte).view({q.rows, q.padded_k});
   const at::Tensor codes = (xq.narrow(1, 0, K).to(at::kShort) - 128).to(at::kChar);
   const at::Tensor sums = at::_int_mm(codes, plain.t()).contiguous();
   const int32_t* s = sums.data_ptr<int32_t>();
