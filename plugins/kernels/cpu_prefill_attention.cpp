@@ -34,7 +34,6 @@ namespace {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
-using plugserve::exp16;
 using plugserve::soft_cap16;
 
 constexpr int64_t kKeyBlock = 64;      // keys per step of the online softmax (4 vectors)
@@ -141,22 +140,45 @@ struct Problem {
   bool causal;
 };
 
+// 2^x for 16 lanes where x <= 0 (a score less the row's running max, in base-2 units):
+// 2^n * poly(r), n = round(x), r = x - n in [-1/2, 1/2], with a degree-5 minimax
+// polynomial (relative error ~2e-7; the probabilities are rounded to bf16 after it). A
+// masked score (~ -1e30) gives n = x, r = 0 and 2^n = 0: no clamp needed.
+inline __m512 exp2_nonpositive16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3276455e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.67554003e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.55071346e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.240221202f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.693146944f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.00000012f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr float kLog2e = 1.44269504f;
+
 // One key block's online-softmax step for each of `rows` rows: scores s → bf16
-// probabilities pb, the running max m and sum l, and o rescaled where the max grew. C: the
-// block's vectors of 16 keys that hold any (a short prompt's last block has fewer).
+// probabilities pb, the running max m and the 16-lane partial sums l, and o rescaled where
+// the max grew. Scores are kept in base-2 units (scaled by log2 e), so the exponentials
+// are powers of two; the row's max is reduced across lanes only when some lane passes the
+// running one, and the sums only once, at the end. C: the block's vectors of 16 keys that
+// hold any (a short prompt's last block has fewer).
 template <int C>
 void softmax_block(const Problem& P, int64_t rows, int64_t k0, int64_t first_pos, bool whole,
                    const float* s, uint16_t* pb, float* o, float* m, float* l) {
   const int64_t D = P.D, G = P.H / P.KVH;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const bool capped = P.softcap > 0;
+  const __m512 scale = _mm512_set1_ps(capped ? P.scale : P.scale * kLog2e);
   for (int64_t r = 0; r < rows; ++r) {
     const float* sr = s + r * kKeyBlock;
     const int64_t pos = P.causal ? first_pos + r / G : first_pos;
     __m512 v[C];
-    __m512 peak = _mm512_set1_ps(m[r]);
     for (int c = 0; c < C; ++c) {
-      v[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(P.scale));
-      if (P.softcap > 0) v[c] = soft_cap16(v[c], P.softcap);
+      v[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + c * 16), scale);
+      if (capped)
+        v[c] = _mm512_mul_ps(soft_cap16(v[c], P.softcap), _mm512_set1_ps(kLog2e));
       if (!whole) {
         __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0 + c * 16)));
         __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)),
@@ -166,32 +188,36 @@ void softmax_block(const Problem& P, int64_t rows, int64_t k0, int64_t first_pos
               key, _mm512_set1_epi32(static_cast<int>(pos - P.window)), _MM_CMPINT_GT);
         v[c] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kMasked), v[c]);
       }
-      peak = _mm512_max_ps(peak, v[c]);
     }
-    const float m_new = _mm512_reduce_max_ps(peak);
+    __m512 peak = v[0];
+    for (int c = 1; c < C; ++c) peak = _mm512_max_ps(peak, v[c]);
+    const float m_old = m[r];
+    const bool grew = _mm512_cmp_ps_mask(peak, _mm512_set1_ps(m_old), _CMP_GT_OQ) != 0;
+    const float m_new = grew ? _mm512_reduce_max_ps(peak) : m_old;
     uint16_t* pr = pb + r * kKeyBlock;
     if (m_new <= kMasked * 0.5f) {  // nothing seen yet: no probabilities
       std::memset(pr, 0, kKeyBlock * 2);
       continue;
     }
+    float* lr = l + r * 16;
+    __m512 sum = _mm512_loadu_ps(lr);
+    if (grew) {  // rescale what the earlier blocks summed
+      const float alpha = m_old <= kMasked * 0.5f ? 0.0f : std::exp2(m_old - m_new);
+      const __m512 alphas = _mm512_set1_ps(alpha);
+      sum = _mm512_mul_ps(sum, alphas);
+      float* orow = o + r * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), alphas));
+      m[r] = m_new;
+    }
     const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) {
-      __m512 e = exp16(_mm512_sub_ps(v[c], mv));
+      __m512 e = exp2_nonpositive16(_mm512_sub_ps(v[c], mv));
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c * 16),
                           (__m256i)_mm512_cvtneps_pbh(e));
     }
-    if (m_new > m[r]) {  // rescale what the earlier blocks summed
-      const float alpha = m[r] <= kMasked * 0.5f ? 0.0f : std::exp(m[r] - m_new);
-      l[r] *= alpha;
-      float* orow = o + r * D;
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d),
-                                                 _mm512_set1_ps(alpha)));
-      m[r] = m_new;
-    }
-    l[r] += _mm512_reduce_add_ps(sum);
+    _mm512_storeu_ps(lr, sum);
   }
 }
 
@@ -205,7 +231,7 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
     std::memcpy(qt + i * G * D, P.q + (t0 + i) * P.q_stride + h * G * D, G * D * 2);
   std::fill(o, o + rows * D, 0.0f);
   std::fill(m, m + rows, kMasked);
-  std::fill(l, l + rows, 0.0f);
+  std::fill(l, l + rows * 16, 0.0f);
 
   // Not causal: every row sits past the last key, so it sees them all.
   const int64_t first_pos = P.causal ? offset + t0 : P.Tk - 1;
@@ -238,7 +264,8 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / G, g = r % G;
     uint16_t* dst = P.out + (t0 + i) * P.H * D + (h * G + g) * D;
-    const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
+    const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(l + r * 16));
+    const __m512 inv = _mm512_set1_ps(sum > 0 ? 1.0f / sum : 0.0f);
     for (int64_t d = 0; d < D; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
                           (__m256i)_mm512_cvtneps_pbh(
@@ -381,7 +408,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<uint16_t> qt(max_rows * D), pb(max_rows * kKeyBlock);
-    std::vector<float> s(max_rows * kKeyBlock), o(max_rows * D), m(max_rows), l(max_rows);
+    std::vector<float> s(max_rows * kKeyBlock), o(max_rows * D), m(max_rows),
+        l(max_rows * 16);
     for (int64_t index; (index = next.fetch_add(1)) < num_items;) {
       const Item& it = items[index];
       const Problem& P = problems[it.seq];
