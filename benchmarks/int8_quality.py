@@ -9,6 +9,12 @@ SmolLM2-135M: perplexity on a fixed text and greedy agreement (docs/benchmarks.m
 - the mean and largest absolute difference between the quantized model's logprob of each
   of those tokens and bf16's: steadier than the perplexity, which a few tokens' changes
   move by tenths of a percent either way;
+- the statistics `llama-perplexity --kl-divergence` prints for a quantized model against
+  its base, on the same scored tokens: the mean of ln(PPL(Q)/PPL(base)) with its
+  standard error (the per-token logprob differences' spread), the mean and RMS of Δp
+  (the quantized model's probability of each token less bf16's) and "same top p" (the
+  share of positions whose most likely token is the same), so llama.cpp's Q4_1 against
+  the same weights in bf16 can be set beside them;
 - greedy agreement: 8 fixed prompts x 64 new tokens (EOS ignored) quantized against
   bf16: the fraction of positions holding the same token, and how many tokens each
   continuation keeps before its first difference.
@@ -23,6 +29,7 @@ import argparse
 import json
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,33 +52,44 @@ PROMPTS = [
 NEW_TOKENS = 64
 
 
-def scored_logprobs(llm: LLM, token_ids: list[int]) -> list[float]:
-    """The logprob of every token of the text given the tokens before it."""
+@dataclass
+class Scored:
+    """Per scored token: its logprob given the tokens before it, and the most likely
+    token at its position."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_tokens: list[int] = field(default_factory=list)
+
+    def add(self, token: int, entry: dict[int, Any]) -> None:
+        self.logprobs.append(entry[token].logprob)
+        self.top_tokens.append(next(t for t, lp in entry.items() if lp.rank == 1))
+
+
+def scored_logprobs(llm: LLM, token_ids: list[int]) -> Scored:
+    """Every token of the text given the tokens before it."""
     [out] = llm.generate(
-        {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+        {"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=1)
     )
     assert out.prompt_logprobs is not None
-    return [
-        entry[token].logprob
-        for token, entry in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)
-        if entry is not None
-    ]
+    scored = Scored()
+    for token, entry in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True):
+        scored.add(token, entry)
+    return scored
 
 
-def chunked_logprobs(llm: LLM, token_ids: list[int], chunk: int) -> list[float]:
+def chunked_logprobs(llm: LLM, token_ids: list[int], chunk: int) -> Scored:
     """llama-perplexity's protocol: each whole chunk of `chunk` tokens alone, the tokens of
     its second half scored."""
-    logprobs = []
+    scored = Scored()
     for start in range(0, len(token_ids) - chunk + 1, chunk):
         tokens = token_ids[start : start + chunk]
         [out] = llm.generate(
-            {"prompt_token_ids": tokens}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+            {"prompt_token_ids": tokens}, SamplingParams(max_tokens=1, prompt_logprobs=1)
         )
         assert out.prompt_logprobs is not None
-        logprobs += [
-            out.prompt_logprobs[j][tokens[j]].logprob for j in range(chunk // 2 + 1, chunk)
-        ]
-    return logprobs
+        for j in range(chunk // 2 + 1, chunk):
+            scored.add(tokens[j], out.prompt_logprobs[j])
+    return scored
 
 
 def perplexity(logprobs: list[float]) -> float:
@@ -83,7 +101,30 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params)]
 
 
-def run(model: str, linear_method: str | None, chunk: int) -> tuple[list[float], list[list[int]]]:
+def probability_shift(base: Scored, quantized: Scored) -> dict[str, float]:
+    """llama-perplexity's statistics of `quantized` against `base`: the mean of
+    ln(PPL(Q)/PPL(base)) and its standard error; in percent, the mean and RMS of Δp and
+    the share of positions with the same top token."""
+    log_ratios = [b - q for b, q in zip(base.logprobs, quantized.logprobs, strict=True)]
+    n = len(log_ratios)
+    mean_log_ratio = sum(log_ratios) / n
+    spread = math.sqrt(sum((d - mean_log_ratio) ** 2 for d in log_ratios) / (n - 1))
+    shifts = [
+        math.exp(q) - math.exp(b) for b, q in zip(base.logprobs, quantized.logprobs, strict=True)
+    ]
+    same_top = sum(
+        a == b for a, b in zip(base.top_tokens, quantized.top_tokens, strict=True)
+    ) / len(shifts)
+    return {
+        "mean_ln_ppl_ratio": mean_log_ratio,
+        "mean_ln_ppl_ratio_error": spread / math.sqrt(n),
+        "mean_delta_p_percent": 100 * sum(shifts) / len(shifts),
+        "rms_delta_p_percent": 100 * math.sqrt(sum(d * d for d in shifts) / len(shifts)),
+        "same_top_p_percent": 100 * same_top,
+    }
+
+
+def run(model: str, linear_method: str | None, chunk: int) -> tuple[Scored, list[list[int]]]:
     settings: dict[str, Any] = {
         "dtype": "bfloat16",
         "kv_cache_memory": "64MiB",
@@ -114,8 +155,9 @@ def main() -> None:
 
     scored_bf16, tokens_bf16 = run(args.model, None, args.chunk_tokens)
     scored_q, tokens_q = run(args.model, args.linear_method, args.chunk_tokens)
-    ppl_bf16, ppl_q = perplexity(scored_bf16), perplexity(scored_q)
-    differences = [abs(a - b) for a, b in zip(scored_bf16, scored_q, strict=True)]
+    ppl_bf16, ppl_q = perplexity(scored_bf16.logprobs), perplexity(scored_q.logprobs)
+    differences = [abs(a - b) for a, b in zip(scored_bf16.logprobs, scored_q.logprobs, strict=True)]
+    shift = probability_shift(scored_bf16, scored_q)
     same = sum(
         a == b
         for r, q in zip(tokens_bf16, tokens_q, strict=True)
@@ -135,6 +177,8 @@ def main() -> None:
         "perplexity_delta": ppl_q - ppl_bf16,
         "mean_abs_logprob_difference": sum(differences) / len(differences),
         "max_abs_logprob_difference": max(differences),
+        "scored_tokens": len(differences),
+        **shift,
         "greedy_agreement": same / total,
         "tokens_before_first_difference": prefixes,
     }
@@ -142,7 +186,12 @@ def main() -> None:
         f"perplexity bf16 {ppl_bf16:.4f}, {args.linear_method} {ppl_q:.4f} "
         f"(delta {ppl_q - ppl_bf16:+.4f}, {100 * (ppl_q / ppl_bf16 - 1):+.2f} %)\n"
         f"per token, |logprob - bf16's|: mean {result['mean_abs_logprob_difference']:.4f}, "
-        f"largest {result['max_abs_logprob_difference']:.3f}\n"
+        f"largest {result['max_abs_logprob_difference']:.3f} ({len(differences)} tokens)\n"
+        "as llama-perplexity --kl-divergence: mean ln(PPL(Q)/PPL(base)) "
+        f"{shift['mean_ln_ppl_ratio']:+.6f} ± {shift['mean_ln_ppl_ratio_error']:.6f}, "
+        f"mean Δp {shift['mean_delta_p_percent']:+.3f} %, "
+        f"RMS Δp {shift['rms_delta_p_percent']:.3f} %, "
+        f"same top p {shift['same_top_p_percent']:.3f} %\n"
         f"greedy agreement {same}/{total} = {same / total:.3f}; "
         f"tokens before the first difference: {prefixes}"
     )
