@@ -221,6 +221,14 @@ void softmax_block(const Problem& P, int64_t rows, int64_t k0, int64_t first_pos
   }
 }
 
+// How many of a block's first `keys` keys (from k0) row r of a work item sees: those up to
+// its position (every key of its prompt when not causal).
+inline int64_t keys_seen(const Problem& P, int64_t first_pos, int64_t r, int64_t k0,
+                         int64_t keys) {
+  const int64_t pos = P.causal ? first_pos + r / (P.H / P.KVH) : first_pos;
+  return std::clamp<int64_t>(pos - k0 + 1, 0, keys);
+}
+
 // One work item: query tokens [t0, t0 + n) of KV head h, with all G heads of its group.
 template <int ND>
 void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* qt, float* s,
@@ -242,23 +250,47 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
   const uint16_t* kp = P.kp + h * P.head_packed;
   const uint16_t* vp = P.vp + h * P.head_packed;
 
+  constexpr int R = kRows<ND>;
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyBlock) {
     // Keys past Tk (zero-padded in kp and vp) are masked below; whole groups and pairs
     // of them are skipped.
     const int64_t keys = std::min(kKeyBlock, P.Tk - k0);
     // The vectors of 16 keys that hold any: a short prompt's block is mostly past its end.
     const int vectors = static_cast<int>((keys + 15) / 16);
-    scores_rows_upto<kRows<ND>>(keys, static_cast<int>(rows), qt, D, kp + k0 * D, s);
     // Every row sees every key of the block: no masks to build.
     const bool whole = k0 + kKeyBlock - 1 <= first_pos &&
                        (P.window <= 0 || k0 > last_pos - P.window);
+    const uint16_t* kb = kp + k0 * D;
+    const uint16_t* vb = vp + k0 * D;
+    if (whole) {
+      scores_rows_upto<R>(keys, static_cast<int>(rows), qt, D, kb, s);
+    } else {
+      // A block the causal limit cuts (or a prompt's end): each tile of rows scores only
+      // the keys its last row sees; the rest would be masked.
+      for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int n = static_cast<int>(std::min<int64_t>(R, rows - r0));
+        const int64_t seen = keys_seen(P, first_pos, r0 + n - 1, k0, keys);
+        if (seen > 0)
+          scores_rows_upto<R>(seen, n, qt + r0 * D, D, kb, s + r0 * kKeyBlock);
+      }
+    }
     switch (vectors) {  // the count a compile-time constant, as the loops unroll on it
       case 1: softmax_block<1>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
       case 2: softmax_block<2>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
       case 3: softmax_block<3>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
       default: softmax_block<4>(P, rows, k0, first_pos, whole, s, pb, o, m, l);
     }
-    values_rows<kRows<ND>, ND>(static_cast<int>(rows), pb, vp + k0 * D, o, D, (keys + 1) / 2);
+    if (whole) {
+      values_rows<R, ND>(static_cast<int>(rows), pb, vb, o, D, (keys + 1) / 2);
+    } else {
+      // Probabilities past a tile's last seen key are zero: their pairs add nothing.
+      for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int n = static_cast<int>(std::min<int64_t>(R, rows - r0));
+        const int64_t seen = keys_seen(P, first_pos, r0 + n - 1, k0, keys);
+        if (seen > 0)
+          values_rows<R, ND>(n, pb + r0 * kKeyBlock, vb, o + r0 * D, D, (seen + 1) / 2);
+      }
+    }
   }
 
   for (int64_t r = 0; r < rows; ++r) {
