@@ -262,17 +262,13 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
                        (P.window <= 0 || k0 > last_pos - P.window);
     const uint16_t* kb = kp + k0 * D;
     const uint16_t* vb = vp + k0 * D;
-    if (whole) {
-      scores_rows_upto<R>(keys, static_cast<int>(rows), qt, D, kb, s);
-    } else {
-      // A block the causal limit cuts (or a prompt's end): each tile of rows scores only
-      // the keys its last row sees; the rest would be masked.
-      for (int64_t r0 = 0; r0 < rows; r0 += R) {
-        const int n = static_cast<int>(std::min<int64_t>(R, rows - r0));
-        const int64_t seen = keys_seen(P, first_pos, r0 + n - 1, k0, keys);
-        if (seen > 0)
-          scores_rows_upto<R>(seen, n, qt + r0 * D, D, kb, s + r0 * kKeyBlock);
-      }
+    // Tile by tile, the keys of the block that a tile's last row sees: all of them but
+    // where the causal limit cuts the block. The products past them would be masked
+    // (scores) or multiply zero probabilities (values).
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+      const int n = static_cast<int>(std::min<int64_t>(R, rows - r0));
+      if (const int64_t seen = keys_seen(P, first_pos, r0 + n - 1, k0, keys); seen > 0)
+        scores_rows_upto<R>(seen, n, qt + r0 * D, D, kb, s + r0 * kKeyBlock);
     }
     switch (vectors) {  // the count a compile-time constant, as the loops unroll on it
       case 1: softmax_block<1>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
@@ -280,16 +276,10 @@ void attend_block(const Problem& P, int64_t h, int64_t t0, int64_t n, uint16_t* 
       case 3: softmax_block<3>(P, rows, k0, first_pos, whole, s, pb, o, m, l); break;
       default: softmax_block<4>(P, rows, k0, first_pos, whole, s, pb, o, m, l);
     }
-    if (whole) {
-      values_rows<R, ND>(static_cast<int>(rows), pb, vb, o, D, (keys + 1) / 2);
-    } else {
-      // Probabilities past a tile's last seen key are zero: their pairs add nothing.
-      for (int64_t r0 = 0; r0 < rows; r0 += R) {
-        const int n = static_cast<int>(std::min<int64_t>(R, rows - r0));
-        const int64_t seen = keys_seen(P, first_pos, r0 + n - 1, k0, keys);
-        if (seen > 0)
-          values_rows<R, ND>(n, pb + r0 * kKeyBlock, vb, o + r0 * D, D, (seen + 1) / 2);
-      }
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+      const int n = static_cast<int>(std::min<int64_t>(R, rows - r0));
+      if (const int64_t seen = keys_seen(P, first_pos, r0 + n - 1, k0, keys); seen > 0)
+        values_rows<R, ND>(n, pb + r0 * kKeyBlock, vb, o + r0 * D, D, (seen + 1) / 2);
     }
   }
 
