@@ -1,5 +1,6 @@
 """Loads the C++ prefill-attention kernels: cpu_prefill_attention.cpp (bf16, causal and
-varlen bidirectional) and cpu_varlen_attention_f32.cpp (fp32, varlen bidirectional).
+varlen bidirectional) and, for fp32 varlen bidirectional, cpu_varlen_attention_f32.cpp
+(AVX-512F) or, on a CPU without AVX-512F, cpu_varlen_attention_f32_avx2.cpp (AVX2).
 
 A long prefill row (SDPA_MIN_QUERY_TOKENS or more) used to run torch's SDPA, whose CPU
 flash kernel runs causal attention far below the dot-product peak of a CPU without AMX
@@ -11,7 +12,8 @@ model's head shapes once, and the backend keeps the faster.
 
 An encoder's step is many short whole prompts, which SDPA takes one call each; the varlen
 entries attend them all in one call per layer, in bf16 on the same dot-product
-instruction, in fp32 on AVX-512F's FMA (`varlen_faster_than_sdpa` times them the same way).
+instruction, in fp32 on AVX-512F's or AVX2's FMA (`varlen_faster_than_sdpa` times them the
+same way).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,13 +33,11 @@ from plugserve.ops.kernel_timing import median_ms_in_turns
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
-_FP32_SOURCE = Path(__file__).with_name("cpu_varlen_attention_f32.cpp")
 # The head sizes the kernels' register tiles are written for.
 HEAD_DIMS = (32, 64, 128)
 # The instructions the kernels are written in (-march=native builds them where the CPU has
 # them).
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-FP32_REQUIRED_CPU_FLAGS = ("avx512f",)
 # The dtypes the varlen (bidirectional) entry takes.
 VARLEN_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -56,17 +57,68 @@ def unavailable_reason() -> str | None:
     return _unavailable_reason(_SOURCE, REQUIRED_CPU_FLAGS)
 
 
+@dataclass(frozen=True)
+class Fp32VarlenKernel:
+    """One build of the fp32 varlen kernel: its source, the instructions it is written in
+    (-march=native builds them where the CPU has them) and its torch.ops namespace."""
+
+    source: Path
+    required_cpu_flags: tuple[str, ...]
+    namespace: str
+
+    def unavailable_reason(self) -> str | None:
+        """None once built and loaded here, else why not (missing flags, a failed build)."""
+        return _unavailable_reason(self.source, self.required_cpu_flags)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: list[int],
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """varlen_bidirectional_attention in fp32 through this build (loaded first)."""
+        ops_namespace = getattr(torch.ops, self.namespace)
+        return ops_namespace.varlen_bidirectional(q, k, v, cu_seqlens, scale, softcap or 0.0)
+
+
+# The fp32 builds, the preferred first: AVX-512F's 16 lanes, else AVX2's 8.
+FP32_VARLEN_KERNELS = (
+    Fp32VarlenKernel(
+        Path(__file__).with_name("cpu_varlen_attention_f32.cpp"),
+        ("avx512f",),
+        "plugserve_varlen_f32",
+    ),
+    Fp32VarlenKernel(
+        Path(__file__).with_name("cpu_varlen_attention_f32_avx2.cpp"),
+        ("avx2", "fma"),
+        "plugserve_varlen_f32_avx2",
+    ),
+)
+
+
+def fp32_kernel() -> Fp32VarlenKernel:
+    """The fp32 varlen build for this CPU: the first of FP32_VARLEN_KERNELS whose
+    instructions it has (the last where it has none, which then says what is missing)."""
+    flags = set(ops.cpu_flags().split())
+    return next(
+        (k for k in FP32_VARLEN_KERNELS if set(k.required_cpu_flags) <= flags),
+        FP32_VARLEN_KERNELS[-1],
+    )
+
+
 def load_fp32() -> bool:
-    """Make torch.ops.plugserve_varlen_f32.varlen_bidirectional available; False where the
-    CPU lacks AVX-512F or the kernel cannot be built or loaded (the reason logged once)."""
-    if not set(FP32_REQUIRED_CPU_FLAGS) <= set(ops.cpu_flags().split()):
-        return False
-    return ops.load(_FP32_SOURCE)
+    """Make fp32 varlen_bidirectional_attention available; False where the CPU has neither
+    AVX-512F nor AVX2 and FMA, or the kernel cannot be built or loaded (the reason logged
+    once)."""
+    return fp32_unavailable_reason() is None
 
 
 def fp32_unavailable_reason() -> str | None:
     """None where the fp32 varlen kernel is built and loaded (load_fp32()), else why not."""
-    return _unavailable_reason(_FP32_SOURCE, FP32_REQUIRED_CPU_FLAGS)
+    return fp32_kernel().unavailable_reason()
 
 
 def load_varlen(dtype: torch.dtype) -> bool:
@@ -109,8 +161,11 @@ def varlen_bidirectional_attention(
     tokens [cu_seqlens[b], cu_seqlens[b + 1]) of q [T, H, D] and k/v [T, KVH, D] (bf16 or
     fp32, whose kernel load_varlen loaded) are prompt b's, and each of its queries attends
     to all of its keys."""
-    ns = torch.ops.plugserve_varlen_f32 if q.dtype == torch.float32 else torch.ops.plugserve_prefill
-    return ns.varlen_bidirectional(q, k, v, cu_seqlens, scale, softcap or 0.0)
+    if q.dtype == torch.float32:
+        return fp32_kernel().attend(q, k, v, cu_seqlens, scale, softcap)
+    return torch.ops.plugserve_prefill.varlen_bidirectional(
+        q, k, v, cu_seqlens, scale, softcap or 0.0
+    )
 
 
 def _kernel_is_faster(kernel: Callable[[], None], sdpa: Callable[[], None]) -> tuple[bool, str]:

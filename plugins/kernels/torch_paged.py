@@ -43,7 +43,7 @@ An encoder's layers (bidirectional) run only whole prompts and never read the ca
 nothing is written to it; each prompt attends to all of itself, through one SDPA call per
 prompt or, under the same `prefill_kernel` option and its own timing
 (cpu_prefill_attention.varlen_faster_than_sdpa), through one varlen call of the prefill
-kernel for the whole step: in bf16 on avx512_bf16, in fp32 on avx512f.
+kernel for the whole step: in bf16 on avx512_bf16, in fp32 on avx512f or avx2.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ class TorchPagedAttention:
     def _use_prefill_kernel(self, choice: str) -> bool:
         """Whether long prefill rows (an encoder's steps: all their prompts) go through
         cpu_prefill_attention: where it runs here (CPU, its head sizes, and for causal rows
-        bf16 on avx512_bf16; an encoder's varlen entry also fp32 on avx512f) and, under
+        bf16 on avx512_bf16; an encoder's varlen entry also fp32 on avx512f or avx2) and, under
         auto, timed faster than SDPA."""
         if choice == "off":
             return False
@@ -263,7 +263,7 @@ class TorchPagedAttention:
         kernels = cpu_prefill_attention
         if self.bidirectional:
             usable = s.dtype in kernels.VARLEN_DTYPES and kernels.load_varlen(s.dtype)
-            needs = "bfloat16 on a CPU with avx512_bf16 or float32 on one with avx512f"
+            needs = "bfloat16 on a CPU with avx512_bf16 or float32 on one with avx512f or avx2"
         else:
             usable = s.dtype == torch.bfloat16 and kernels.load()
             needs = "bfloat16 on a CPU with avx512_bf16"

@@ -36,6 +36,7 @@ from plugserve_plugins.linear_methods.int8_weight_only import quantize_rows
 from plugserve_plugins.linear_methods.w8a8_plan import (
     INT_MM,
     KERNEL_IDS,
+    REQUIRED_CPU_FLAGS,
     ROW_BUCKETS,
     SOURCE,
     VNNI,
@@ -45,8 +46,6 @@ from plugserve_plugins.linear_methods.w8a8_plan import (
 
 logger = logging.getLogger(__name__)
 
-# The kernel's instructions (-march=native builds them; a CPU without them cannot run it).
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 PAD_K = 64  # the packed K is a multiple of an AMX tile row (64 bytes)
 
 

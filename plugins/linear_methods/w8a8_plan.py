@@ -50,6 +50,8 @@ from plugserve.user_cache import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_w8a8.cpp")
+# The kernel's instructions (-march=native builds them; a CPU without them cannot run it).
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 VNNI, VNNI_TILED, AMX, INT_MM = "vnni", "vnni/tiled", "amx", "int_mm"
 KERNEL_IDS = {VNNI: 0, AMX: 1, INT_MM: 2, VNNI_TILED: 3}  # int8_w8a8.cpp's `kernel` argument
 
@@ -99,7 +101,10 @@ class W8A8Plan:
 
 
 def amx_available() -> bool:
-    """Whether int8_w8a8.cpp runs AMX-INT8 tiles here (built for them, allowed by Linux)."""
+    """Whether int8_w8a8.cpp runs AMX-INT8 tiles here (built for them, allowed by Linux); a
+    CPU without the kernel's own instructions has no build of it to ask."""
+    if not set(REQUIRED_CPU_FLAGS) <= set(ops.cpu_flags().split()):
+        return False
     return ops.load(SOURCE) and bool(torch.ops.plugserve_w8a8.amx_available())
 
 

@@ -20,13 +20,13 @@ from correctness.architecture_cases import one_case_per_family
 from correctness.tiny_checkpoints import TinyCase, TinyRun, write_tiny_checkpoint
 from plugserve import SamplingParams
 from plugserve.worker.layers.linear import Linear
-from plugserve_plugins.linear_methods import int8_w8a8
+from plugserve_plugins.linear_methods import w8a8_plan
 from plugserve_plugins.linear_methods.int8_w8a8 import W8A8Linear
 from tests.kernel_support import missing_cpu_flags
 
 # Skipped only where the CPU lacks the kernel's instructions: where it has them, a kernel
 # that does not build fails these tests (and tests/unit/ops/test_kernels_build.py).
-MISSING = missing_cpu_flags(int8_w8a8.REQUIRED_CPU_FLAGS)
+MISSING = missing_cpu_flags(w8a8_plan.REQUIRED_CPU_FLAGS)
 pytestmark = pytest.mark.skipif(
     bool(MISSING), reason=f"the W8A8 kernel needs a CPU with {' and '.join(MISSING)}"
 )

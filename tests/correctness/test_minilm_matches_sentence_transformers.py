@@ -78,12 +78,12 @@ def cosines(got: list[np.ndarray], expected: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("prefill_kernel", "linear_kernel"),
-    [("on", "onednn"), ("off", "aten")],
-    ids=["varlen-kernel-onednn", "sdpa-aten"],
+    [("on", "onednn"), ("on", "avx2"), ("off", "aten")],
+    ids=["varlen-kernel-onednn", "varlen-kernel-avx2", "sdpa-aten"],
 )
 def test_fp32_equals_sentence_transformers(prefill_kernel, linear_kernel, reference):
-    """Through either attention path and either fp32 matmul (auto takes whichever timed
-    faster)."""
+    """Through either attention path and each fp32 matmul (auto takes whichever timed
+    fastest)."""
     from plugserve_plugins.kernels import cpu_prefill_attention
     from plugserve_plugins.linear_methods import cpu_fp32
 
@@ -91,11 +91,17 @@ def test_fp32_equals_sentence_transformers(prefill_kernel, linear_kernel, refere
         cpu_prefill_attention.load_fp32()
         require_kernel(
             "the fp32 varlen kernel",
-            cpu_prefill_attention.FP32_REQUIRED_CPU_FLAGS,
+            cpu_prefill_attention.fp32_kernel().required_cpu_flags,
             cpu_prefill_attention.fp32_unavailable_reason(),
         )
     if linear_kernel == "onednn" and not cpu_fp32.onednn_available():
         pytest.skip("this torch is built without oneDNN")
+    if linear_kernel == "avx2":
+        require_kernel(
+            "the AVX2 fp32 matmul",
+            cpu_fp32.AVX2_REQUIRED_CPU_FLAGS,
+            cpu_fp32.avx2_unavailable_reason(),
+        )
     llm = LLM(
         "all-minilm-l6-v2",
         dtype="float32",

@@ -20,10 +20,10 @@ from integration.conftest import (
 )
 from plugserve import LLM, SamplingParams
 from plugserve.bench.plugserve_server import PlugserveServer
-from plugserve_plugins.linear_methods import int8_w8a8
+from plugserve_plugins.linear_methods import w8a8_plan
 from tests.kernel_support import missing_cpu_flags
 
-MISSING = missing_cpu_flags(int8_w8a8.REQUIRED_CPU_FLAGS)
+MISSING = missing_cpu_flags(w8a8_plan.REQUIRED_CPU_FLAGS)
 pytestmark = pytest.mark.skipif(
     bool(MISSING), reason=f"the W8A8 kernel needs a CPU with {' and '.join(MISSING)}"
 )

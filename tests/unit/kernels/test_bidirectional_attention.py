@@ -85,7 +85,7 @@ VARLEN_KERNELS = {
         cpu_prefill_attention.unavailable_reason,
     ),
     torch.float32: (
-        cpu_prefill_attention.FP32_REQUIRED_CPU_FLAGS,
+        cpu_prefill_attention.fp32_kernel().required_cpu_flags,
         cpu_prefill_attention.fp32_unavailable_reason,
     ),
 }

@@ -1,9 +1,11 @@
-"""cpu_varlen_attention_f32 (an encoder's step in fp32) against dense float64 attention.
+"""The fp32 varlen kernels (an encoder's step in fp32: cpu_varlen_attention_f32.cpp on
+AVX-512F, cpu_varlen_attention_f32_avx2.cpp on AVX2) against dense float64 attention, each
+build wherever the CPU has its instructions.
 
 Whole prompts of mixed lengths side by side, each query attending to every key of its
-own prompt: lengths on both sides of the kernel's 16-key groups and 64-query chunks, GQA,
-soft-capping, each head size it takes, rows strided as split from one projection. The
-kernel computes in fp32 with an exact softmax, so it is held to 1e-5.
+own prompt: lengths on both sides of the kernels' 8- and 16-key groups and 64-query
+chunks, GQA, soft-capping, each head size they take, rows strided as split from one
+projection. The kernels compute in fp32 with an exact softmax, so they are held to 1e-5.
 """
 
 from __future__ import annotations
@@ -18,14 +20,20 @@ from plugserve_plugins.kernels import cpu_prefill_attention
 from tests.kernel_support import require_kernel
 
 
-@pytest.fixture(autouse=True)
-def kernel() -> None:
-    cpu_prefill_attention.load_fp32()
-    require_kernel(
-        "cpu_varlen_attention_f32",
-        cpu_prefill_attention.FP32_REQUIRED_CPU_FLAGS,
-        cpu_prefill_attention.fp32_unavailable_reason(),
-    )
+@pytest.fixture(
+    params=cpu_prefill_attention.FP32_VARLEN_KERNELS, ids=lambda kernel: kernel.source.name
+)
+def kernel(request: pytest.FixtureRequest) -> cpu_prefill_attention.Fp32VarlenKernel:
+    build: cpu_prefill_attention.Fp32VarlenKernel = request.param
+    require_kernel(build.source.name, build.required_cpu_flags, build.unavailable_reason())
+    return build
+
+
+@pytest.fixture
+def chosen_kernel() -> None:
+    """The build this CPU's encoders run (fp32_kernel), loaded."""
+    chosen = cpu_prefill_attention.fp32_kernel()
+    require_kernel(chosen.source.name, chosen.required_cpu_flags, chosen.unavailable_reason())
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None):
@@ -66,31 +74,37 @@ def projected_qkv(
     ],
 )
 def test_each_prompt_attends_to_all_of_itself(
-    lengths: tuple[int, ...], heads: int, kv_heads: int, head_dim: int, softcap: float | None
+    kernel: cpu_prefill_attention.Fp32VarlenKernel,
+    lengths: tuple[int, ...],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    softcap: float | None,
 ) -> None:
     q, k, v = projected_qkv(sum(lengths), heads, kv_heads, head_dim, seed=sum(lengths))
     cu_seqlens = [0, *itertools.accumulate(lengths)]
     scale = head_dim**-0.5
-    out = cpu_prefill_attention.varlen_bidirectional_attention(
-        q, k, v, cu_seqlens, scale, softcap=softcap
-    )
+    out = kernel.attend(q, k, v, cu_seqlens, scale, softcap=softcap)
     assert out.dtype == torch.float32
     for start, end in itertools.pairwise(cu_seqlens):
         expected = dense(q[start:end], k[start:end], v[start:end], scale, softcap)
         torch.testing.assert_close(out[start:end].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_bad_inputs_are_refused_by_what_is_wrong() -> None:
+def test_bad_inputs_are_refused_by_what_is_wrong(
+    kernel: cpu_prefill_attention.Fp32VarlenKernel,
+) -> None:
     q, k, v = projected_qkv(10, 2, 2, 32, seed=0)
     with pytest.raises(RuntimeError, match="cu_seqlens must run from 0"):
-        cpu_prefill_attention.varlen_bidirectional_attention(q, k, v, [0, 4, 8], 0.125)
+        kernel.attend(q, k, v, [0, 4, 8], 0.125)
     with pytest.raises(RuntimeError, match="cu_seqlens must not decrease"):
-        cpu_prefill_attention.varlen_bidirectional_attention(q, k, v, [0, 6, 4, 10], 0.125)
+        kernel.attend(q, k, v, [0, 6, 4, 10], 0.125)
     q48, k48, v48 = projected_qkv(10, 2, 2, 48, seed=0)
     with pytest.raises(RuntimeError, match="head_dim 32, 64 or 128"):
-        cpu_prefill_attention.varlen_bidirectional_attention(q48, k48, v48, [0, 10], 0.125)
+        kernel.attend(q48, k48, v48, [0, 10], 0.125)
 
 
+@pytest.mark.usefixtures("chosen_kernel")
 def test_the_timed_choice_is_the_faster_of_the_two_timings_it_logs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

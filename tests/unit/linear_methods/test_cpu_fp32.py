@@ -1,12 +1,11 @@
-"""The cpu_fp32 linear method: fp32 weights reordered once for oneDNN's matmul, or kept
-for F.linear, whichever timed faster on the model's own matmuls (both pinnable); every
-linear of a model computes what F.linear does over the loaded weights, to fp32 rounding
-(another summation order), and a tied LM head keeps F.linear over the embedding's matrix
-(no second copy of the vocabulary); other dtypes are refused by name."""
+"""The cpu_fp32 linear method: fp32 weights reordered once for oneDNN's matmul, packed once
+for the AVX2 register tiles, or kept for F.linear, whichever timed fastest on the model's
+own matmuls (each pinnable); every linear of a model computes what F.linear does over the
+loaded weights, to fp32 rounding (another summation order), and a tied LM head keeps
+F.linear over the embedding's matrix (no second copy of the vocabulary); other dtypes are
+refused by name."""
 
 from __future__ import annotations
-
-import re
 
 import pydantic
 import pytest
@@ -23,11 +22,19 @@ from plugserve.worker.linear_methods import (
 )
 from plugserve.worker.models.llama import LlamaForCausalLM
 from plugserve_plugins.linear_methods import cpu_fp32
-from plugserve_plugins.linear_methods.cpu_fp32 import CpuFp32LinearMethod, OneDnnLinear
+from plugserve_plugins.linear_methods.cpu_fp32 import (
+    Avx2Linear,
+    CpuFp32LinearMethod,
+    OneDnnLinear,
+)
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
     not cpu_fp32.onednn_available(), reason="this torch is built without oneDNN"
+)
+needs_avx2 = pytest.mark.skipif(
+    cpu_fp32.avx2_unavailable_reason() is not None,
+    reason=f"the AVX2 kernel cannot run here: {cpu_fp32.avx2_unavailable_reason()}",
 )
 
 
@@ -47,7 +54,10 @@ def loaded_tied_llama(kernel: str) -> tuple[LlamaForCausalLM, dict[str, torch.Te
     return model, weights
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn), "aten"])
+@pytest.mark.parametrize(
+    "kernel",
+    [pytest.param("onednn", marks=needs_onednn), pytest.param("avx2", marks=needs_avx2), "aten"],
+)
 def test_every_linear_and_the_tied_head_compute_f_linear_without_copying_the_head(
     kernel: str,
 ) -> None:
@@ -75,13 +85,46 @@ def test_every_linear_and_the_tied_head_compute_f_linear_without_copying_the_hea
     )
 
 
-@needs_onednn
-def test_a_bias_is_added_and_out_dtype_honoured() -> None:
+@pytest.mark.parametrize(
+    "compute",
+    [pytest.param(OneDnnLinear, marks=needs_onednn), pytest.param(Avx2Linear, marks=needs_avx2)],
+)
+def test_a_bias_is_added_and_out_dtype_honoured(compute: type) -> None:
     weight, bias = torch.randn(24, 16), torch.randn(24)
     x = torch.randn(7, 16)
-    linear = OneDnnLinear(weight, bias)
+    linear = compute(weight, bias)
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias))
     assert linear(x, torch.bfloat16).dtype == torch.bfloat16
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [*range(1, 14), 68, 101])
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (37, 19), (200, 384)])
+def test_the_avx2_tiles_compute_f_linear_for_every_row_count_and_width(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """Every row-tile height (1-6 rows, the chained one- and two-row tiles, a remainder after
+    whole tiles), panels cut short by the width, any K, with and without a bias."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    expected = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(Avx2Linear(weight, None)(x), expected.float(), rtol=1e-5, atol=1e-4)
+    expected_with_bias = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(
+        Avx2Linear(weight, bias)(x), expected_with_bias.float(), rtol=1e-5, atol=1e-4
+    )
+
+
+@needs_avx2
+def test_the_avx2_tiles_take_leading_dims_and_strided_rows() -> None:
+    weight = torch.randn(40, 32)
+    linear = Avx2Linear(weight, None)
+    batched = torch.randn(3, 5, 32)
+    torch.testing.assert_close(linear(batched), F.linear(batched, weight), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(9, 64)[:, :32]  # rows 64 floats apart, as a split projection's
+    torch.testing.assert_close(linear(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_other_dtypes_are_refused_by_name() -> None:
@@ -93,30 +136,49 @@ def test_other_dtypes_are_refused_by_name() -> None:
         method.process_weights_after_loading([layer], model=layer, tied_head=None)
 
 
-@needs_onednn
-def test_the_timed_choice_is_the_faster_of_the_two_timings_it_logs() -> None:
+def logged_timings(line: str) -> tuple[dict[str, float], str]:
+    """The milliseconds a chooser's log line gives each kernel (by label), and the one used:
+    "oneDNN 1.20 ms, ATen 2.31 ms a pass over ...; using oneDNN"."""
+    listed, _, rest = line.partition(" a pass over ")
+    timings = {}
+    for entry in listed.split(", "):
+        label, ms, unit = entry.rsplit(" ", 2)
+        assert unit == "ms", line
+        timings[label] = float(ms)
+    return timings, rest.rpartition("; using ")[2]
+
+
+def test_the_timed_choice_is_the_fastest_of_the_timings_it_logs() -> None:
     """Under kernel auto the method takes what this returns: whichever way the timing goes
-    on this machine, the answer is the one its logged timings give."""
+    on this machine, the answer is the one its logged timings give, among every kernel
+    this machine has."""
     weights = [torch.randn(1152, 384), torch.randn(384, 1536), torch.randn(1152, 384)]
-    faster, line = cpu_fp32.onednn_is_faster(weights)
+    kernels = cpu_fp32.available_kernels()
+    fastest, line = cpu_fp32.fastest_kernel(weights, kernels)
     assert "over 2 weight shapes" in line
-    found = re.search(r"oneDNN ([\d.]+) ms, ATen ([\d.]+) ms .*; using (oneDNN|ATen)", line)
-    assert found, line
-    onednn_ms, aten_ms, using = float(found[1]), float(found[2]), found[3]
-    assert faster is (using == "oneDNN")
-    assert faster is (onednn_ms < aten_ms)
+    timings, using = logged_timings(line)
+    assert set(timings) == {cpu_fp32.KERNEL_LABELS[k] for k in kernels}
+    assert using == cpu_fp32.KERNEL_LABELS[fastest] == min(timings, key=timings.__getitem__)
 
 
-@needs_onednn
-def test_auto_keeps_the_kernel_that_timed_faster(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_machine_offers_aten_and_every_kernel_it_can_run() -> None:
+    kernels = cpu_fp32.available_kernels()
+    assert kernels[-1] == "aten"
+    assert ("onednn" in kernels) == cpu_fp32.onednn_available()
+    assert ("avx2" in kernels) == (cpu_fp32.avx2_unavailable_reason() is None)
+
+
+@pytest.mark.skipif(len(cpu_fp32.available_kernels()) < 2, reason="only ATen runs here")
+def test_auto_keeps_the_kernel_that_timed_fastest(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger=cpu_fp32.__name__):
         model, _ = loaded_tied_llama("auto")
     [line] = [r.getMessage() for r in caplog.records if "using" in r.getMessage()]
     method = model.model.layers[0].mlp.gate_up_proj.method
-    assert method.kernel == ("onednn" if line.endswith("using oneDNN") else "aten")
+    _, using = logged_timings(line)
+    assert cpu_fp32.KERNEL_LABELS[method.kernel] == using
 
 
-@pytest.mark.parametrize("setting", ["onednn", "aten", "auto"])
+@pytest.mark.parametrize("setting", ["onednn", "avx2", "aten", "auto"])
 def test_the_environment_sets_the_kernel_where_the_options_do_not(
     setting: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

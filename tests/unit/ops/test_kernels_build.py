@@ -12,7 +12,7 @@ import pytest
 from plugserve.worker import cpu_ops
 from plugserve_plugins.cpu_bf16 import cpu_features
 from plugserve_plugins.kernels import cpu_paged_attention, cpu_prefill_attention
-from plugserve_plugins.linear_methods import int8_w8a8, int8_weight_only
+from plugserve_plugins.linear_methods import cpu_fp32, int8_w8a8, int8_weight_only, w8a8_plan
 from tests.kernel_support import require_kernel
 
 
@@ -46,10 +46,12 @@ KERNELS = (
         cpu_prefill_attention.REQUIRED_CPU_FLAGS,
         cpu_prefill_attention.unavailable_reason,
     ),
+    *(
+        CompiledKernel(build.source.name, build.required_cpu_flags, build.unavailable_reason)
+        for build in cpu_prefill_attention.FP32_VARLEN_KERNELS
+    ),
     CompiledKernel(
-        "cpu_varlen_attention_f32.cpp",
-        cpu_prefill_attention.FP32_REQUIRED_CPU_FLAGS,
-        cpu_prefill_attention.fp32_unavailable_reason,
+        "cpu_fp32_gemm.cpp", cpu_fp32.AVX2_REQUIRED_CPU_FLAGS, cpu_fp32.avx2_unavailable_reason
     ),
     CompiledKernel(
         "int8_weight_only.cpp",
@@ -58,7 +60,7 @@ KERNELS = (
     ),
     CompiledKernel(
         "int8_w8a8.cpp",
-        int8_w8a8.REQUIRED_CPU_FLAGS,
+        w8a8_plan.REQUIRED_CPU_FLAGS,
         int8_w8a8.Int8W8A8.unavailable_reason,
     ),
 )

@@ -13,14 +13,14 @@ from plugserve.cli import parse_overrides
 from plugserve.config import load_config
 from plugserve.worker.layers.linear import Linear
 from plugserve_plugins.cpu_bf16.fused_stack import FusedCpuDecoder
-from plugserve_plugins.linear_methods import int8_w8a8, int8_weight_only
+from plugserve_plugins.linear_methods import int8_weight_only, w8a8_plan
 from plugserve_plugins.linear_methods.int8_w8a8 import W8A8Linear
 from plugserve_plugins.linear_methods.int8_weight_only import Int8Linear
 from tests.kernel_support import missing_cpu_flags
 
 # Skipped only where the CPU lacks the kernels' instructions; where it has them, a kernel
 # that does not build fails (tests/unit/ops/test_kernels_build.py, and these tests).
-MISSING = missing_cpu_flags(int8_w8a8.REQUIRED_CPU_FLAGS)
+MISSING = missing_cpu_flags(w8a8_plan.REQUIRED_CPU_FLAGS)
 needs_kernel = pytest.mark.skipif(
     bool(MISSING), reason=f"the W8A8 kernel needs a CPU with {' and '.join(MISSING)}"
 )

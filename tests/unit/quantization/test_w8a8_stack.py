@@ -17,12 +17,12 @@ from plugserve.worker.models.llama import LlamaForCausalLM
 from plugserve_plugins.cpu_bf16 import cpu_features
 from plugserve_plugins.cpu_bf16.fused_layer import FusedCpuDecoderLayer
 from plugserve_plugins.cpu_bf16.fused_stack import FusedCpuDecoder
-from plugserve_plugins.linear_methods import int8_w8a8
+from plugserve_plugins.linear_methods import w8a8_plan
 from plugserve_plugins.linear_methods.int8_w8a8 import W8A8Linear
 from tests.kernel_support import missing_cpu_flags, require_kernel
 from tests.model_support import SIZES, PagedRunner, automatic_passes, bf16_model
 
-MISSING = missing_cpu_flags(int8_w8a8.REQUIRED_CPU_FLAGS)
+MISSING = missing_cpu_flags(w8a8_plan.REQUIRED_CPU_FLAGS)
 pytestmark = pytest.mark.skipif(
     bool(MISSING), reason=f"the W8A8 kernel needs a CPU with {' and '.join(MISSING)}"
 )
