@@ -18,7 +18,7 @@ from typing import Literal
 
 from plugserve.ops.kernel_timing import ONE_ROW, RowBucket, bucket_index, is_prefill, row_buckets
 
-Library = Literal["own", "onednn", "aten"]
+Library = Literal["own", "avx2", "onednn", "aten"]
 
 
 # The measured row counts: each prefill bucket from there on, a new row count each run
@@ -36,7 +36,9 @@ STREAM_NON_TEMPORAL, STREAM_CACHED, TILED, AMX = 0, 1, 2, 3
 class Kernel:
     """One way to run a bf16 matmul on the CPU.
 
-    library: "own" (cpu_gemm.cpp over k-pair-packed weights; needs AVX512_BF16), "onednn"
+    library: "own" (cpu_gemm.cpp over k-pair-packed weights; needs AVX512_BF16), "avx2"
+    (cpu_gemm_avx2.cpp over 16-column panels, widened to fp32 in registers; the
+    machine's own kernel where AVX512_BF16 is missing), "onednn"
     (torch's oneDNN over its own blocked layout: AMX tiles where the CPU has them), "aten"
     (F.linear over the weight as loaded). For "own", one_row_mode and coded say how a
     single row runs (a stream over the plain or the exponent-coded copy, or the tile
@@ -59,6 +61,7 @@ OWN_CODED_CACHED = Kernel("own/coded/cached", "own", one_row_mode=STREAM_CACHED,
 OWN_AMX = Kernel("own/amx", "own", one_row_mode=AMX)
 ONEDNN = Kernel("onednn", "onednn")
 ONEDNN_FUSED_MLP = Kernel("onednn/fused-mlp", "onednn", fused_mlp=True)
+AVX2 = Kernel("avx2", "avx2")
 ATEN = Kernel("aten", "aten")
 KERNELS: tuple[Kernel, ...] = (
     OWN,
@@ -67,6 +70,7 @@ KERNELS: tuple[Kernel, ...] = (
     OWN_CODED,
     OWN_CODED_CACHED,
     OWN_AMX,
+    AVX2,
     ONEDNN,
     ONEDNN_FUSED_MLP,
     ATEN,
@@ -85,15 +89,16 @@ BATCH_INVARIANT_KERNELS: tuple[Kernel, ...] = (OWN_TILED, OWN_AMX)
 
 # The copies of a weight a kernel reads: cpu_gemm's k-pair-packed one ("packed"), its
 # exponent-coded copy beside it ("coded": a coded block may point back into the packed
-# one), oneDNN's blocked one ("onednn"; the fused MLP reads it for the down projection and
+# one), cpu_gemm_avx2's 16-column panels ("panels"), oneDNN's blocked one ("onednn"; the fused MLP reads it for the down projection and
 # blocked copies of its own of the gate and up halves, "fused_gate_up"), or the weight as
 # loaded ("plain"). Each layout a plan uses is one more copy of (part of) the model's
 # weights in memory; LAYOUT_SHARE is roughly what share of the weights' bytes it adds
 # (a Llama-shaped MLP holds about two thirds of them, its gate and up two thirds of that).
-Layout = Literal["packed", "coded", "onednn", "fused_gate_up", "plain"]
+Layout = Literal["packed", "coded", "panels", "onednn", "fused_gate_up", "plain"]
 LAYOUT_SHARE: dict[str, float] = {
     "packed": 1.0,
     "coded": 0.75,
+    "panels": 1.0,
     "onednn": 1.0,
     "fused_gate_up": 0.45,
     "plain": 1.0,
@@ -104,6 +109,8 @@ def layouts_of(kernel: Kernel) -> frozenset[str]:
     """The copies of a weight `kernel` reads (Layout)."""
     if kernel.library == "own":
         return frozenset({"packed", "coded"} if kernel.coded else {"packed"})
+    if kernel.library == "avx2":
+        return frozenset({"panels"})
     if kernel.library == "onednn":
         return frozenset({"onednn", "fused_gate_up"} if kernel.fused_mlp else {"onednn"})
     return frozenset({"plain"})

@@ -1,6 +1,6 @@
 """A bf16 linear layer's weight laid out once, at load, for every kernel its plan runs, and
 called through the one its row count gets (kernel_plan.py: the buckets and the plan;
-kernel_choice.py: the plan measured per machine). Three kernel libraries:
+kernel_choice.py: the plan measured per machine). Four kernel libraries:
 
 - cpu_gemm.cpp, on CPUs with AVX512_BF16: VDPBF16PS over the k-pair-interleaved copy
   (weight_arena.pack_k_pairs), streaming the weights at the memory bandwidth at decode
@@ -8,6 +8,9 @@ kernel_choice.py: the plan measured per machine). Three kernel libraries:
   differ from it by fp32 rounding before the bf16 store. One row can read a lossless
   exponent-coded copy (exponent_coding.py). On AMX CPUs the same packed weights also run
   on AMX tiles (cpu_gemm_amx.h).
+- cpu_gemm_avx2.cpp, on CPUs with AVX2 and FMA but no AVX512_BF16: the weight in
+  16-column panels (core's cpu_avx2_tiles.h), widened to fp32 in registers, products and
+  sums in fp32, rounded to bf16 at the store.
 - oneDNN: the weight is reordered once into oneDNN's blocked layout, since `F.linear`
   re-lays out a bf16 weight on every call; bit-identical to `F.linear`. On AMX CPUs its
   tile kernels run batches and prefill.
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from plugserve.ops.kernel_timing import bucket_index
 from plugserve_plugins.cpu_bf16.cpu_features import (
+    avx2_kernel_unavailable_reason,
     onednn_bf16_supported,
     own_kernel_unavailable_reason,
 )
@@ -36,11 +40,15 @@ from plugserve_plugins.cpu_bf16.weight_arena import WeightArena, pack_k_pairs, p
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether bf16 weights of this dtype on this device are packed for a kernel here
-    (cpu_gemm.cpp or oneDNN); elsewhere the layers keep F.linear."""
+    (cpu_gemm.cpp, cpu_gemm_avx2.cpp or oneDNN); elsewhere the layers keep F.linear."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
-        and (own_kernel_unavailable_reason() is None or onednn_bf16_supported())
+        and (
+            own_kernel_unavailable_reason() is None
+            or avx2_kernel_unavailable_reason() is None
+            or onednn_bf16_supported()
+        )
     )
 
 
@@ -56,12 +64,13 @@ class PackedLinear:
     """x [T, in] → x @ weight.T + bias, each call through the kernel that `plan` gives its
     row count (default_plan where None). Holds the layout of every kernel the plan uses,
     or of every kernel in `kernels` where given (to time them with `run`): cpu_gemm's
-    k-pair-packed copy (in `arena` where given) and its exponent-coded one, oneDNN's
-    blocked one, or the weight as loaded for ATen. Where cpu_gemm cannot take the weight
+    k-pair-packed copy (in `arena` where given) and its exponent-coded one,
+    cpu_gemm_avx2's panels, oneDNN's blocked one, or the weight as loaded for ATen. Where cpu_gemm cannot take the weight
     (an odd number of inputs), its buckets run oneDNN, else ATen."""
 
     __slots__ = (
         "_calls",
+        "avx2_weight",
         "bias",
         "coded",
         "in_features",
@@ -101,6 +110,10 @@ class PackedLinear:
                 coded = self._coded_room(arena, in_features)
                 if coded is not None or (arena is None and exponent_codable(in_features)):
                     self.coded = code_exponents(self.weight, coded)
+        self.avx2_weight: torch.Tensor | None = None
+        if "avx2" in libraries:
+            self.avx2_weight = torch.ops.plugserve_gemm_avx2.pack_weight(weight.detach())
+            self.own_bias = None if bias is None else bias.detach().float().contiguous()
         self.onednn_weight = pack_onednn(weight) if "onednn" in libraries else None
         self.plain_weight = weight.detach() if "aten" in libraries else None
         self._calls = tuple(self._call_for(kernel) for kernel in plan.by_bucket)
@@ -124,6 +137,10 @@ class PackedLinear:
             )
             coded = self.coded if kernel.coded else None
             return lambda x, out_dtype=None: linear_bf16(x, weight, n, bias, out_dtype, coded, mode)
+        if kernel.library == "avx2":
+            avx2_linear = torch.ops.plugserve_gemm_avx2.linear_bf16
+            panels, n, bias = self.avx2_weight, self.out_features, self.own_bias
+            return lambda x, out_dtype=None: avx2_linear(x, panels, n, bias, out_dtype)
         if kernel.library == "onednn":
             pointwise, onednn_weight, bias = (
                 torch.ops.mkldnn._linear_pointwise,

@@ -34,7 +34,7 @@ from tests.kernel_support import missing_cpu_flags
 on_own_kernel = pytest.mark.usefixtures("own_kernel")
 
 
-@pytest.fixture(params=["own", "onednn"])
+@pytest.fixture(params=["own", "avx2", "onednn"])
 def kernel(request: pytest.FixtureRequest) -> str:
     """Each kernel in turn, wherever it runs: either is production's choice on some CPU."""
     request.getfixturevalue(f"{request.param}_kernel")
@@ -52,7 +52,8 @@ def assert_rounded_once(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected, rtol=2**-8, atol=1e-3)
 
 
-# Rows cover one to several 8-row tiles with remainders (one row has a loop of its own);
+# Rows cover one to several 8-row tiles with remainders (one row has a loop of its own;
+# the AVX2 kernel's 6-row tiles, and its one- and two-row ones, are covered too);
 # 100, 40 and 24 output columns end in a partial 16-column block; 70 inputs are 35 k-pairs,
 # not a multiple of the one-row loop's four; 49152 x 576 is SmolLM2's LM head.
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
@@ -70,7 +71,12 @@ def test_packed_linear_is_the_fp32_product_rounded_once(
     out = linear(x)
 
     assert linear.own_kernel == (kernel == "own")
+    assert (linear.avx2_weight is not None) == (kernel == "avx2")
     assert_rounded_once(out, reference(x, weight, bias))
+    if kernel == "avx2":  # its fp32 output is the same sums, unrounded
+        unrounded = linear(x, torch.float32)
+        torch.testing.assert_close(unrounded, reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+        assert torch.equal(unrounded.bfloat16(), out)
 
 
 def test_lm_head_sized_matmul(kernel: str) -> None:
@@ -338,8 +344,9 @@ def test_own_kernel_rejects_mismatched_inputs() -> None:
         op(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 32, None, torch.float16)
 
 
-@pytest.mark.usefixtures("kernel")
-def test_odd_input_width_falls_back_to_onednn() -> None:
+def test_odd_input_width_runs_on_a_kernel_that_takes_it(kernel: str) -> None:
+    """cpu_gemm.cpp needs whole k-pairs: an odd width falls back to oneDNN (or ATen), whose
+    fp32 is its bf16 result widened; the AVX2 panels take any width and keep their sums."""
     torch.manual_seed(2)
     weight = torch.randn(48, 33, dtype=torch.bfloat16)
     x = torch.randn(3, 33, dtype=torch.bfloat16)
@@ -347,7 +354,11 @@ def test_odd_input_width_falls_back_to_onednn() -> None:
     assert not linear.own_kernel
     assert_rounded_once(linear(x), reference(x, weight, None))
     as_fp32 = linear(x, torch.float32)  # asked for fp32, as the LM head asks
-    assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32, linear(x).float())
+    assert as_fp32.dtype == torch.float32
+    if kernel == "avx2":
+        assert linear.avx2_weight is not None and torch.equal(as_fp32.bfloat16(), linear(x))
+    else:
+        assert torch.equal(as_fp32, linear(x).float())
 
 
 @on_own_kernel
@@ -421,15 +432,29 @@ def test_every_kernel_that_runs_here_is_a_candidate_unless_one_is_named(
     fake_cpu_flags(monkeypatch, add=["amx_bf16"] if amx else [], drop=["amx_bf16"])
     # Where the CPU has cpu_gemm.cpp's instructions it must run (a failed build fails here).
     runnable = not missing_cpu_flags(cpu_features.OWN_KERNEL_CPU_FLAGS)
+    avx2 = not missing_cpu_flags(cpu_features.AVX2_KERNEL_CPU_FLAGS)
     onednn = cpu_features.onednn_bf16_supported()
     monkeypatch.delenv(kernel_setting.KERNEL_ENV, raising=False)
-    expected = (*(["own"] if runnable else []), *(["onednn"] if onednn else []), "aten")
+    expected = (
+        *(["own"] if runnable else []),
+        *(["avx2"] if avx2 else []),
+        *(["onednn"] if onednn else []),
+        "aten",
+    )
     assert kernel_setting.allowed_libraries() == expected
     weight = torch.zeros(32, 64, dtype=torch.bfloat16)
     if onednn:
         monkeypatch.setenv(kernel_setting.KERNEL_ENV, "onednn")
         assert kernel_setting.allowed_libraries() == ("onednn",)
         assert not packed_linear.PackedLinear(weight).own_kernel
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "avx2")
+    if avx2:
+        assert kernel_setting.allowed_libraries() == ("avx2",)
+        linear = packed_linear.PackedLinear(weight)
+        assert linear.avx2_weight is not None and not linear.own_kernel
+    else:
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            kernel_setting.allowed_libraries()
     monkeypatch.setenv(kernel_setting.KERNEL_ENV, "own")
     if runnable:
         assert kernel_setting.allowed_libraries() == ("own",)

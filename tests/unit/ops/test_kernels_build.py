@@ -39,6 +39,11 @@ KERNELS = (
         cpu_features.OWN_KERNEL_CPU_FLAGS,
         cpu_features.encoder_unavailable_reason,
     ),
+    CompiledKernel(
+        "cpu_gemm_avx2.cpp",
+        cpu_features.AVX2_KERNEL_CPU_FLAGS,
+        cpu_features.avx2_kernel_unavailable_reason,
+    ),
     CompiledKernel("cpu_ops.cpp", (), cpu_ops.unavailable_reason),
     CompiledKernel("cpu_paged_attention.cpp", (), cpu_paged_attention.unavailable_reason),
     CompiledKernel(

@@ -1,0 +1,81 @@
+// bf16 matmul for CPUs without AVX512_BF16 (cpu_gemm.cpp's instruction), on AVX2 + FMA:
+// the weight packed once, bf16, into core's cpu_avx2_tiles.h panels and widened to fp32 in
+// registers; x widened once a call; products and sums in fp32, the output rounded to bf16
+// (or kept fp32: the LM head's logits). Registered as torch.ops.plugserve_gemm_avx2.
+// pack_weight / linear_bf16, built and loaded by cpu_features.py where the CPU has avx2
+// and fma.
+//
+// Without it, bf16 matmuls on such a CPU run ATen's, which converts at every call and runs
+// a prefill's row counts tens of times slower than fp32 (docs/benchmarks-history.md, "bf16
+// on AVX2").
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "cpu_avx2_tiles.h"
+
+#ifdef PLUGSERVE_HAS_AVX2_TILES
+
+namespace {
+
+using plugserve::avx2::kPanel;
+
+// weight [N, K] bf16 → [ceil(N/16), K, 16] bf16, the columns past N zero.
+at::Tensor pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "weight must be bfloat16 [out_features, in_features]");
+  return plugserve::avx2::pack_panels(weight);
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias,
+                       c10::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "x must be bfloat16 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel &&
+                  packed.scalar_type() == at::kBFloat16,
+              "packed must be bfloat16 [N/16, K, 16] from pack_weight");
+  const int64_t rows = x.size(0), k_total = packed.size(1), panels = packed.size(0);
+  TORCH_CHECK(x.size(1) == k_total, "x has ", x.size(1), " features, the weight ", k_total);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed weight");
+  const float* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == out_features && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kFloat,
+                "bias must be contiguous float32 [out_features]");
+    bias_data = bias->data_ptr<float>();
+  }
+  const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "out_dtype must be bfloat16 or float32");
+  // x widened once: each of its values is broadcast against every panel.
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    plugserve::avx2::linear_rows<uint16_t, float>(x32.data_ptr<float>(), k_total, rows, wp,
+                                                  panels, k_total, bias_data,
+                                                  out.data_ptr<float>(), out_features);
+  } else {
+    plugserve::avx2::linear_rows<uint16_t, uint16_t>(
+        x32.data_ptr<float>(), k_total, rows, wp, panels, k_total, bias_data,
+        reinterpret_cast<uint16_t*>(out.data_ptr()), out_features);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(plugserve_gemm_avx2, m) {
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def(
+      "linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias, "
+      "ScalarType? out_dtype=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(plugserve_gemm_avx2, CPU, m) {
+  m.impl("pack_weight", &pack_weight);
+  m.impl("linear_bf16", &linear_bf16);
+}
+
+#endif
