@@ -17,8 +17,6 @@
 
 namespace {
 
-using plugserve::avx2::kPanel;
-
 // weight [N, K] bf16 → [ceil(N/16), K, 16] bf16, the columns past N zero.
 at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
@@ -31,20 +29,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
                        c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "x must be bfloat16 [rows, in_features]");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel &&
-                  packed.scalar_type() == at::kBFloat16,
-              "packed must be bfloat16 [N/16, K, 16] from pack_weight");
+  const float* bias_data = plugserve::avx2::checked_bias(packed, at::kBFloat16, x.size(1),
+                                                         out_features, bias);
   const int64_t rows = x.size(0), k_total = packed.size(1), panels = packed.size(0);
-  TORCH_CHECK(x.size(1) == k_total, "x has ", x.size(1), " features, the weight ", k_total);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "out_features does not match the packed weight");
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == out_features && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kFloat,
-                "bias must be contiguous float32 [out_features]");
-    bias_data = bias->data_ptr<float>();
-  }
   const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "out_dtype must be bfloat16 or float32");

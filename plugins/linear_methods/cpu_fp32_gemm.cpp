@@ -14,8 +14,6 @@
 
 namespace {
 
-using plugserve::avx2::kPanel;
-
 // weight [N, K] fp32 → [ceil(N/16), K, 16], the columns past N zero.
 at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -27,20 +25,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "x must be float32 [rows, in_features] with a dense last dim");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel &&
-                  packed.scalar_type() == at::kFloat,
-              "packed must be float32 [N/16, K, 16] from pack_weight");
+  const float* bias_data = plugserve::avx2::checked_bias(packed, at::kFloat, x.size(1),
+                                                         out_features, bias);
   const int64_t rows = x.size(0), k_total = packed.size(1), panels = packed.size(0);
-  TORCH_CHECK(x.size(1) == k_total, "x has ", x.size(1), " features, the weight ", k_total);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "out_features does not match the packed weight");
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == out_features && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kFloat,
-                "bias must be contiguous float32 [out_features]");
-    bias_data = bias->data_ptr<float>();
-  }
   at::Tensor out = at::empty({rows, out_features}, x.options());
   plugserve::avx2::linear_rows<float, float>(x.data_ptr<float>(), x.stride(0), rows,
                                              packed.data_ptr<float>(), panels, k_total,

@@ -163,6 +163,27 @@ inline at::Tensor pack_panels(const at::Tensor& weight) {
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
+// The checks of a linear's arguments: `packed` a pack_panels weight of `dtype` for x's
+// `in_features`, `out_features` its rows, `bias` null or fp32 [out_features]; returns the
+// bias's data (null where none).
+inline const float* checked_bias(const at::Tensor& packed, at::ScalarType dtype,
+                                 int64_t in_features, int64_t out_features,
+                                 const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel &&
+                  packed.scalar_type() == dtype,
+              "packed must be ", dtype, " [N/16, K, 16] from pack_weight");
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(in_features == packed.size(1), "x has ", in_features, " features, the weight ",
+              packed.size(1));
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed weight");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == out_features && bias->is_contiguous() &&
+                  bias->scalar_type() == at::kFloat,
+              "bias must be contiguous float32 [out_features]");
+  return bias->data_ptr<float>();
+}
+
 // x [rows, K] fp32 (row stride x_stride) @ the packed weight [panels, K, 16] (+ bias, fp32
 // [out_features] or null) → out [rows, out_features], on torch's threads.
 template <typename W, typename Out>
