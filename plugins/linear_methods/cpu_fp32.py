@@ -115,7 +115,8 @@ _COMPUTES: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Callable[...,
 
 class CpuFp32LinearMethod(PlainLinearMethod):
     """interfaces.model.LinearMethod for fp32 on a CPU: loads like the plain method, then
-    runs every layer through oneDNN where that is the kernel chosen, else keeps F.linear."""
+    runs every layer through the kernel chosen (oneDNN's or the AVX2 tiles' copy of its
+    weight), or keeps F.linear."""
 
     class Options(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
