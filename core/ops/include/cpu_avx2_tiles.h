@@ -8,8 +8,8 @@
 // in bf16). A tile of up to 6 rows x 16 columns keeps its 12 sums in registers over the
 // whole K: per k, the panel's two vectors and six broadcasts of x feed twelve FMAs. One
 // and two rows split k over chains, so that a decode step is bound by reading the panel,
-// not by the FMA's latency. Each tile prefetches its share of the next panel, which then
-// streams in from memory under this one's FMAs.
+// not by the FMA's latency. Each tile of three rows or more prefetches its share of the
+// next panel, which then streams in from memory under this one's FMAs.
 //
 // Work items are (panel, group of rows): a thread keeps one panel in its caches while the
 // tiles of its rows run over it; the groups vary fastest, so a thread's share of the items
@@ -79,7 +79,9 @@ inline void store_row(uint16_t* dst, __m256 lo, __m256 hi, int64_t valid) {
 
 // The sums of M rows (M <= 6) of x against one panel over k in [0, K), `Chains`
 // interleaved partial sums per output vector, added in a fixed order at the end; while it
-// runs, the tile prefetches `ahead_lines` cache lines from `ahead`, one a k.
+// runs, a tile of three rows or more prefetches `ahead_lines` cache lines from `ahead`,
+// one a k. One and two rows read their panel faster than any prefetch can run ahead of
+// them: their stream is the hardware prefetcher's, which they ran faster without ours.
 // The loops over rows and chains are unrolled by pragma: left to itself, GCC keeps `acc`
 // in memory and stores every sum back at each k.
 template <int M, int Chains, typename W, typename Out>
@@ -94,7 +96,7 @@ void tile(const float* x, int64_t x_stride, const W* panel, int64_t k_total, con
   for (; k + Chains <= k_total; k += Chains) {
 #pragma GCC unroll 16
     for (int c = 0; c < Chains; ++c) {
-      if (k + c < ahead_lines) _mm_prefetch(ahead + (k + c) * 64, _MM_HINT_T0);
+      if (M > 2 && k + c < ahead_lines) _mm_prefetch(ahead + (k + c) * 64, _MM_HINT_T0);
       __m256 w0, w1;
       load_panel_row(panel + (k + c) * kPanel, w0, w1);
 #pragma GCC unroll 16
