@@ -89,8 +89,9 @@ BATCH_INVARIANT_KERNELS: tuple[Kernel, ...] = (OWN_TILED, OWN_AMX)
 
 # The copies of a weight a kernel reads: cpu_gemm's k-pair-packed one ("packed"), its
 # exponent-coded copy beside it ("coded": a coded block may point back into the packed
-# one), cpu_gemm_avx2's 16-column panels ("panels"), oneDNN's blocked one ("onednn"; the fused MLP reads it for the down projection and
-# blocked copies of its own of the gate and up halves, "fused_gate_up"), or the weight as
+# one), cpu_gemm_avx2's 16-column panels ("panels"), oneDNN's blocked one ("onednn"; the
+# fused MLP reads it for the down projection and blocked copies of its own of the gate and
+# up halves, "fused_gate_up"), or the weight as
 # loaded ("plain"). Each layout a plan uses is one more copy of (part of) the model's
 # weights in memory; LAYOUT_SHARE is roughly what share of the weights' bytes it adds
 # (a Llama-shaped MLP holds about two thirds of them, its gate and up two thirds of that).

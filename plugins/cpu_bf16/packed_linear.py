@@ -65,8 +65,9 @@ class PackedLinear:
     row count (default_plan where None). Holds the layout of every kernel the plan uses,
     or of every kernel in `kernels` where given (to time them with `run`): cpu_gemm's
     k-pair-packed copy (in `arena` where given) and its exponent-coded one,
-    cpu_gemm_avx2's panels, oneDNN's blocked one, or the weight as loaded for ATen. Where cpu_gemm cannot take the weight
-    (an odd number of inputs), its buckets run oneDNN, else ATen."""
+    cpu_gemm_avx2's panels, oneDNN's blocked one, or the weight as loaded for ATen. Where
+    cpu_gemm cannot take the weight (an odd number of inputs), its buckets run oneDNN, else
+    ATen."""
 
     __slots__ = (
         "_calls",

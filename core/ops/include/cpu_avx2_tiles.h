@@ -60,9 +60,9 @@ inline __m256i round_to_bf16(__m256 v) {
 inline void store_row(float* dst, __m256 lo, __m256 hi, int64_t valid) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i live = _mm256_set1_epi32(static_cast<int>(valid));
+  const __m256i live_hi = _mm256_sub_epi32(live, _mm256_set1_epi32(8));
   _mm256_maskstore_ps(dst, _mm256_cmpgt_epi32(live, lane), lo);
-  _mm256_maskstore_ps(dst + 8, _mm256_cmpgt_epi32(_mm256_sub_epi32(live, _mm256_set1_epi32(8)), lane),
-                      hi);
+  _mm256_maskstore_ps(dst + 8, _mm256_cmpgt_epi32(live_hi, lane), hi);
 }
 inline void store_row(uint16_t* dst, __m256 lo, __m256 hi, int64_t valid) {
   // packus interleaves the two inputs' 128-bit halves; the permute puts them in order.
