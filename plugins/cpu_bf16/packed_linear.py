@@ -101,12 +101,14 @@ class PackedLinear:
         libraries = {kernel.library for kernel in wanted}
         self.bias = bias
         self.weight: torch.Tensor | None = None  # cpu_gemm's k-pair layout
+        # The fp32 bias both C++ kernels add to their sums.
         self.own_bias: torch.Tensor | None = None
+        if bias is not None and libraries & {"own", "avx2"}:
+            self.own_bias = bias.detach().float().contiguous()
         self.coded: torch.Tensor | None = None
         if "own" in libraries:
             out = None if arena is None else arena.take(self.out_features, in_features)
             self.weight = pack_k_pairs(weight, out)
-            self.own_bias = None if bias is None else bias.detach().float().contiguous()
             if any(kernel.coded for kernel in wanted):
                 coded = self._coded_room(arena, in_features)
                 if coded is not None or (arena is None and exponent_codable(in_features)):
@@ -114,7 +116,6 @@ class PackedLinear:
         self.avx2_weight: torch.Tensor | None = None
         if "avx2" in libraries:
             self.avx2_weight = torch.ops.plugserve_gemm_avx2.pack_weight(weight.detach())
-            self.own_bias = None if bias is None else bias.detach().float().contiguous()
         self.onednn_weight = pack_onednn(weight) if "onednn" in libraries else None
         self.plain_weight = weight.detach() if "aten" in libraries else None
         self._calls = tuple(self._call_for(kernel) for kernel in plan.by_bucket)
