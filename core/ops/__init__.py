@@ -21,10 +21,10 @@ The public C++ ABI is the headers in `include_dir()`, included with quotes
   over them vectorize.
 - cpu_vec_math.h (AVX-512F): `load16`/`store16` (16 bf16 or fp32 elements as fp32 lanes,
   stored rounded as `store` does), `exp16` and `silu_mul16`.
-- cpu_avx2_tiles.h (AVX2 + FMA, namespace plugserve::avx2): a matmul in register tiles
-  over a weight packed once into 16-column panels (`pack_panels`, `linear_rows`), the
-  weight fp32 or bf16 (widened in registers), the output fp32 or bf16: the fp32 and the
-  bf16 linears of CPUs without AVX-512 (the cpu_fp32 method's and cpu_bf16's).
+- cpu_fma_tiles.h (namespace plugserve::fma; AVX-512F's 16-float vectors, else AVX2 +
+  FMA's 8): a matmul in fp32 FMA register tiles over a weight packed once into panels
+  (`pack_panels`, `linear_rows`), the weight fp32 or bf16 (widened in registers), the
+  output fp32 or bf16: the cpu_fp32 method's `fma` kernel and cpu_bf16's `fma` library.
 - cpu_ops.h: the elementwise kernels of a decoder layer that cpu_ops.cpp registers
   (`rms_norm_impl`, `fused_add_rms_norm_impl`, `rms_norm_heads_impl`,
   `rotary_embedding_impl`, `silu_and_mul_impl`) and their argument checks, for a plugin's

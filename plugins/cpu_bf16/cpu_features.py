@@ -1,13 +1,13 @@
 """What this machine offers the bf16 CPU kernels: whether cpu_gemm.cpp (and the fused
 decoder's cpu_decoder.cpp and the fused encoder's cpu_encoder.cpp, built on it) build and
-run here, or else cpu_gemm_avx2.cpp (AVX2 + FMA), oneDNN's bf16 matmuls, AMX
+run here, cpu_gemm_fma.cpp (fp32 FMA tiles, AVX2's or AVX-512F's), oneDNN's bf16 matmuls, AMX
 tiles, and whether OpenMP lets the one-row matmuls share their work with the row pool's
 helper thread.
 
-cpu_gemm.cpp, cpu_gemm_avx2.cpp, cpu_decoder.cpp and cpu_encoder.cpp are this package's C++
+cpu_gemm.cpp, cpu_gemm_fma.cpp, cpu_decoder.cpp and cpu_encoder.cpp are this package's C++
 (beside this file), compiled once per machine by plugserve.ops' build helper against its
 public headers (cpu_bf16.h, cpu_vec_math.h, cpu_ops.h, row_pool.h, layer_attention.h,
-cpu_avx2_tiles.h).
+cpu_fma_tiles.h).
 """
 
 from __future__ import annotations
@@ -24,24 +24,24 @@ _HERE = Path(__file__).parent
 GEMM_SOURCE = _HERE / "cpu_gemm.cpp"
 DECODER_SOURCE = _HERE / "cpu_decoder.cpp"
 ENCODER_SOURCE = _HERE / "cpu_encoder.cpp"
-AVX2_GEMM_SOURCE = _HERE / "cpu_gemm_avx2.cpp"
+FMA_GEMM_SOURCE = _HERE / "cpu_gemm_fma.cpp"
 
 # What cpu_gemm.cpp's kernel needs of the CPU (cpu_gemm.h: PLUGSERVE_HAS_BF16_GEMM).
 OWN_KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16")
-# What cpu_gemm_avx2.cpp's kernel needs (cpu_avx2_tiles.h: PLUGSERVE_HAS_AVX2_TILES).
-AVX2_KERNEL_CPU_FLAGS = ("avx2", "fma")
+# What cpu_gemm_fma.cpp's kernel needs (cpu_fma_tiles.h: PLUGSERVE_HAS_FMA_TILES).
+FMA_KERNEL_CPU_FLAGS = ("avx2", "fma")
 
 
-def avx2_kernel_unavailable_reason() -> str | None:
-    """None where this machine can run cpu_gemm_avx2.cpp (built and loaded on the first
+def fma_kernel_unavailable_reason() -> str | None:
+    """None where this machine can run cpu_gemm_fma.cpp (built and loaded on the first
     call), else what is missing: the CPU's flags, or the build's or loader's error."""
     flags = ops.cpu_flags().split()
-    missing = [flag for flag in AVX2_KERNEL_CPU_FLAGS if flag not in flags]
+    missing = [flag for flag in FMA_KERNEL_CPU_FLAGS if flag not in flags]
     if missing:
         return f"the CPU lacks {' and '.join(missing)}"
-    error = ops.unavailable_reason(AVX2_GEMM_SOURCE)
+    error = ops.unavailable_reason(FMA_GEMM_SOURCE)
     if error is not None:
-        return f"cpu_gemm_avx2.cpp cannot be built or loaded: {error}"
+        return f"cpu_gemm_fma.cpp cannot be built or loaded: {error}"
     return None
 
 

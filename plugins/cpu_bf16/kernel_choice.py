@@ -46,7 +46,7 @@ from plugserve.ops.kernel_timing import (
 )
 from plugserve.user_cache import cache_root
 from plugserve_plugins.cpu_bf16.cpu_features import (
-    AVX2_GEMM_SOURCE,
+    FMA_GEMM_SOURCE,
     GEMM_SOURCE,
     amx_available,
     own_kernel_unavailable_reason,
@@ -467,7 +467,7 @@ def _cache_key(steps: Sequence[Step], candidates: list[list[Kernel]]) -> dict[st
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
         "torch": torch.__version__,
         "kernels": source_key(GEMM_SOURCE) if "own" in allowed_libraries() else "",
-        "avx2_kernel": source_key(AVX2_GEMM_SOURCE) if "avx2" in allowed_libraries() else "",
+        "fma_kernel": source_key(FMA_GEMM_SOURCE) if "fma" in allowed_libraries() else "",
         "candidates": [[k.name for k in bucket] for bucket in candidates],
         "shapes": shapes_digest(shapes),
         "layers": len(steps),

@@ -18,7 +18,7 @@ from typing import Literal
 
 from plugserve.ops.kernel_timing import ONE_ROW, RowBucket, bucket_index, is_prefill, row_buckets
 
-Library = Literal["own", "avx2", "onednn", "aten"]
+Library = Literal["own", "fma", "onednn", "aten"]
 
 
 # The measured row counts: each prefill bucket from there on, a new row count each run
@@ -36,9 +36,10 @@ STREAM_NON_TEMPORAL, STREAM_CACHED, TILED, AMX = 0, 1, 2, 3
 class Kernel:
     """One way to run a bf16 matmul on the CPU.
 
-    library: "own" (cpu_gemm.cpp over k-pair-packed weights; needs AVX512_BF16), "avx2"
-    (cpu_gemm_avx2.cpp over 16-column panels, widened to fp32 in registers; the
-    machine's own kernel where AVX512_BF16 is missing), "onednn"
+    library: "own" (cpu_gemm.cpp over k-pair-packed weights; needs AVX512_BF16), "fma"
+    (cpu_gemm_fma.cpp over panels of two vectors' columns, widened to fp32 in registers:
+    fp32 FMA tiles, AVX-512F's or AVX2's; the machine's own kernel where AVX512_BF16 is
+    missing, and the faster one where VDPBF16PS runs at half the FMA's rate), "onednn"
     (torch's oneDNN over its own blocked layout: AMX tiles where the CPU has them), "aten"
     (F.linear over the weight as loaded). For "own", one_row_mode and coded say how a
     single row runs (a stream over the plain or the exponent-coded copy, or the tile
@@ -61,7 +62,7 @@ OWN_CODED_CACHED = Kernel("own/coded/cached", "own", one_row_mode=STREAM_CACHED,
 OWN_AMX = Kernel("own/amx", "own", one_row_mode=AMX)
 ONEDNN = Kernel("onednn", "onednn")
 ONEDNN_FUSED_MLP = Kernel("onednn/fused-mlp", "onednn", fused_mlp=True)
-AVX2 = Kernel("avx2", "avx2")
+FMA_TILES = Kernel("fma", "fma")
 ATEN = Kernel("aten", "aten")
 KERNELS: tuple[Kernel, ...] = (
     OWN,
@@ -70,7 +71,7 @@ KERNELS: tuple[Kernel, ...] = (
     OWN_CODED,
     OWN_CODED_CACHED,
     OWN_AMX,
-    AVX2,
+    FMA_TILES,
     ONEDNN,
     ONEDNN_FUSED_MLP,
     ATEN,
@@ -89,7 +90,7 @@ BATCH_INVARIANT_KERNELS: tuple[Kernel, ...] = (OWN_TILED, OWN_AMX)
 
 # The copies of a weight a kernel reads: cpu_gemm's k-pair-packed one ("packed"), its
 # exponent-coded copy beside it ("coded": a coded block may point back into the packed
-# one), cpu_gemm_avx2's 16-column panels ("panels"), oneDNN's blocked one ("onednn"; the
+# one), cpu_gemm_fma's panels ("panels"), oneDNN's blocked one ("onednn"; the
 # fused MLP reads it for the down projection and blocked copies of its own of the gate and
 # up halves, "fused_gate_up"), or the weight as
 # loaded ("plain"). Each layout a plan uses is one more copy of (part of) the model's
@@ -110,7 +111,7 @@ def layouts_of(kernel: Kernel) -> frozenset[str]:
     """The copies of a weight `kernel` reads (Layout)."""
     if kernel.library == "own":
         return frozenset({"packed", "coded"} if kernel.coded else {"packed"})
-    if kernel.library == "avx2":
+    if kernel.library == "fma":
         return frozenset({"panels"})
     if kernel.library == "onednn":
         return frozenset({"onednn", "fused_gate_up"} if kernel.fused_mlp else {"onednn"})

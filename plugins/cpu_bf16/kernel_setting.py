@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from plugserve_plugins.cpu_bf16.cpu_features import (
-    avx2_kernel_unavailable_reason,
+    fma_kernel_unavailable_reason,
     onednn_bf16_supported,
     own_kernel_unavailable_reason,
 )
@@ -20,12 +20,12 @@ from plugserve_plugins.cpu_bf16.kernel_plan import (
 )
 
 # Restricts the kernels bf16 linears may run: "own" (cpu_gemm.cpp; an error where it cannot
-# run), "avx2" (cpu_gemm_avx2.cpp; likewise), "onednn", "aten", or "auto" (the default:
+# run), "fma" (cpu_gemm_fma.cpp; likewise), "onednn", "aten", or "auto" (the default:
 # whichever measures fastest, per bucket);
 # or sets the plan: one kernel name per row bucket, comma-separated
 # ("own/tiled,own,onednn,onednn,onednn/fused-mlp"), unmeasured.
 KERNEL_ENV = "PLUGSERVE_CPU_BF16_KERNEL"
-_KERNEL_CHOICES = ("auto", "own", "avx2", "onednn", "aten")
+_KERNEL_CHOICES = ("auto", "own", "fma", "onednn", "aten")
 
 
 def _kernel_setting() -> str:
@@ -56,7 +56,7 @@ def forced_plan() -> KernelPlan | None:
 
 def allowed_libraries() -> tuple[Library, ...]:
     """The kernel libraries bf16 linears may use here: every one that runs on this machine,
-    or the one PLUGSERVE_CPU_BF16_KERNEL names ("own" or "avx2" raises a RuntimeError
+    or the one PLUGSERVE_CPU_BF16_KERNEL names ("own" or "fma" raises a RuntimeError
     naming what is missing where its kernel cannot run). Tests force "own" or "onednn" to
     run a kernel the machine would not pick."""
     choice = _kernel_setting()
@@ -65,21 +65,21 @@ def allowed_libraries() -> tuple[Library, ...]:
     if plan is not None:
         if "own" in plan.libraries() and reason is not None:
             raise RuntimeError(f"{KERNEL_ENV} names cpu_gemm.cpp, which cannot run here: {reason}")
-        if "avx2" in plan.libraries() and (avx2_reason := avx2_kernel_unavailable_reason()):
+        if "fma" in plan.libraries() and (fma_reason := fma_kernel_unavailable_reason()):
             raise RuntimeError(
-                f"{KERNEL_ENV} names cpu_gemm_avx2.cpp, which cannot run here: {avx2_reason}"
+                f"{KERNEL_ENV} names cpu_gemm_fma.cpp, which cannot run here: {fma_reason}"
             )
-        return tuple(lib for lib in ("own", "avx2", "onednn", "aten") if lib in plan.libraries())
+        return tuple(lib for lib in ("own", "fma", "onednn", "aten") if lib in plan.libraries())
     if choice == "own":
         if reason is not None:
             raise RuntimeError(f"{KERNEL_ENV}=own, but cpu_gemm.cpp cannot run here: {reason}")
         return ("own",)
-    if choice == "avx2":
-        if (avx2_reason := avx2_kernel_unavailable_reason()) is not None:
+    if choice == "fma":
+        if (fma_reason := fma_kernel_unavailable_reason()) is not None:
             raise RuntimeError(
-                f"{KERNEL_ENV}=avx2, but cpu_gemm_avx2.cpp cannot run here: {avx2_reason}"
+                f"{KERNEL_ENV}=fma, but cpu_gemm_fma.cpp cannot run here: {fma_reason}"
             )
-        return ("avx2",)
+        return ("fma",)
     if choice == "onednn":
         if not onednn_bf16_supported():
             raise RuntimeError(f"{KERNEL_ENV}=onednn, but oneDNN has no bf16 kernel here")
@@ -87,8 +87,8 @@ def allowed_libraries() -> tuple[Library, ...]:
     if choice == "aten":
         return ("aten",)
     available: list[Library] = ["own"] if reason is None else []
-    if avx2_kernel_unavailable_reason() is None:
-        available.append("avx2")
+    if fma_kernel_unavailable_reason() is None:
+        available.append("fma")
     if onednn_bf16_supported():
         available.append("onednn")
     return (*available, "aten")
@@ -96,7 +96,7 @@ def allowed_libraries() -> tuple[Library, ...]:
 
 def default_plan() -> KernelPlan:
     """The plan of a PackedLinear built without one (outside a model: tests, tools): one
-    kernel for every row count, the first allowed of cpu_gemm.cpp, cpu_gemm_avx2.cpp,
+    kernel for every row count, the first allowed of cpu_gemm.cpp, cpu_gemm_fma.cpp,
     oneDNN, ATen. A model's own plan is measured (kernel_choice.py)."""
     library = allowed_libraries()[0]
     return forced_plan() or KernelPlan.single(KERNELS_BY_NAME[library])

@@ -8,9 +8,10 @@ kernel_choice.py: the plan measured per machine). Four kernel libraries:
   differ from it by fp32 rounding before the bf16 store. One row can read a lossless
   exponent-coded copy (exponent_coding.py). On AMX CPUs the same packed weights also run
   on AMX tiles (cpu_gemm_amx.h).
-- cpu_gemm_avx2.cpp, on CPUs with AVX2 and FMA but no AVX512_BF16: the weight in
-  16-column panels (core's cpu_avx2_tiles.h), widened to fp32 in registers, products and
-  sums in fp32, rounded to bf16 at the store.
+- cpu_gemm_fma.cpp, on CPUs with AVX2 and FMA (16-float vectors where AVX-512F is there):
+  the weight in panels of two vectors' columns (core's cpu_fma_tiles.h), widened to fp32
+  in registers, products and sums in fp32, rounded to bf16 at the store. The kernel of
+  CPUs without AVX512_BF16, and of those whose fp32 FMA outruns their VDPBF16PS.
 - oneDNN: the weight is reordered once into oneDNN's blocked layout, since `F.linear`
   re-lays out a bf16 weight on every call; bit-identical to `F.linear`. On AMX CPUs its
   tile kernels run batches and prefill.
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from plugserve.ops.kernel_timing import bucket_index
 from plugserve_plugins.cpu_bf16.cpu_features import (
-    avx2_kernel_unavailable_reason,
+    fma_kernel_unavailable_reason,
     onednn_bf16_supported,
     own_kernel_unavailable_reason,
 )
@@ -40,13 +41,13 @@ from plugserve_plugins.cpu_bf16.weight_arena import WeightArena, pack_k_pairs, p
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether bf16 weights of this dtype on this device are packed for a kernel here
-    (cpu_gemm.cpp, cpu_gemm_avx2.cpp or oneDNN); elsewhere the layers keep F.linear."""
+    (cpu_gemm.cpp, cpu_gemm_fma.cpp or oneDNN); elsewhere the layers keep F.linear."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and (
             own_kernel_unavailable_reason() is None
-            or avx2_kernel_unavailable_reason() is None
+            or fma_kernel_unavailable_reason() is None
             or onednn_bf16_supported()
         )
     )
@@ -65,15 +66,15 @@ class PackedLinear:
     row count (default_plan where None). Holds the layout of every kernel the plan uses,
     or of every kernel in `kernels` where given (to time them with `run`): cpu_gemm's
     k-pair-packed copy (in `arena` where given) and its exponent-coded one,
-    cpu_gemm_avx2's panels, oneDNN's blocked one, or the weight as loaded for ATen. Where
+    cpu_gemm_fma's panels, oneDNN's blocked one, or the weight as loaded for ATen. Where
     cpu_gemm cannot take the weight (an odd number of inputs), its buckets run oneDNN, else
     ATen."""
 
     __slots__ = (
         "_calls",
-        "avx2_weight",
         "bias",
         "coded",
+        "fma_weight",
         "in_features",
         "onednn_weight",
         "out_features",
@@ -103,7 +104,7 @@ class PackedLinear:
         self.weight: torch.Tensor | None = None  # cpu_gemm's k-pair layout
         # The fp32 bias both C++ kernels add to their sums.
         self.own_bias: torch.Tensor | None = None
-        if bias is not None and libraries & {"own", "avx2"}:
+        if bias is not None and libraries & {"own", "fma"}:
             self.own_bias = bias.detach().float().contiguous()
         self.coded: torch.Tensor | None = None
         if "own" in libraries:
@@ -113,9 +114,9 @@ class PackedLinear:
                 coded = self._coded_room(arena, in_features)
                 if coded is not None or (arena is None and exponent_codable(in_features)):
                     self.coded = code_exponents(self.weight, coded)
-        self.avx2_weight: torch.Tensor | None = None
-        if "avx2" in libraries:
-            self.avx2_weight = torch.ops.plugserve_gemm_avx2.pack_weight(weight.detach())
+        self.fma_weight: torch.Tensor | None = None
+        if "fma" in libraries:
+            self.fma_weight = torch.ops.plugserve_gemm_fma.pack_weight(weight.detach())
         self.onednn_weight = pack_onednn(weight) if "onednn" in libraries else None
         self.plain_weight = weight.detach() if "aten" in libraries else None
         self._calls = tuple(self._call_for(kernel) for kernel in plan.by_bucket)
@@ -139,10 +140,10 @@ class PackedLinear:
             )
             coded = self.coded if kernel.coded else None
             return lambda x, out_dtype=None: linear_bf16(x, weight, n, bias, out_dtype, coded, mode)
-        if kernel.library == "avx2":
-            avx2_linear = torch.ops.plugserve_gemm_avx2.linear_bf16
-            panels, n, bias = self.avx2_weight, self.out_features, self.own_bias
-            return lambda x, out_dtype=None: avx2_linear(x, panels, n, bias, out_dtype)
+        if kernel.library == "fma":
+            fma_linear = torch.ops.plugserve_gemm_fma.linear_bf16
+            panels, n, bias = self.fma_weight, self.out_features, self.own_bias
+            return lambda x, out_dtype=None: fma_linear(x, panels, n, bias, out_dtype)
         if kernel.library == "onednn":
             pointwise, onednn_weight, bias = (
                 torch.ops.mkldnn._linear_pointwise,

@@ -4,15 +4,16 @@
   weight as loaded to a GEMM that packs its panels again at every call; at an encoder's or
   a prefill's row counts the reordered weight runs the same sums faster
   (docs/benchmarks-history.md, "Encoders in fp32").
-- avx2: cpu_fp32_gemm.cpp's AVX2 + FMA register tiles over a weight packed once into
-  16-column panels. On a CPU without AVX-512, oneDNN runs small row counts well below the
-  cores' FMA rate (docs/benchmarks-history.md, "fp32 on AVX2").
+- fma: cpu_fp32_gemm.cpp's FMA register tiles (core's cpu_fma_tiles.h: AVX-512F's
+  16-float vectors, else AVX2's 8) over a weight packed once into panels. On a CPU without
+  AVX-512, oneDNN runs small row counts well below the cores' FMA rate
+  (docs/benchmarks-history.md, "fp32 on AVX2").
 - aten: F.linear over the weights as loaded.
 
 Which one runs is measured, not assumed: under `kernel: auto` the method times every
 kernel this machine has once on the model's own weights (one of each shape), at a
 prefill's and at one row's count, in turns, logs the timings and keeps the fastest in
-total; `onednn`, `avx2` and `aten` pin one (PLUGSERVE_CPU_FP32_KERNEL sets the default
+total; `onednn`, `fma` and `aten` pin one (PLUGSERVE_CPU_FP32_KERNEL sets the default
 where stack.yaml does not: the tests pin it, so that no outcome hangs on a timing). The
 plain method (F.linear over the weights as loaded) stays the one that matches Hugging
 Face bit for bit; the other kernels sum in another order, a few fp32 ulps apart.
@@ -44,12 +45,12 @@ KERNEL_ENV = "PLUGSERVE_CPU_FP32_KERNEL"
 # decode's.
 TIMING_ROWS = (64, 1)
 # The kernels by the names the option takes, in the order the log lists them.
-KERNELS = ("onednn", "avx2", "aten")
-KERNEL_LABELS = {"onednn": "oneDNN", "avx2": "AVX2 tiles", "aten": "ATen"}
+KERNELS = ("onednn", "fma", "aten")
+KERNEL_LABELS = {"onednn": "oneDNN", "fma": "FMA tiles", "aten": "ATen"}
 
-_AVX2_SOURCE = Path(__file__).with_name("cpu_fp32_gemm.cpp")
+_FMA_SOURCE = Path(__file__).with_name("cpu_fp32_gemm.cpp")
 # The instructions cpu_fp32_gemm.cpp is written in (-march=native builds them).
-AVX2_REQUIRED_CPU_FLAGS = ("avx2", "fma")
+FMA_REQUIRED_CPU_FLAGS = ("avx2", "fma")
 
 
 def onednn_available() -> bool:
@@ -72,18 +73,18 @@ class OneDnnLinear:
         return out if out_dtype is None else out.to(out_dtype)
 
 
-def avx2_unavailable_reason() -> str | None:
+def fma_unavailable_reason() -> str | None:
     """None where cpu_fp32_gemm.cpp's kernel runs here (built and loaded), else why not:
     the CPU's missing flags, or the build's or loader's error."""
-    missing = [f for f in AVX2_REQUIRED_CPU_FLAGS if f not in ops.cpu_flags().split()]
+    missing = [f for f in FMA_REQUIRED_CPU_FLAGS if f not in ops.cpu_flags().split()]
     if missing:
         return f"the CPU lacks {' and '.join(missing)}"
-    return ops.unavailable_reason(_AVX2_SOURCE)
+    return ops.unavailable_reason(_FMA_SOURCE)
 
 
-class Avx2Linear:
+class FmaLinear:
     """x [..., in] → x @ weight.T + bias through cpu_fp32_gemm.cpp's register tiles, the
-    weight packed once into 16-column panels (interfaces.model.LinearCompute)."""
+    weight packed once into panels (interfaces.model.LinearCompute)."""
 
     __slots__ = ("bias", "out_features", "weight")
 
@@ -103,25 +104,25 @@ class Avx2Linear:
 
 def available_kernels() -> list[str]:
     """The kernels this machine can run, in KERNELS' order."""
-    have = {"onednn": onednn_available(), "avx2": avx2_unavailable_reason() is None}
+    have = {"onednn": onednn_available(), "fma": fma_unavailable_reason() is None}
     return [k for k in KERNELS if have.get(k, True)]
 
 
 _COMPUTES: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Callable[..., torch.Tensor]]] = {
     "onednn": OneDnnLinear,
-    "avx2": Avx2Linear,
+    "fma": FmaLinear,
 }
 
 
 class CpuFp32LinearMethod(PlainLinearMethod):
     """interfaces.model.LinearMethod for fp32 on a CPU: loads like the plain method, then
-    runs every layer through the kernel chosen (oneDNN's or the AVX2 tiles' copy of its
+    runs every layer through the kernel chosen (oneDNN's or the FMA tiles' copy of its
     weight), or keeps F.linear."""
 
     class Options(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
-        # auto: whichever timed fastest on the model's matmuls; onednn, avx2 or aten: that one.
-        kernel: Literal["auto", "onednn", "avx2", "aten"] = pydantic.Field(
+        # auto: whichever timed fastest on the model's matmuls; onednn, fma or aten: that one.
+        kernel: Literal["auto", "onednn", "fma", "aten"] = pydantic.Field(
             default_factory=lambda: os.environ.get(KERNEL_ENV, "auto"), validate_default=True
         )
 
@@ -158,8 +159,8 @@ class CpuFp32LinearMethod(PlainLinearMethod):
         choice = self.options.kernel
         if choice == "onednn" and not onednn_available():
             raise ValueError("cpu_fp32 kernel 'onednn' needs a torch built with oneDNN")
-        if choice == "avx2" and (reason := avx2_unavailable_reason()) is not None:
-            raise ValueError(f"cpu_fp32 kernel 'avx2' cannot run here: {reason}")
+        if choice == "fma" and (reason := fma_unavailable_reason()) is not None:
+            raise ValueError(f"cpu_fp32 kernel 'fma' cannot run here: {reason}")
         if choice != "auto":
             return choice
         kernels = available_kernels()
@@ -172,8 +173,8 @@ class CpuFp32LinearMethod(PlainLinearMethod):
     def describe(self) -> str:
         if self.kernel == "onednn":
             return "fp32 linears: oneDNN (weights reordered once)"
-        if self.kernel == "avx2":
-            return "fp32 linears: AVX2 register tiles (weights packed once)"
+        if self.kernel == "fma":
+            return "fp32 linears: FMA register tiles (weights packed once)"
         return "fp32 linears: ATen (weights as loaded)"
 
 

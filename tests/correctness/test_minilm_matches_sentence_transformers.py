@@ -78,8 +78,8 @@ def cosines(got: list[np.ndarray], expected: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("prefill_kernel", "linear_kernel"),
-    [("on", "onednn"), ("on", "avx2"), ("off", "aten")],
-    ids=["varlen-kernel-onednn", "varlen-kernel-avx2", "sdpa-aten"],
+    [("on", "onednn"), ("on", "fma"), ("off", "aten")],
+    ids=["varlen-kernel-onednn", "varlen-kernel-fma", "sdpa-aten"],
 )
 def test_fp32_equals_sentence_transformers(prefill_kernel, linear_kernel, reference):
     """Through either attention path and each fp32 matmul (auto takes whichever timed
@@ -96,11 +96,11 @@ def test_fp32_equals_sentence_transformers(prefill_kernel, linear_kernel, refere
         )
     if linear_kernel == "onednn" and not cpu_fp32.onednn_available():
         pytest.skip("this torch is built without oneDNN")
-    if linear_kernel == "avx2":
+    if linear_kernel == "fma":
         require_kernel(
-            "the AVX2 fp32 matmul",
-            cpu_fp32.AVX2_REQUIRED_CPU_FLAGS,
-            cpu_fp32.avx2_unavailable_reason(),
+            "the FMA tiles fp32 matmul",
+            cpu_fp32.FMA_REQUIRED_CPU_FLAGS,
+            cpu_fp32.fma_unavailable_reason(),
         )
     llm = LLM(
         "all-minilm-l6-v2",

@@ -32,14 +32,14 @@ def onednn_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def avx2_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 linears on cpu_gemm_avx2.cpp (PLUGSERVE_CPU_BF16_KERNEL=avx2), the machine's
+def fma_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 linears on cpu_gemm_fma.cpp (PLUGSERVE_CPU_BF16_KERNEL=fma), the machine's
     own kernel on CPUs with AVX2 and no AVX512_BF16; skipped, naming what is missing, where
     the CPU lacks its instructions; failed where it has them and the library does not
     build or load."""
-    reason = cpu_features.avx2_kernel_unavailable_reason()
-    require_kernel("cpu_gemm_avx2.cpp", cpu_features.AVX2_KERNEL_CPU_FLAGS, reason)
-    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "avx2")
+    reason = cpu_features.fma_kernel_unavailable_reason()
+    require_kernel("cpu_gemm_fma.cpp", cpu_features.FMA_KERNEL_CPU_FLAGS, reason)
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "fma")
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from tests.kernel_support import missing_cpu_flags
 on_own_kernel = pytest.mark.usefixtures("own_kernel")
 
 
-@pytest.fixture(params=["own", "avx2", "onednn"])
+@pytest.fixture(params=["own", "fma", "onednn"])
 def kernel(request: pytest.FixtureRequest) -> str:
     """Each kernel in turn, wherever it runs: either is production's choice on some CPU."""
     request.getfixturevalue(f"{request.param}_kernel")
@@ -53,10 +53,11 @@ def assert_rounded_once(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 # Rows cover one to several 8-row tiles with remainders (one row has a loop of its own;
-# the AVX2 kernel's 6-row tiles, and its one- and two-row ones, are covered too);
-# 100, 40 and 24 output columns end in a partial 16-column block; 70 inputs are 35 k-pairs,
-# not a multiple of the one-row loop's four; 49152 x 576 is SmolLM2's LM head.
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
+# the FMA kernel's 6- or 12-row tiles, and its one- and two-row ones, are covered too);
+# 100, 40 and 24 output columns end in a partial 16-column block (and in a partial vector
+# of a 32-column panel); 70 inputs are 35 k-pairs, not a multiple of the one-row loop's
+# four; 49152 x 576 is SmolLM2's LM head.
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 26, 70])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (100, 64), (40, 1536), (24, 70)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_is_the_fp32_product_rounded_once(
@@ -71,9 +72,9 @@ def test_packed_linear_is_the_fp32_product_rounded_once(
     out = linear(x)
 
     assert linear.own_kernel == (kernel == "own")
-    assert (linear.avx2_weight is not None) == (kernel == "avx2")
+    assert (linear.fma_weight is not None) == (kernel == "fma")
     assert_rounded_once(out, reference(x, weight, bias))
-    if kernel == "avx2":  # its fp32 output is the same sums, unrounded
+    if kernel == "fma":  # its fp32 output is the same sums, unrounded
         unrounded = linear(x, torch.float32)
         torch.testing.assert_close(unrounded, reference(x, weight, bias), rtol=1e-5, atol=1e-4)
         assert torch.equal(unrounded.bfloat16(), out)
@@ -346,7 +347,7 @@ def test_own_kernel_rejects_mismatched_inputs() -> None:
 
 def test_odd_input_width_runs_on_a_kernel_that_takes_it(kernel: str) -> None:
     """cpu_gemm.cpp needs whole k-pairs: an odd width falls back to oneDNN (or ATen), whose
-    fp32 is its bf16 result widened; the AVX2 panels take any width and keep their sums."""
+    fp32 is its bf16 result widened; the FMA tiles' panels take any width and keep their sums."""
     torch.manual_seed(2)
     weight = torch.randn(48, 33, dtype=torch.bfloat16)
     x = torch.randn(3, 33, dtype=torch.bfloat16)
@@ -355,8 +356,8 @@ def test_odd_input_width_runs_on_a_kernel_that_takes_it(kernel: str) -> None:
     assert_rounded_once(linear(x), reference(x, weight, None))
     as_fp32 = linear(x, torch.float32)  # asked for fp32, as the LM head asks
     assert as_fp32.dtype == torch.float32
-    if kernel == "avx2":
-        assert linear.avx2_weight is not None and torch.equal(as_fp32.bfloat16(), linear(x))
+    if kernel == "fma":
+        assert linear.fma_weight is not None and torch.equal(as_fp32.bfloat16(), linear(x))
     else:
         assert torch.equal(as_fp32, linear(x).float())
 
@@ -432,12 +433,12 @@ def test_every_kernel_that_runs_here_is_a_candidate_unless_one_is_named(
     fake_cpu_flags(monkeypatch, add=["amx_bf16"] if amx else [], drop=["amx_bf16"])
     # Where the CPU has cpu_gemm.cpp's instructions it must run (a failed build fails here).
     runnable = not missing_cpu_flags(cpu_features.OWN_KERNEL_CPU_FLAGS)
-    avx2 = not missing_cpu_flags(cpu_features.AVX2_KERNEL_CPU_FLAGS)
+    fma_tiles = not missing_cpu_flags(cpu_features.FMA_KERNEL_CPU_FLAGS)
     onednn = cpu_features.onednn_bf16_supported()
     monkeypatch.delenv(kernel_setting.KERNEL_ENV, raising=False)
     expected = (
         *(["own"] if runnable else []),
-        *(["avx2"] if avx2 else []),
+        *(["fma"] if fma_tiles else []),
         *(["onednn"] if onednn else []),
         "aten",
     )
@@ -447,11 +448,11 @@ def test_every_kernel_that_runs_here_is_a_candidate_unless_one_is_named(
         monkeypatch.setenv(kernel_setting.KERNEL_ENV, "onednn")
         assert kernel_setting.allowed_libraries() == ("onednn",)
         assert not packed_linear.PackedLinear(weight).own_kernel
-    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "avx2")
-    if avx2:
-        assert kernel_setting.allowed_libraries() == ("avx2",)
+    monkeypatch.setenv(kernel_setting.KERNEL_ENV, "fma")
+    if fma_tiles:
+        assert kernel_setting.allowed_libraries() == ("fma",)
         linear = packed_linear.PackedLinear(weight)
-        assert linear.avx2_weight is not None and not linear.own_kernel
+        assert linear.fma_weight is not None and not linear.own_kernel
     else:
         with pytest.raises(RuntimeError, match="cannot run here"):
             kernel_setting.allowed_libraries()

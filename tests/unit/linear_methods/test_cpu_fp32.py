@@ -1,5 +1,5 @@
 """The cpu_fp32 linear method: fp32 weights reordered once for oneDNN's matmul, packed once
-for the AVX2 register tiles, or kept for F.linear, whichever timed fastest on the model's
+for the FMA register tiles, or kept for F.linear, whichever timed fastest on the model's
 own matmuls (each pinnable); every linear of a model computes what F.linear does over the
 loaded weights, to fp32 rounding (another summation order), and a tied LM head keeps
 F.linear over the embedding's matrix (no second copy of the vocabulary); other dtypes are
@@ -23,8 +23,8 @@ from plugserve.worker.linear_methods import (
 from plugserve.worker.models.llama import LlamaForCausalLM
 from plugserve_plugins.linear_methods import cpu_fp32
 from plugserve_plugins.linear_methods.cpu_fp32 import (
-    Avx2Linear,
     CpuFp32LinearMethod,
+    FmaLinear,
     OneDnnLinear,
 )
 
@@ -32,9 +32,9 @@ CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
     not cpu_fp32.onednn_available(), reason="this torch is built without oneDNN"
 )
-needs_avx2 = pytest.mark.skipif(
-    cpu_fp32.avx2_unavailable_reason() is not None,
-    reason=f"the AVX2 kernel cannot run here: {cpu_fp32.avx2_unavailable_reason()}",
+needs_fma_tiles = pytest.mark.skipif(
+    cpu_fp32.fma_unavailable_reason() is not None,
+    reason=f"the FMA tiles cannot run here: {cpu_fp32.fma_unavailable_reason()}",
 )
 
 
@@ -56,7 +56,11 @@ def loaded_tied_llama(kernel: str) -> tuple[LlamaForCausalLM, dict[str, torch.Te
 
 @pytest.mark.parametrize(
     "kernel",
-    [pytest.param("onednn", marks=needs_onednn), pytest.param("avx2", marks=needs_avx2), "aten"],
+    [
+        pytest.param("onednn", marks=needs_onednn),
+        pytest.param("fma", marks=needs_fma_tiles),
+        "aten",
+    ],
 )
 def test_every_linear_and_the_tied_head_compute_f_linear_without_copying_the_head(
     kernel: str,
@@ -87,7 +91,10 @@ def test_every_linear_and_the_tied_head_compute_f_linear_without_copying_the_hea
 
 @pytest.mark.parametrize(
     "compute",
-    [pytest.param(OneDnnLinear, marks=needs_onednn), pytest.param(Avx2Linear, marks=needs_avx2)],
+    [
+        pytest.param(OneDnnLinear, marks=needs_onednn),
+        pytest.param(FmaLinear, marks=needs_fma_tiles),
+    ],
 )
 def test_a_bias_is_added_and_out_dtype_honoured(compute: type) -> None:
     weight, bias = torch.randn(24, 16), torch.randn(24)
@@ -97,30 +104,30 @@ def test_a_bias_is_added_and_out_dtype_honoured(compute: type) -> None:
     assert linear(x, torch.bfloat16).dtype == torch.bfloat16
 
 
-@needs_avx2
+@needs_fma_tiles
 @pytest.mark.parametrize("rows", [*range(1, 14), 68, 101])
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (37, 19), (200, 384)])
-def test_the_avx2_tiles_compute_f_linear_for_every_row_count_and_width(
+def test_the_fma_tiles_compute_f_linear_for_every_row_count_and_width(
     rows: int, out_features: int, in_features: int
 ) -> None:
-    """Every row-tile height (1-6 rows, the chained one- and two-row tiles, a remainder after
+    """Every row-tile height (1-6 or 1-12 rows, the chained one- and two-row tiles, a remainder after
     whole tiles), panels cut short by the width, any K, with and without a bias."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator)
     expected = F.linear(x.double(), weight.double())
-    torch.testing.assert_close(Avx2Linear(weight, None)(x), expected.float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(FmaLinear(weight, None)(x), expected.float(), rtol=1e-5, atol=1e-4)
     expected_with_bias = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(
-        Avx2Linear(weight, bias)(x), expected_with_bias.float(), rtol=1e-5, atol=1e-4
+        FmaLinear(weight, bias)(x), expected_with_bias.float(), rtol=1e-5, atol=1e-4
     )
 
 
-@needs_avx2
-def test_the_avx2_tiles_take_leading_dims_and_strided_rows() -> None:
+@needs_fma_tiles
+def test_the_fma_tiles_take_leading_dims_and_strided_rows() -> None:
     weight = torch.randn(40, 32)
-    linear = Avx2Linear(weight, None)
+    linear = FmaLinear(weight, None)
     batched = torch.randn(3, 5, 32)
     torch.testing.assert_close(linear(batched), F.linear(batched, weight), rtol=1e-5, atol=1e-5)
     strided = torch.randn(9, 64)[:, :32]  # rows 64 floats apart, as a split projection's
@@ -165,7 +172,7 @@ def test_the_machine_offers_aten_and_every_kernel_it_can_run() -> None:
     kernels = cpu_fp32.available_kernels()
     assert kernels[-1] == "aten"
     assert ("onednn" in kernels) == cpu_fp32.onednn_available()
-    assert ("avx2" in kernels) == (cpu_fp32.avx2_unavailable_reason() is None)
+    assert ("fma" in kernels) == (cpu_fp32.fma_unavailable_reason() is None)
 
 
 @pytest.mark.skipif(len(cpu_fp32.available_kernels()) < 2, reason="only ATen runs here")
@@ -178,7 +185,7 @@ def test_auto_keeps_the_kernel_that_timed_fastest(caplog: pytest.LogCaptureFixtu
     assert cpu_fp32.KERNEL_LABELS[method.kernel] == using
 
 
-@pytest.mark.parametrize("setting", ["onednn", "avx2", "aten", "auto"])
+@pytest.mark.parametrize("setting", ["onednn", "fma", "aten", "auto"])
 def test_the_environment_sets_the_kernel_where_the_options_do_not(
     setting: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

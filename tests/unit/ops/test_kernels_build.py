@@ -40,9 +40,9 @@ KERNELS = (
         cpu_features.encoder_unavailable_reason,
     ),
     CompiledKernel(
-        "cpu_gemm_avx2.cpp",
-        cpu_features.AVX2_KERNEL_CPU_FLAGS,
-        cpu_features.avx2_kernel_unavailable_reason,
+        "cpu_gemm_fma.cpp",
+        cpu_features.FMA_KERNEL_CPU_FLAGS,
+        cpu_features.fma_kernel_unavailable_reason,
     ),
     CompiledKernel("cpu_ops.cpp", (), cpu_ops.unavailable_reason),
     CompiledKernel("cpu_paged_attention.cpp", (), cpu_paged_attention.unavailable_reason),
@@ -56,7 +56,7 @@ KERNELS = (
         for build in cpu_prefill_attention.FP32_VARLEN_KERNELS
     ),
     CompiledKernel(
-        "cpu_fp32_gemm.cpp", cpu_fp32.AVX2_REQUIRED_CPU_FLAGS, cpu_fp32.avx2_unavailable_reason
+        "cpu_fp32_gemm.cpp", cpu_fp32.FMA_REQUIRED_CPU_FLAGS, cpu_fp32.fma_unavailable_reason
     ),
     CompiledKernel(
         "int8_weight_only.cpp",
