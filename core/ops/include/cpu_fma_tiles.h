@@ -43,11 +43,17 @@ inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
-inline Vec load(const float* w) { return _mm512_loadu_ps(w); }
-// 16 bf16 → 16 floats (a bf16's bits are an fp32's high half).
-inline Vec load(const uint16_t* w) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// One k of a panel as its two vectors: fp32 as it lies; bf16 from one load of 32 values
+// that pack_panels interleaved (column j beside column j + 16), each widened by one
+// instruction (a bf16's bits are an fp32's high half).
+inline void load_panel_row(const float* w, Vec& lo, Vec& hi) {
+  lo = _mm512_loadu_ps(w);
+  hi = _mm512_loadu_ps(w + kLanes);
+}
+inline void load_panel_row(const uint16_t* w, Vec& lo, Vec& hi) {
+  const __m512i pairs = _mm512_loadu_si512(w);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xffff0000u))));
 }
 inline __mmask16 first_lanes(int64_t count) {
   return count >= kLanes ? static_cast<__mmask16>(0xffff)
@@ -89,11 +95,14 @@ inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec broadcast(const float* x) { return _mm256_broadcast_ss(x); }
-inline Vec load(const float* w) { return _mm256_loadu_ps(w); }
-// 8 bf16 → 8 floats (a bf16's bits are an fp32's high half).
-inline Vec load(const uint16_t* w) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+inline void load_panel_row(const float* w, Vec& lo, Vec& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + kLanes);
+}
+inline void load_panel_row(const uint16_t* w, Vec& lo, Vec& hi) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int32_t(0xffff0000u))));
 }
 inline __m256i first_lanes(int64_t count) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -150,8 +159,8 @@ void tile(const float* x, int64_t x_stride, const W* panel, int64_t k_total, con
 #pragma GCC unroll 16
     for (int c = 0; c < Chains; ++c) {
       if (M > 2 && k + c < ahead_lines) _mm_prefetch(ahead + (k + c) * 64, _MM_HINT_T0);
-      const W* row = panel + (k + c) * kPanel;
-      const Vec w0 = load(row), w1 = load(row + kLanes);
+      Vec w0, w1;
+      load_panel_row(panel + (k + c) * kPanel, w0, w1);
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
         const Vec xv = broadcast(x + m * x_stride + k + c);
@@ -161,8 +170,8 @@ void tile(const float* x, int64_t x_stride, const W* panel, int64_t k_total, con
     }
   }
   for (; k < k_total; ++k) {
-    const W* row = panel + k * kPanel;
-    const Vec w0 = load(row), w1 = load(row + kLanes);
+    Vec w0, w1;
+    load_panel_row(panel + k * kPanel, w0, w1);
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const Vec xv = broadcast(x + m * x_stride + k);
@@ -206,14 +215,21 @@ TileFn<W, Out> tile_for(int64_t rows) {
   }
 }
 
-// weight [N, K] → [ceil(N/kPanel), K, kPanel] in its own dtype, the columns past N zero.
+// weight [N, K] → [ceil(N/kPanel), K, kPanel] in its own dtype, the columns past N zero;
+// a bf16 panel's k holds its two vectors' columns interleaved (j, j + kLanes), as
+// load_panel_row reads them.
 inline at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  if (weight.scalar_type() != at::kBFloat16) {
+    return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  }
+  // [panels, 2 halves, kLanes, K] → [panels, K, kLanes, 2 halves]
+  return padded.view({panels, 2, kLanes, k}).permute({0, 3, 2, 1}).contiguous().view(
+      {panels, k, kPanel});
 }
 
 // The checks of a linear's arguments: `packed` a pack_panels weight of `dtype` for x's
