@@ -7,8 +7,8 @@
 //
 // Two kinds of CPU run their bf16 matmuls fastest here: those without AVX512_BF16
 // (cpu_gemm.cpp's instruction), where ATen converts at every call and runs a prefill's row
-// counts tens of times slower than fp32 (docs/benchmarks-history.md, "bf16 on AVX2"), and
-// those whose VDPBF16PS runs at half their fp32 FMA's rate ("bf16 on fp32 FMA tiles").
+// counts far slower than fp32 (docs/benchmarks-history.md, "bf16 on AVX2"), and
+// those whose fp32 FMA outruns their VDPBF16PS ("bf16 on fp32 FMA tiles").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

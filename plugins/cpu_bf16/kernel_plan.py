@@ -39,7 +39,7 @@ class Kernel:
     library: "own" (cpu_gemm.cpp over k-pair-packed weights; needs AVX512_BF16), "fma"
     (cpu_gemm_fma.cpp over panels of two vectors' columns, widened to fp32 in registers:
     fp32 FMA tiles, AVX-512F's or AVX2's; the machine's own kernel where AVX512_BF16 is
-    missing, and the faster one where VDPBF16PS runs at half the FMA's rate), "onednn"
+    missing, and the faster one where the fp32 FMA outruns VDPBF16PS), "onednn"
     (torch's oneDNN over its own blocked layout: AMX tiles where the CPU has them), "aten"
     (F.linear over the weight as loaded). For "own", one_row_mode and coded say how a
     single row runs (a stream over the plain or the exponent-coded copy, or the tile

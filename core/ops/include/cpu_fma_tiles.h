@@ -13,8 +13,8 @@
 // panel, which then streams in from memory under this one's FMAs.
 //
 // Why a bf16 weight is worth widening where AVX512_BF16 exists: on some CPUs the fp32 FMA
-// runs at twice VDPBF16PS's rate (docs/benchmarks-history.md, "bf16 on fp32 FMA tiles"),
-// and the kernel chooser measures which is faster.
+// outruns VDPBF16PS (docs/benchmarks-history.md, "bf16 on fp32 FMA tiles"), and the
+// kernel chooser measures which is faster.
 //
 // Work items are (panel, group of rows): a thread keeps one panel in its caches while the
 // tiles of its rows run over it; the groups vary fastest, so a thread's share of the items
@@ -29,6 +29,10 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#if defined(__AVX512F__)
+#include "cpu_vec_math.h"
+#endif
 
 namespace plugserve::fma {
 
@@ -67,21 +71,16 @@ inline Vec load_first(const float* src, int64_t count) {
 inline void store_first(float* dst, Vec v, int64_t count) {
   _mm512_mask_storeu_ps(dst, first_lanes(count), v);
 }
-// 16 floats → bf16, rounded to nearest even, a NaN kept a quiet NaN (cpu_bf16.h's store).
+// 16 floats → bf16 as cpu_vec_math.h's store16 rounds them, the first `count` of them.
 inline void store_first(uint16_t* dst, Vec v, int64_t count) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                  _mm512_set1_epi32(0x7fc00000));
-  const __m256i narrow = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  auto* out = reinterpret_cast<c10::BFloat16*>(dst);
   if (count >= kLanes) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), narrow);
+    store16(out, v);
     return;
   }
-  alignas(32) uint16_t row[kLanes];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(row), narrow);
-  for (int64_t i = 0; i < count; ++i) dst[i] = row[i];
+  c10::BFloat16 row[kLanes];
+  store16(row, v);
+  for (int64_t i = 0; i < count; ++i) out[i] = row[i];
 }
 
 #else
