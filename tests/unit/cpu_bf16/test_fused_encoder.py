@@ -78,6 +78,11 @@ def engine(folder: Path, dtype: str = "bfloat16", **overrides: object) -> LLM:
     return LLM(str(folder), dtype=dtype, kv_cache_memory="8MiB", **overrides)
 
 
+# Two engines compared bit for bit run the same attention: under `auto` each would time the
+# varlen kernel against SDPA at its own start, and a busy machine could split them.
+SAME_ATTENTION = {"plugins.torch.prefill_kernel": "on"}
+
+
 # cpu_gemm.cpp forced wherever this CPU can run it (conftest.py), else skipped saying why.
 @pytest.mark.usefixtures("own_kernel")
 @needs_ops
@@ -86,7 +91,8 @@ def engine(folder: Path, dtype: str = "bfloat16", **overrides: object) -> LLM:
 def test_the_fused_encoder_computes_exactly_what_the_modules_compute(
     gelu_bert: Path, alone: bool
 ) -> None:
-    fused, modules = engine(gelu_bert), engine(gelu_bert, model_passes=[])
+    fused = engine(gelu_bert, **SAME_ATTENTION)
+    modules = engine(gelu_bert, model_passes=[], **SAME_ATTENTION)
     stack = fused.engine.executor.runner.model.whole_stack
     assert isinstance(stack, FusedCpuEncoder)
     # Every step of either way runs the stack (cpu_gemm at every row count here).
@@ -110,7 +116,8 @@ def test_steps_the_plan_gives_another_kernel_run_the_modules(
         pytest.skip("oneDNN has no bf16 matmuls on this CPU")
     monkeypatch.setenv(kernel_setting.KERNEL_ENV, MIXED_PLAN)
     folder = bert_folder(tmp_path / "bert", smollm2_path, "gelu")
-    fused, modules = engine(folder), engine(folder, model_passes=[])
+    fused = engine(folder, **SAME_ATTENTION)
+    modules = engine(folder, model_passes=[], **SAME_ATTENTION)
     stack = fused.engine.executor.runner.model.whole_stack
     assert isinstance(stack, FusedCpuEncoder)
     assert [stack.runs(rows) for rows in LENGTHS] == [True, True, False, False, False]
